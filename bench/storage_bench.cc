@@ -1,0 +1,314 @@
+// gkv-storage-bench: microbenchmarks of the node cache (Google Benchmark).
+//
+//   Memcpy/SIZE                    host memcpy: the ceiling for the host-memory tiers
+//   CacheFixture/PutGpuTier/SIZE   put into the GPU tier (a host-memory stand-in without a GPU)
+//   CacheFixture/PutHostTier/SIZE  put into the host tier
+//   CacheFixture/GetGpuTier/SIZE   get (copy out) of an object in the GPU tier
+//   CacheFixture/GetHostTier/SIZE  get of an object in the host tier
+//   CacheFixture/GetDiskTier/SIZE  get of an object in the disk tier (RocksDB), no promotion
+//   Allocator/AllocateFree         RangeAllocator allocate+free pairs with random sizes
+//   SpillHostToDisk/SIZE           puts into a full host tier: each spills one object to RocksDB
+//   PromoteDiskToHost/SIZE         second reads of disk objects: RocksDB read + move to host
+//   IndexOverhead                  heap bytes of index metadata per cached object (measured)
+//   Gpu* (only with a usable GPU)  cudaMemcpy H2D/D2H next to GPU put/get, GPU->host spill and
+//                                  host->GPU promotion
+// Run: build/bin/gkv-storage-bench [--benchmark_filter=REGEX]
+#include <benchmark/benchmark.h>
+#include <malloc.h>
+
+#include <cstring>
+#include <filesystem>
+
+#include "gkv/cache/tiered_cache.h"
+#include "gkv/random.h"
+#include "gkv/storage/cuda.h"
+#include "gkv/storage/memory_arena.h"
+#include "gkv/storage/range_allocator.h"
+
+namespace gkv {
+namespace {
+
+const std::vector<int64_t> kSizes = {4 << 10, 64 << 10, 1 << 20, 16 << 20};
+
+std::string TempPath(const char* name) {
+  auto p = std::filesystem::temp_directory_path() /
+           ("gkv-bench-" + std::string(name) + "-" + std::to_string(getpid()));
+  std::filesystem::remove_all(p);
+  return p.string();
+}
+
+std::unique_ptr<TieredCache> OpenCache(uint64_t gpu, uint64_t host, const std::string& disk,
+                                       uint64_t disk_cap, bool real_gpu = false,
+                                       std::chrono::milliseconds window = std::chrono::milliseconds(0)) {
+  CacheOptions o;
+  o.gpu_capacity = gpu;
+  o.gpu_tier_in_host_memory = !real_gpu;
+  o.host_capacity = host;
+  o.disk_path = disk;
+  o.disk_capacity = disk_cap;
+  o.promotion_window = window;
+  auto c = TieredCache::Open(o);
+  if (!c.ok()) {
+    fprintf(stderr, "cache open failed: %s\n", c.status().ToString().c_str());
+    std::abort();
+  }
+  return std::move(*c);
+}
+
+void SetBytes(benchmark::State& state, int64_t size) {
+  state.SetBytesProcessed(state.iterations() * size);
+}
+
+void BM_Memcpy(benchmark::State& state) {
+  const size_t size = state.range(0);
+  std::vector<char> a(size, 1), b(size);
+  for (auto _ : state) {
+    std::memcpy(b.data(), a.data(), size);
+    benchmark::DoNotOptimize(b.data());
+    benchmark::ClobberMemory();
+  }
+  SetBytes(state, size);
+}
+BENCHMARK(BM_Memcpy)->ArgsProduct({kSizes});
+
+// Put: 8 keys rotated, tier sized to hold them all (overwrites free the previous version).
+void PutBench(benchmark::State& state, Tier tier) {
+  const uint64_t size = state.range(0);
+  const uint64_t cap = 16 * size + (1 << 20);
+  auto c = tier == Tier::kGpu ? OpenCache(cap, 0, "", 0) : OpenCache(0, cap, "", 0);
+  std::string v(size, '\0');
+  Random(1).Fill(v.data(), size);
+  int i = 0;
+  for (auto _ : state) {
+    auto r = c->Put("k" + std::to_string(i++ & 7), v.data(), size);
+    if (!r.ok()) state.SkipWithError(r.status().ToString().c_str());
+  }
+  SetBytes(state, size);
+}
+void BM_PutGpuTier(benchmark::State& s) { PutBench(s, Tier::kGpu); }
+void BM_PutHostTier(benchmark::State& s) { PutBench(s, Tier::kHost); }
+BENCHMARK(BM_PutGpuTier)->ArgsProduct({kSizes});
+BENCHMARK(BM_PutHostTier)->ArgsProduct({kSizes});
+
+void GetBench(benchmark::State& state, Tier tier) {
+  const uint64_t size = state.range(0);
+  std::string disk = tier == Tier::kDisk ? TempPath("get") : "";
+  std::unique_ptr<TieredCache> c;
+  if (tier == Tier::kGpu) c = OpenCache(4 * size + (1 << 20), 0, "", 0);
+  if (tier == Tier::kHost) c = OpenCache(0, 4 * size + (1 << 20), "", 0);
+  if (tier == Tier::kDisk) c = OpenCache(0, 0, disk, 1ULL << 30);
+  std::string v(size, '\0');
+  Random(2).Fill(v.data(), size);
+  for (int i = 0; i < 4; ++i) (void)c->Put("k" + std::to_string(i), v.data(), size);
+  std::string out(size, '\0');
+  int i = 0;
+  for (auto _ : state) {
+    auto r = c->GetInto("k" + std::to_string(i++ & 3), out.data(), size);
+    if (!r.ok() || r->tier != tier) state.SkipWithError("get failed or wrong tier");
+  }
+  SetBytes(state, size);
+  c.reset();
+  if (!disk.empty()) std::filesystem::remove_all(disk);
+}
+void BM_GetGpuTier(benchmark::State& s) { GetBench(s, Tier::kGpu); }
+void BM_GetHostTier(benchmark::State& s) { GetBench(s, Tier::kHost); }
+void BM_GetDiskTier(benchmark::State& s) { GetBench(s, Tier::kDisk); }
+BENCHMARK(BM_GetGpuTier)->ArgsProduct({kSizes});
+BENCHMARK(BM_GetHostTier)->ArgsProduct({kSizes});
+BENCHMARK(BM_GetDiskTier)->ArgsProduct({kSizes});
+
+void BM_AllocatorAllocateFree(benchmark::State& state) {
+  RangeAllocator a(1ULL << 30);
+  Random rng(3);
+  std::vector<uint64_t> live;
+  // Keep ~1000 blocks live so the free lists have real structure.
+  for (int i = 0; i < 1000; ++i) live.push_back(*a.Allocate(rng.Uniform(1, 1 << 20)));
+  size_t j = 0;
+  for (auto _ : state) {
+    size_t idx = (j++ * 7919) % live.size();
+    a.Free(live[idx]);
+    auto off = a.Allocate(rng.Uniform(1, 1 << 20));
+    if (!off) state.SkipWithError("allocation failed");
+    live[idx] = *off;
+  }
+  state.counters["free_blocks"] = a.free_block_count();
+  state.SetItemsProcessed(state.iterations());
+}
+BENCHMARK(BM_AllocatorAllocateFree);
+
+void BM_SpillHostToDisk(benchmark::State& state) {
+  const uint64_t size = state.range(0);
+  const std::string disk = TempPath("spill");
+  auto c = OpenCache(0, 8 * size + (1 << 20), disk, 64ULL << 30);
+  std::string v(size, '\0');
+  Random(4).Fill(v.data(), size);
+  uint64_t i = 0;
+  for (; i < 8; ++i) (void)c->Put("k" + std::to_string(i), v.data(), size);
+  const uint64_t before = c->GetStats().moved_bytes[1][2];
+  for (auto _ : state) {
+    auto r = c->Put("k" + std::to_string(i++), v.data(), size);
+    if (!r.ok()) state.SkipWithError(r.status().ToString().c_str());
+  }
+  state.counters["spilled_MiB"] = (c->GetStats().moved_bytes[1][2] - before) / 1048576.0;
+  SetBytes(state, size);
+  c.reset();
+  std::filesystem::remove_all(disk);
+}
+BENCHMARK(BM_SpillHostToDisk)->ArgsProduct({kSizes})->UseRealTime();
+
+void BM_PromoteDiskToHost(benchmark::State& state) {
+  const uint64_t size = state.range(0);
+  const std::string disk = TempPath("promote");
+  // Host holds 4 objects; 64 live on disk. Each measured get is the second read of a disk
+  // object (so it is promoted); the entry it displaces is already on disk and leaves for free.
+  auto c = OpenCache(0, 4 * size + (1 << 20), disk, 64ULL << 30, false,
+                     std::chrono::milliseconds(3'600'000));
+  std::string v(size, '\0');
+  Random(5).Fill(v.data(), size);
+  const int n = 64;
+  for (int i = 0; i < n; ++i) (void)c->Put("k" + std::to_string(i), v.data(), size);
+  (void)c->Flush();
+  std::string out(size, '\0');
+  for (int i = 0; i < n; ++i) (void)c->GetInto("k" + std::to_string(i), out.data(), size);
+  int i = 0;
+  for (auto _ : state) {
+    state.PauseTiming();
+    std::string key = "k" + std::to_string(i++ % n);
+    auto st = c->Stat(key);
+    bool on_disk = st.ok() && st->tier == Tier::kDisk;
+    if (!on_disk) (void)c->GetInto(key, out.data(), size);  // not measured: a memory hit
+    state.ResumeTiming();
+    auto r = c->GetInto(key, out.data(), size);
+    if (!r.ok()) state.SkipWithError(r.status().ToString().c_str());
+  }
+  auto st = c->GetStats();
+  state.counters["promotions"] = st.moves[2][1];
+  SetBytes(state, size);
+  c.reset();
+  std::filesystem::remove_all(disk);
+}
+BENCHMARK(BM_PromoteDiskToHost)->ArgsProduct({{64 << 10, 1 << 20}})->UseRealTime();
+
+// Heap bytes per object of index metadata (entry, key, map node, LRU node, shared_ptr block),
+// measured with mallinfo2 across 100,000 puts of 1-byte values with 16-byte keys.
+void BM_IndexOverhead(benchmark::State& state) {
+  for (auto _ : state) {
+    auto c = OpenCache(0, 256ULL << 20, "", 0);
+    const int n = 100'000;
+    std::vector<std::string> keys;
+    for (int i = 0; i < n; ++i) {
+      char k[17];
+      snprintf(k, sizeof k, "key-%012d", i);
+      keys.emplace_back(k);
+    }
+    malloc_trim(0);
+    const size_t before = mallinfo2().uordblks;
+    for (int i = 0; i < n; ++i) (void)c->Put(keys[i], "x", 1);
+    const size_t after = mallinfo2().uordblks;
+    state.counters["bytes_per_object"] = double(after - before) / n;
+    state.counters["arena_bytes_per_object"] = double(c->GetStats().tiers[1].used_bytes) / n;
+  }
+}
+BENCHMARK(BM_IndexOverhead)->Iterations(1)->Unit(benchmark::kMillisecond);
+
+// ---------------- GPU (registered only with a usable GPU) ----------------
+
+void BM_GpuCudaMemcpy(benchmark::State& state) {
+  // range(1): 0 = host->device, 1 = device->host, 2 = device->device.
+  const uint64_t size = state.range(0);
+  auto host = MemoryArena::CreateHost(size + 4096, MemoryArena::HostMode::kPinned);
+  auto dev = MemoryArena::CreateDevice(0, 2 * size + 4096);
+  auto copier = DeviceCopier::Create(0);
+  if (!host.ok() || !dev.ok() || !copier.ok()) return state.SkipWithError("CUDA setup failed");
+  std::byte* h = (*host)->Allocate(size);
+  std::byte* d1 = (*dev)->Allocate(size);
+  std::byte* d2 = (*dev)->Allocate(size);
+  for (auto _ : state) {
+    Status s = state.range(1) == 0   ? (*copier)->Copy(d1, h, size)
+               : state.range(1) == 1 ? (*copier)->Copy(h, d1, size)
+                                     : (*copier)->Copy(d2, d1, size);
+    if (!s.ok()) state.SkipWithError(s.ToString().c_str());
+  }
+  SetBytes(state, size);
+}
+
+void BM_GpuPutFromHost(benchmark::State& state) {
+  const uint64_t size = state.range(0);
+  auto c = OpenCache(16 * size + (1 << 20), 0, "", 0, true);
+  std::string v(size, 'g');
+  int i = 0;
+  for (auto _ : state) (void)c->Put("k" + std::to_string(i++ & 7), v.data(), size);
+  SetBytes(state, size);
+}
+
+void BM_GpuGetToHost(benchmark::State& state) {
+  const uint64_t size = state.range(0);
+  auto c = OpenCache(8 * size + (1 << 20), 0, "", 0, true);
+  std::string v(size, 'g'), out(size, '\0');
+  for (int i = 0; i < 4; ++i) (void)c->Put("k" + std::to_string(i), v.data(), size);
+  int i = 0;
+  for (auto _ : state) (void)c->GetInto("k" + std::to_string(i++ & 3), out.data(), size);
+  SetBytes(state, size);
+}
+
+void BM_GpuSpillToHost(benchmark::State& state) {
+  const uint64_t size = state.range(0);
+  auto c = OpenCache(4 * size + (1 << 20), 1ULL << 33, "", 0, true);
+  std::string v(size, 'g');
+  uint64_t i = 0;
+  for (; i < 4; ++i) (void)c->Put("k" + std::to_string(i), v.data(), size);
+  for (auto _ : state) {
+    // Each put evicts one GPU object to host (the put's own H2D copy is included).
+    (void)c->Put("k" + std::to_string(i++), v.data(), size);
+    if (i % 256 == 0) {
+      state.PauseTiming();
+      for (uint64_t k = i - 256; k < i - 8; ++k) (void)c->Delete("k" + std::to_string(k));
+      state.ResumeTiming();
+    }
+  }
+  state.counters["spills"] = c->GetStats().moves[0][1];
+  SetBytes(state, size);
+}
+
+void BM_GpuPromoteFromHost(benchmark::State& state) {
+  const uint64_t size = state.range(0);
+  auto c = OpenCache(2 * size + (1 << 20), 64 * size, "", 0, true,
+                     std::chrono::milliseconds(3'600'000));
+  std::string v(size, 'g'), out(size, '\0');
+  const int n = 32;
+  for (int i = 0; i < n; ++i) (void)c->Put("k" + std::to_string(i), v.data(), size);
+  int i = 0;
+  for (auto _ : state) {
+    // Reads cycle over 32 keys with room for 2 on the GPU: each read's second visit promotes.
+    (void)c->GetInto("k" + std::to_string(i++ % n), out.data(), size);
+  }
+  state.counters["promotions"] = c->GetStats().moves[1][0];
+  SetBytes(state, size);
+}
+
+void RegisterGpuBenchmarks() {
+  if (!ProbeCuda().usable) {
+    fprintf(stderr, "gkv-storage-bench: GPU benchmarks skipped: %s\n", ProbeCuda().reason.c_str());
+    return;
+  }
+  for (int64_t size : kSizes) {
+    for (int dir = 0; dir < 3; ++dir) {
+      benchmark::RegisterBenchmark("BM_GpuCudaMemcpy", BM_GpuCudaMemcpy)->Args({size, dir});
+    }
+    benchmark::RegisterBenchmark("BM_GpuPutFromHost", BM_GpuPutFromHost)->Arg(size);
+    benchmark::RegisterBenchmark("BM_GpuGetToHost", BM_GpuGetToHost)->Arg(size);
+    benchmark::RegisterBenchmark("BM_GpuSpillToHost", BM_GpuSpillToHost)->Arg(size);
+    benchmark::RegisterBenchmark("BM_GpuPromoteFromHost", BM_GpuPromoteFromHost)->Arg(size);
+  }
+}
+
+}  // namespace
+}  // namespace gkv
+
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  gkv::RegisterGpuBenchmarks();
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

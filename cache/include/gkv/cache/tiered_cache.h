@@ -1,0 +1,220 @@
+// TieredCache: the node-local cache. GPU memory -> pinned host memory -> RocksDB on disk.
+//
+// Placement:
+//  - A put lands in the highest tier whose capacity can hold the object; when that tier is full,
+//    its least recently used unpinned entries move one tier down (GPU -> host -> disk) until the
+//    new object fits. An object larger than a tier skips it; one larger than every tier is
+//    refused with NoSpace. The disk tier drops its oldest objects past its own capacity.
+//  - A move never changes a byte: the copy is made first, then the entry is switched over.
+//  - Writes reach disk on eviction (write-back), unless the put is durable: then the object is
+//    written through to RocksDB (fsync'ed WAL) before Commit/Put returns. A memory entry whose
+//    current version is already on disk is dropped from memory without another write.
+//  - Promotion (admission rule): a read of an entry in a lower tier promotes it to the highest
+//    tier on the entry's second read within `promotion_window` (the first read only records
+//    the time). A single scan therefore reads through the lower tiers without flushing the hot
+//    set out of GPU memory.
+//
+// Invariants (held under the placement lock):
+//  - Bytes allocated in a tier never exceed its capacity (the arena is exactly that big).
+//  - An entry with pins > 0 is never moved or freed; a deleted or replaced entry keeps its
+//    memory until its last pin is released.
+//  - Every live memory-tier entry is in exactly one LRU list, that of its tier.
+//  - The index maps a key to the entry with the highest version committed for it.
+//
+// Thread-safety: all methods are thread-safe. The index is sharded by key hash (one mutex per
+// shard); tier placement (LRU lists, arenas, pins) is under one placement mutex. Lock order:
+// shard mutex, then placement mutex. Byte copies and disk I/O run with no lock held; the entries
+// involved are pinned meanwhile.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "gkv/status.h"
+#include "gkv/storage/cuda.h"
+#include "gkv/storage/memory_arena.h"
+#include "gkv/tensor.h"
+
+namespace gkv {
+
+enum class Tier : uint8_t { kGpu = 0, kHost = 1, kDisk = 2 };
+inline constexpr int kTierCount = 3;
+std::string_view TierName(Tier tier);
+
+struct CacheOptions {
+  // GPU tier: one arena of gpu_capacity bytes on each listed device. 0 disables the tier. When no
+  // usable GPU exists the tier is off and Open() logs one line saying why.
+  uint64_t gpu_capacity = 0;
+  std::vector<int> gpu_devices = {0};
+  // Tests and CPU-only benchmarks: back the GPU tier with ordinary host memory so the tier logic
+  // runs without a GPU.
+  bool gpu_tier_in_host_memory = false;
+
+  // Host tier: 0 disables it.
+  uint64_t host_capacity = 0;
+  MemoryArena::HostMode host_mode = MemoryArena::HostMode::kAuto;
+
+  // Disk tier: an empty path disables it.
+  std::string disk_path;
+  uint64_t disk_capacity = 0;
+
+  uint64_t max_key_size = 1024;
+  int index_shards = 16;
+  std::chrono::milliseconds promotion_window{10'000};
+};
+
+struct ObjectInfo {
+  uint64_t size = 0;
+  uint64_t version = 0;
+  TensorMeta tensor;
+  Tier tier = Tier::kHost;
+  bool on_disk = false;  // the disk tier holds this version (durable put or earlier spill)
+};
+
+struct TierStats {
+  bool enabled = false;
+  uint64_t capacity = 0;
+  uint64_t used_bytes = 0;  // allocated bytes (for disk: logical bytes of stored objects)
+  uint64_t objects = 0;
+  uint64_t hits = 0;
+  uint64_t largest_free_block = 0;  // memory tiers only
+};
+
+struct CacheStats {
+  TierStats tiers[kTierCount];
+  uint64_t misses = 0;
+  uint64_t puts = 0;
+  uint64_t deletes = 0;
+  // moves[from][to]: spills (from < to) and promotions (from > to), in objects.
+  uint64_t moves[kTierCount][kTierCount] = {};
+  uint64_t moved_bytes[kTierCount][kTierCount] = {};
+  uint64_t disk_evictions = 0;  // objects the disk tier dropped past its capacity
+  uint64_t dropped = 0;         // objects evicted with no lower tier able to take them
+  uint64_t durable_writes = 0;
+};
+
+class TieredCache;
+
+// A pinned view of one object. While the handle lives, the object's bytes stay where data()
+// points (memory tiers) or in the handle's own buffer (objects read from disk). Move-only;
+// release from any thread.
+class ReadHandle {
+ public:
+  ReadHandle() = default;
+  ReadHandle(ReadHandle&& other) noexcept;
+  ReadHandle& operator=(ReadHandle&& other) noexcept;
+  ~ReadHandle();
+
+  const std::byte* data() const { return data_; }
+  uint64_t size() const { return info_.size; }
+  // kDevice when data() is GPU memory.
+  MemoryKind memory_kind() const { return kind_; }
+  // info().tier is the tier the bytes were served from.
+  const ObjectInfo& info() const { return info_; }
+
+ private:
+  friend class TieredCache;
+  void Release();
+  TieredCache* cache_ = nullptr;
+  std::shared_ptr<void> entry_;   // pinned entry (memory tiers)
+  std::string owned_;             // bytes read from disk
+  const std::byte* data_ = nullptr;
+  MemoryKind kind_ = MemoryKind::kHost;
+  ObjectInfo info_;
+};
+
+// Space reserved for one incoming object. Fill data() (host or device memory per
+// memory_kind()), then TieredCache::Commit. Destroying it uncommitted releases the space.
+class WriteHandle {
+ public:
+  WriteHandle() = default;
+  WriteHandle(WriteHandle&& other) noexcept;
+  WriteHandle& operator=(WriteHandle&& other) noexcept;
+  ~WriteHandle();
+
+  std::byte* data() const { return data_; }
+  uint64_t size() const { return size_; }
+  MemoryKind memory_kind() const { return kind_; }
+  Tier tier() const { return tier_; }
+  const std::string& key() const { return key_; }
+
+ private:
+  friend class TieredCache;
+  void Release();
+  TieredCache* cache_ = nullptr;
+  std::string key_;
+  TensorMeta tensor_;
+  uint64_t size_ = 0;
+  Tier tier_ = Tier::kHost;
+  MemoryArena* arena_ = nullptr;     // memory tiers
+  std::byte* data_ = nullptr;
+  std::unique_ptr<std::byte[]> staging_;  // objects going straight to disk
+  MemoryKind kind_ = MemoryKind::kHost;
+};
+
+class TieredCache {
+ public:
+  // Fails if no tier is enabled, or a configured tier can't be set up (except the GPU tier on a
+  // machine without a usable GPU, which is turned off with a log line).
+  static Result<std::unique_ptr<TieredCache>> Open(const CacheOptions& options);
+  // REQUIRES: no ReadHandle or WriteHandle of this cache is still alive.
+  ~TieredCache();
+  TieredCache(const TieredCache&) = delete;
+  TieredCache& operator=(const TieredCache&) = delete;
+
+  // Reserves room for `size` bytes under `key`, evicting as needed. InvalidArgument for a bad
+  // key or tensor metadata, NoSpace when the object fits no tier or every candidate is pinned.
+  Result<WriteHandle> Reserve(std::string_view key, uint64_t size, const TensorMeta& tensor);
+  // Publishes the reserved object as the newest version of its key; returns that version.
+  // durable: written through to disk (fsync) before returning; fails with NotSupported when
+  // there is no disk tier.
+  Result<uint64_t> Commit(WriteHandle handle, bool durable);
+
+  // Reserve + copy (from host or device memory) + Commit.
+  Result<uint64_t> Put(std::string_view key, const void* data, uint64_t size,
+                       const TensorMeta& tensor = {}, bool durable = false,
+                       MemoryKind src_kind = MemoryKind::kHost);
+
+  // A pinned view of the newest version; may promote the object (see the admission rule).
+  Result<ReadHandle> Acquire(std::string_view key);
+  // Copies the object into `dst` (host or device memory). InvalidArgument if dst_size is
+  // smaller than the object.
+  Result<ObjectInfo> GetInto(std::string_view key, void* dst, uint64_t dst_size,
+                             MemoryKind dst_kind = MemoryKind::kHost);
+  // Copies the object into `out` (host memory).
+  Result<ObjectInfo> Get(std::string_view key, std::string* out);
+  // NotFound if absent.
+  Result<ObjectInfo> Stat(std::string_view key);
+  // NotFound if absent. The disk copy, if any, is deleted too.
+  Status Delete(std::string_view key);
+
+  // Copies between host and device memory (memcpy when both are host).
+  Status CopyBytes(void* dst, MemoryKind dst_kind, const void* src, MemoryKind src_kind,
+                   uint64_t size);
+
+  // Writes every memory entry whose version is not on disk yet to the disk tier, then syncs it.
+  // Used at shutdown so a restart finds everything. No-op without a disk tier.
+  Status Flush();
+
+  CacheStats GetStats() const;
+  bool tier_enabled(Tier t) const;
+  uint64_t tier_capacity(Tier t) const;
+  // The largest object any tier can hold.
+  uint64_t max_object_size() const;
+  // Why the GPU tier is off (empty when on or not configured).
+  const std::string& gpu_tier_note() const;
+
+ private:
+  struct Impl;
+  friend class ReadHandle;
+  friend class WriteHandle;
+  explicit TieredCache(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace gkv

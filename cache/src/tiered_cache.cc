@@ -1,0 +1,855 @@
+#include "gkv/cache/tiered_cache.h"
+
+#include <atomic>
+#include <cstring>
+#include <list>
+#include <mutex>
+#include <unordered_map>
+
+#include "gkv/hash.h"
+#include "gkv/log.h"
+#include "gkv/size.h"
+#include "gkv/storage/disk_tier.h"
+
+namespace gkv {
+
+std::string_view TierName(Tier tier) {
+  switch (tier) {
+    case Tier::kGpu: return "gpu";
+    case Tier::kHost: return "host";
+    case Tier::kDisk: return "disk";
+  }
+  return "unknown";
+}
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Lifetime: the index holds the owning shared_ptr of every live entry; anyone who releases the
+// placement lock while using an entry holds its own reference (shared_from_this).
+struct Entry : std::enable_shared_from_this<Entry> {
+  std::string key;
+  uint64_t size = 0;
+  uint64_t version = 0;
+  TensorMeta tensor;
+
+  // Placement: guarded by Impl::mu.
+  Tier tier = Tier::kHost;
+  MemoryArena* arena = nullptr;  // memory tiers
+  std::byte* data = nullptr;     // memory tiers
+  int pins = 0;
+  bool live = true;     // false once deleted, replaced or dropped
+  bool on_disk = false; // the disk tier holds this version
+  std::list<Entry*>::iterator lru;
+  Clock::time_point last_read{};
+  uint32_t reads_in_tier = 0;
+};
+
+struct TierState {
+  bool enabled = false;
+  uint64_t capacity = 0;  // per arena for memory tiers
+  std::vector<std::unique_ptr<MemoryArena>> arenas;
+  size_t next_arena = 0;
+  std::list<Entry*> lru;  // front = most recently used
+  uint64_t objects = 0;
+  uint64_t hits = 0;
+};
+
+// Work found under the placement lock that needs the shard lock or disk I/O, done afterwards
+// (the lock order forbids taking a shard lock while holding the placement lock).
+struct PendingOp {
+  enum Kind { kDiskEvicted, kDeleteStaleDiskCopy, kRemoveFromIndex } kind;
+  std::string key;
+  uint64_t version;
+};
+
+struct Shard {
+  std::mutex mu;
+  std::unordered_map<std::string, std::shared_ptr<Entry>> map;
+};
+
+}  // namespace
+
+struct TieredCache::Impl {
+  CacheOptions options;
+  std::vector<std::unique_ptr<Shard>> shards;
+  std::unique_ptr<DiskTier> disk;
+  std::unique_ptr<DeviceCopier> copier;  // null unless the GPU tier is real device memory
+  std::string gpu_note;
+  std::atomic<uint64_t> next_version{1};
+
+  mutable std::mutex mu;  // placement lock
+  TierState tiers[kTierCount];
+  CacheStats counters;    // guarded by mu (tiers[] fields filled in GetStats)
+  std::vector<PendingOp> pending;  // guarded by mu
+
+  Shard& ShardFor(std::string_view key) { return *shards[HashKey(key) % shards.size()]; }
+
+  std::shared_ptr<Entry> Lookup(std::string_view key) {
+    Shard& s = ShardFor(key);
+    std::lock_guard<std::mutex> lock(s.mu);
+    auto it = s.map.find(std::string(key));
+    return it == s.map.end() ? nullptr : it->second;
+  }
+
+  // --- placement helpers; all REQUIRE mu held ---
+
+  void LinkLru(Entry* e) {
+    TierState& t = tiers[static_cast<int>(e->tier)];
+    t.objects++;
+    if (e->tier == Tier::kDisk) return;
+    t.lru.push_front(e);
+    e->lru = t.lru.begin();
+  }
+
+  void UnlinkLru(Entry* e) {
+    TierState& t = tiers[static_cast<int>(e->tier)];
+    t.objects--;
+    if (e->tier != Tier::kDisk) t.lru.erase(e->lru);
+  }
+
+  void Touch(Entry* e) {
+    if (e->tier == Tier::kDisk) return;
+    TierState& t = tiers[static_cast<int>(e->tier)];
+    t.lru.splice(t.lru.begin(), t.lru, e->lru);
+  }
+
+  void FreeMemory(Entry* e) {
+    if (e->data) {
+      e->arena->Free(e->data);
+      e->data = nullptr;
+      e->arena = nullptr;
+    }
+  }
+
+  // Marks an entry dead; its memory goes now, or with its last pin.
+  void Kill(Entry* e) {
+    if (!e->live) return;
+    e->live = false;
+    UnlinkLru(e);
+    if (e->pins == 0) FreeMemory(e);
+  }
+
+  void Unpin(Entry* e) {
+    e->pins--;
+    if (!e->live && e->pins == 0) FreeMemory(e);
+  }
+
+  std::byte* TryAllocate(Tier tier, uint64_t size, MemoryArena** arena) {
+    TierState& t = tiers[static_cast<int>(tier)];
+    const size_t n = t.arenas.size();
+    for (size_t i = 0; i < n; ++i) {
+      MemoryArena* a = t.arenas[(t.next_arena + i) % n].get();
+      if (std::byte* p = a->Allocate(size)) {
+        t.next_arena = (t.next_arena + i + 1) % n;
+        *arena = a;
+        return p;
+      }
+    }
+    return nullptr;
+  }
+
+  // Allocates `size` bytes in memory tier `tier`, moving LRU entries down until it fits.
+  // May release and retake `lock`. Returns nullptr if every remaining entry is pinned.
+  std::byte* AllocateIn(Tier tier, uint64_t size, MemoryArena** arena,
+                        std::unique_lock<std::mutex>& lock) {
+    TierState& t = tiers[static_cast<int>(tier)];
+    if (!t.enabled || size > t.capacity) return nullptr;
+    for (;;) {
+      if (std::byte* p = TryAllocate(tier, size, arena)) return p;
+      Entry* victim = nullptr;
+      for (auto it = t.lru.rbegin(); it != t.lru.rend(); ++it) {
+        if ((*it)->pins == 0) {
+          victim = *it;
+          break;
+        }
+      }
+      if (!victim) return nullptr;
+      MoveDown(victim, lock);
+    }
+  }
+
+  // Moves one unpinned live entry out of its memory tier: to the next memory tier with room,
+  // else to disk, else drops it. Always removes it from its current tier (progress guarantee).
+  void MoveDown(Entry* e, std::unique_lock<std::mutex>& lock) {
+    // A live entry in an LRU list is owned by the index right now (we hold the placement lock);
+    // keep it alive across the unlocked copy below even if it is replaced or deleted meanwhile.
+    std::shared_ptr<Entry> keep = e->shared_from_this();
+    const Tier from = e->tier;
+    // GPU -> host.
+    if (from == Tier::kGpu && tiers[1].enabled && e->size <= tiers[1].capacity) {
+      e->pins++;  // keeps the victim in place while the lock is released
+      MemoryArena* dst_arena = nullptr;
+      std::byte* dst = AllocateIn(Tier::kHost, e->size, &dst_arena, lock);
+      if (dst) {
+        MemoryArena* src_arena = e->arena;
+        std::byte* src = e->data;
+        lock.unlock();
+        Status s = Copy(dst, dst_arena->kind(), src, src_arena->kind(), e->size);
+        lock.lock();
+        // Readers that pinned the entry meanwhile hold pointers into the old block: then the
+        // move is abandoned and the entry stays where it is.
+        if (s.ok() && e->live && e->pins == 1) {
+          Relocate(e, Tier::kHost, dst_arena, dst);
+          Unpin(e);
+          return;
+        }
+        dst_arena->Free(dst);
+        if (!s.ok()) GKV_LOG_WARN("spill gpu -> host of '{}' failed: {}", e->key, s.ToString());
+      }
+      Unpin(e);
+      if (!e->live || e->tier != from) return;
+      if (e->pins > 0) {
+        // Someone pinned it while we were away; it can't move now. Let the caller pick again
+        // by touching it (it is in use, after all).
+        Touch(e);
+        return;
+      }
+    }
+    // Memory -> disk.
+    if (e->on_disk) {
+      Relocate(e, Tier::kDisk, nullptr, nullptr);
+      return;
+    }
+    if (disk && e->size + e->key.size() <= disk->capacity()) {
+      e->pins++;
+      const std::byte* src = e->data;
+      MemoryArena* src_arena = e->arena;
+      StoredObjectMeta meta{e->size, e->version, e->tensor};
+      const std::string key = e->key;
+      lock.unlock();
+      std::vector<DiskEviction> evicted;
+      std::string staging;
+      Status s;
+      if (src_arena->kind() == MemoryKind::kDevice) {
+        staging.resize(e->size);
+        s = Copy(staging.data(), MemoryKind::kHost, src, MemoryKind::kDevice, e->size);
+        src = reinterpret_cast<const std::byte*>(staging.data());
+      }
+      if (s.ok()) s = disk->Put(key, meta, src, /*sync=*/false, &evicted);
+      lock.lock();
+      QueueDiskEvictions(evicted);
+      Unpin(e);
+      if (s.ok()) {
+        if (!e->live) {
+          // Deleted or replaced while being written: the disk copy is stale.
+          pending.push_back({PendingOp::kDeleteStaleDiskCopy, key, meta.version});
+          return;
+        }
+        e->on_disk = true;
+        if (e->tier == from && e->pins == 0) Relocate(e, Tier::kDisk, nullptr, nullptr);
+        else if (e->tier == from) Touch(e);
+        return;
+      }
+      GKV_LOG_WARN("spill {} -> disk of '{}' failed: {}", TierName(from), key, s.ToString());
+      if (!e->live || e->tier != from) return;
+      if (e->pins > 0) {
+        Touch(e);
+        return;
+      }
+    }
+    // Nowhere to go: a cache may drop what it can't keep (it was never promised durable).
+    counters.dropped++;
+    RemoveFromIndexLater(e);
+    Kill(e);
+  }
+
+  void RemoveFromIndexLater(Entry* e) {
+    // The index entry is removed outside the placement lock (lock order), by version.
+    pending.push_back({PendingOp::kRemoveFromIndex, e->key, e->version});
+  }
+
+  void QueueDiskEvictions(const std::vector<DiskEviction>& evicted) {
+    for (const auto& ev : evicted) pending.push_back({PendingOp::kDiskEvicted, ev.key, ev.version});
+  }
+
+  void Relocate(Entry* e, Tier to, MemoryArena* arena, std::byte* data) {
+    const Tier from = e->tier;
+    counters.moves[static_cast<int>(from)][static_cast<int>(to)]++;
+    counters.moved_bytes[static_cast<int>(from)][static_cast<int>(to)] += e->size;
+    UnlinkLru(e);
+    FreeMemory(e);
+    e->tier = to;
+    e->arena = arena;
+    e->data = data;
+    e->reads_in_tier = 0;
+    LinkLru(e);
+  }
+
+  Status Copy(void* dst, MemoryKind dk, const void* src, MemoryKind sk, uint64_t size) {
+    if (size == 0) return Status::OK();
+    if (dk == MemoryKind::kHost && sk == MemoryKind::kHost) {
+      std::memcpy(dst, src, size);
+      return Status::OK();
+    }
+    if (!copier) return Status::NotSupported("device memory copy without a usable GPU");
+    return copier->Copy(dst, src, size);
+  }
+
+  // Applies what the disk tier evicted, and index removals queued under the placement lock.
+  // REQUIRES: no lock held.
+  void DrainEvictions() {
+    std::vector<PendingOp> work;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (pending.empty()) return;
+      work.swap(pending);
+    }
+    for (const PendingOp& op : work) {
+      if (op.kind == PendingOp::kDeleteStaleDiskCopy) {
+        if (disk) disk->DeleteIfVersion(op.key, op.version);
+        continue;
+      }
+      Shard& s = ShardFor(op.key);
+      std::lock_guard<std::mutex> shard_lock(s.mu);
+      auto it = s.map.find(op.key);
+      std::lock_guard<std::mutex> lock(mu);
+      if (op.kind == PendingOp::kDiskEvicted) counters.disk_evictions++;
+      if (it == s.map.end() || it->second->version != op.version) continue;
+      Entry* e = it->second.get();
+      if (op.kind == PendingOp::kRemoveFromIndex) {
+        s.map.erase(it);
+        continue;
+      }
+      e->on_disk = false;
+      if (e->live && e->tier == Tier::kDisk) {
+        Kill(e);
+        s.map.erase(it);
+      }
+    }
+  }
+
+  bool Admit(Entry* e, Clock::time_point now) {
+    bool promote = e->reads_in_tier >= 1 && now - e->last_read <= options.promotion_window;
+    e->reads_in_tier++;
+    e->last_read = now;
+    return promote;
+  }
+
+  Tier TopMemoryTierFor(uint64_t size) const {
+    for (Tier t : {Tier::kGpu, Tier::kHost}) {
+      const TierState& ts = tiers[static_cast<int>(t)];
+      if (ts.enabled && size <= ts.capacity) return t;
+    }
+    return Tier::kDisk;
+  }
+};
+
+// ---------------- handles ----------------
+
+ReadHandle::ReadHandle(ReadHandle&& o) noexcept { *this = std::move(o); }
+
+ReadHandle& ReadHandle::operator=(ReadHandle&& o) noexcept {
+  if (this != &o) {
+    Release();
+    cache_ = o.cache_;
+    entry_ = std::move(o.entry_);
+    owned_ = std::move(o.owned_);
+    kind_ = o.kind_;
+    info_ = std::move(o.info_);
+    data_ = entry_ ? o.data_ : reinterpret_cast<const std::byte*>(owned_.data());
+    o.cache_ = nullptr;
+    o.data_ = nullptr;
+  }
+  return *this;
+}
+
+ReadHandle::~ReadHandle() { Release(); }
+
+void ReadHandle::Release() {
+  if (cache_ && entry_) {
+    auto* impl = cache_->impl_.get();
+    std::lock_guard<std::mutex> lock(impl->mu);
+    impl->Unpin(static_cast<Entry*>(entry_.get()));
+  }
+  entry_.reset();
+  cache_ = nullptr;
+  data_ = nullptr;
+}
+
+WriteHandle::WriteHandle(WriteHandle&& o) noexcept { *this = std::move(o); }
+
+WriteHandle& WriteHandle::operator=(WriteHandle&& o) noexcept {
+  if (this != &o) {
+    Release();
+    cache_ = o.cache_;
+    key_ = std::move(o.key_);
+    tensor_ = std::move(o.tensor_);
+    size_ = o.size_;
+    tier_ = o.tier_;
+    arena_ = o.arena_;
+    data_ = o.data_;
+    staging_ = std::move(o.staging_);
+    kind_ = o.kind_;
+    o.cache_ = nullptr;
+    o.arena_ = nullptr;
+    o.data_ = nullptr;
+  }
+  return *this;
+}
+
+WriteHandle::~WriteHandle() { Release(); }
+
+void WriteHandle::Release() {
+  if (cache_ && arena_ && data_) {
+    std::lock_guard<std::mutex> lock(cache_->impl_->mu);
+    arena_->Free(data_);
+  }
+  cache_ = nullptr;
+  arena_ = nullptr;
+  data_ = nullptr;
+  staging_.reset();
+}
+
+// ---------------- TieredCache ----------------
+
+TieredCache::TieredCache(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+TieredCache::~TieredCache() {
+  // Entries first (they reference arenas), then arenas, then the disk tier.
+  for (auto& s : impl_->shards) s->map.clear();
+}
+
+Result<std::unique_ptr<TieredCache>> TieredCache::Open(const CacheOptions& options) {
+  auto impl = std::make_unique<Impl>();
+  impl->options = options;
+  const int nshards = std::max(1, options.index_shards);
+  for (int i = 0; i < nshards; ++i) impl->shards.push_back(std::make_unique<Shard>());
+
+  // GPU tier.
+  if (options.gpu_capacity > 0) {
+    TierState& t = impl->tiers[0];
+    if (options.gpu_tier_in_host_memory) {
+      GKV_ASSIGN_OR_RETURN(auto arena, MemoryArena::CreateHost(options.gpu_capacity,
+                                                               MemoryArena::HostMode::kPageable));
+      t.arenas.push_back(std::move(arena));
+    } else if (!ProbeCuda().usable) {
+      impl->gpu_note = ProbeCuda().reason;
+      GKV_LOG_WARN("GPU tier off: {}", impl->gpu_note);
+    } else {
+      for (int dev : options.gpu_devices) {
+        if (dev < 0 || dev >= ProbeCuda().device_count) {
+          return Status::InvalidArgument("GPU device " + std::to_string(dev) + " does not exist");
+        }
+        GKV_ASSIGN_OR_RETURN(auto arena, MemoryArena::CreateDevice(dev, options.gpu_capacity));
+        t.arenas.push_back(std::move(arena));
+      }
+      GKV_ASSIGN_OR_RETURN(impl->copier, DeviceCopier::Create(options.gpu_devices.front()));
+      GKV_LOG_INFO("GPU tier on: {} on {} device(s)", FormatSize(options.gpu_capacity),
+                   options.gpu_devices.size());
+    }
+    t.enabled = !t.arenas.empty();
+    t.capacity = t.enabled ? t.arenas.front()->capacity() : 0;
+  }
+  // Host tier.
+  if (options.host_capacity > 0) {
+    TierState& t = impl->tiers[1];
+    GKV_ASSIGN_OR_RETURN(auto arena, MemoryArena::CreateHost(options.host_capacity,
+                                                             options.host_mode));
+    GKV_LOG_DEBUG("host tier: {} ({})", FormatSize(options.host_capacity),
+                  arena->pinned() ? "pinned" : "pageable");
+    t.capacity = arena->capacity();
+    t.arenas.push_back(std::move(arena));
+    t.enabled = true;
+    // A usable GPU without a GPU tier (or with one) still gets device copies for GetInto.
+    if (!impl->copier && ProbeCuda().usable) {
+      auto c = DeviceCopier::Create(0);
+      if (c.ok()) impl->copier = std::move(*c);
+    }
+  }
+  // Disk tier, with warm restart.
+  if (!options.disk_path.empty()) {
+    DiskTier::Options d;
+    d.path = options.disk_path;
+    d.capacity = options.disk_capacity;
+    GKV_ASSIGN_OR_RETURN(impl->disk, DiskTier::Open(d));
+    impl->tiers[2].enabled = true;
+    impl->tiers[2].capacity = options.disk_capacity;
+    uint64_t max_version = 0;
+    GKV_RETURN_IF_ERROR(impl->disk->ForEach([&](std::string_view key, const StoredObjectMeta& m) {
+      auto e = std::make_shared<Entry>();
+      e->key = std::string(key);
+      e->size = m.size;
+      e->version = m.version;
+      e->tensor = m.tensor;
+      e->tier = Tier::kDisk;
+      e->on_disk = true;
+      impl->LinkLru(e.get());
+      impl->ShardFor(key).map.emplace(e->key, std::move(e));
+      max_version = std::max(max_version, m.version);
+      return true;
+    }));
+    impl->next_version = max_version + 1;
+    if (impl->tiers[2].objects > 0) {
+      GKV_LOG_INFO("disk tier at {}: {} objects, {} recovered", options.disk_path,
+                   impl->tiers[2].objects, FormatSize(impl->disk->used_bytes()));
+    }
+  }
+  if (!impl->tiers[0].enabled && !impl->tiers[1].enabled && !impl->tiers[2].enabled) {
+    return Status::InvalidArgument("no cache tier is enabled");
+  }
+  return std::unique_ptr<TieredCache>(new TieredCache(std::move(impl)));
+}
+
+Result<WriteHandle> TieredCache::Reserve(std::string_view key, uint64_t size,
+                                         const TensorMeta& tensor) {
+  Impl& I = *impl_;
+  if (key.empty()) return Status::InvalidArgument("empty key");
+  if (key.size() > I.options.max_key_size) {
+    return Status::InvalidArgument("key of " + std::to_string(key.size()) +
+                                   " bytes exceeds the maximum of " +
+                                   std::to_string(I.options.max_key_size));
+  }
+  GKV_RETURN_IF_ERROR(tensor.Validate(size));
+  if (size > max_object_size()) {
+    return Status::NoSpace("object of " + FormatSize(size) + " is larger than every tier (largest " +
+                           FormatSize(max_object_size()) + ")");
+  }
+  WriteHandle h;
+  h.cache_ = this;
+  h.key_ = std::string(key);
+  h.tensor_ = tensor;
+  h.size_ = size;
+  {
+    std::unique_lock<std::mutex> lock(I.mu);
+    for (Tier t : {Tier::kGpu, Tier::kHost}) {
+      MemoryArena* arena = nullptr;
+      if (std::byte* p = I.AllocateIn(t, size, &arena, lock)) {
+        h.tier_ = t;
+        h.arena_ = arena;
+        h.data_ = p;
+        h.kind_ = arena->kind();
+        break;
+      }
+    }
+  }
+  I.DrainEvictions();
+  if (h.data_) return h;
+  if (I.disk && size + key.size() <= I.disk->capacity()) {
+    h.tier_ = Tier::kDisk;
+    h.staging_.reset(new std::byte[size ? size : 1]);
+    h.data_ = h.staging_.get();
+    h.kind_ = MemoryKind::kHost;
+    return h;
+  }
+  return Status::NoSpace("no tier has room for " + FormatSize(size) +
+                         " (memory is held by pinned entries)");
+}
+
+Result<uint64_t> TieredCache::Commit(WriteHandle h, bool durable) {
+  Impl& I = *impl_;
+  if (h.cache_ != this || !h.data_) return Status::InvalidArgument("invalid write handle");
+  if (durable && !I.disk) return Status::NotSupported("durable put needs a disk tier");
+  auto e = std::make_shared<Entry>();
+  e->key = h.key_;
+  e->size = h.size_;
+  e->tensor = h.tensor_;
+  e->version = I.next_version.fetch_add(1);
+  e->tier = h.tier_;
+
+  if (durable || h.tier_ == Tier::kDisk) {
+    const void* src = h.data_;
+    std::string staging;
+    if (h.kind_ == MemoryKind::kDevice) {
+      staging.resize(h.size_);
+      GKV_RETURN_IF_ERROR(I.Copy(staging.data(), MemoryKind::kHost, h.data_, h.kind_, h.size_));
+      src = staging.data();
+    }
+    std::vector<DiskEviction> evicted;
+    StoredObjectMeta meta{e->size, e->version, e->tensor};
+    GKV_RETURN_IF_ERROR(I.disk->Put(e->key, meta, src, durable, &evicted));
+    e->on_disk = true;
+    std::lock_guard<std::mutex> lock(I.mu);
+    if (durable) I.counters.durable_writes++;
+    I.QueueDiskEvictions(evicted);
+  }
+
+  std::shared_ptr<Entry> old;
+  bool superseded = false;
+  {
+    Shard& s = I.ShardFor(e->key);
+    std::lock_guard<std::mutex> shard_lock(s.mu);
+    std::lock_guard<std::mutex> lock(I.mu);
+    if (h.tier_ != Tier::kDisk) {
+      e->arena = h.arena_;
+      e->data = h.data_;
+      h.arena_ = nullptr;  // ownership moves to the entry
+      h.data_ = nullptr;
+    }
+    I.LinkLru(e.get());
+    I.counters.puts++;
+    auto it = s.map.find(e->key);
+    if (it != s.map.end() && it->second->version > e->version) {
+      superseded = true;  // a newer commit won the race; this one is already overwritten
+      I.Kill(e.get());
+    } else {
+      if (it != s.map.end()) {
+        old = it->second;
+        I.Kill(old.get());
+        it->second = e;
+      } else {
+        s.map.emplace(e->key, e);
+      }
+    }
+  }
+  h.cache_ = nullptr;
+  // A replaced version must not survive on disk: a restart would serve it.
+  if (old && old->on_disk && !e->on_disk && I.disk) {
+    GKV_RETURN_IF_ERROR(I.disk->DeleteIfVersion(old->key, old->version));
+  }
+  if (superseded && e->on_disk) I.disk->DeleteIfVersion(e->key, e->version);
+  I.DrainEvictions();
+  return e->version;
+}
+
+Result<uint64_t> TieredCache::Put(std::string_view key, const void* data, uint64_t size,
+                                  const TensorMeta& tensor, bool durable, MemoryKind src_kind) {
+  GKV_ASSIGN_OR_RETURN(WriteHandle h, Reserve(key, size, tensor));
+  GKV_RETURN_IF_ERROR(CopyBytes(h.data(), h.memory_kind(), data, src_kind, size));
+  return Commit(std::move(h), durable);
+}
+
+Result<ReadHandle> TieredCache::Acquire(std::string_view key) {
+  Impl& I = *impl_;
+  for (int attempt = 0; attempt < 8; ++attempt) {
+    std::shared_ptr<Entry> sp = I.Lookup(key);
+    if (!sp) {
+      std::lock_guard<std::mutex> lock(I.mu);
+      I.counters.misses++;
+      return Status::NotFound("key not found");
+    }
+    Entry* e = sp.get();
+    std::unique_lock<std::mutex> lock(I.mu);
+    if (!e->live) continue;  // replaced or deleted meanwhile: look again
+    const auto now = Clock::now();
+    const bool promote = I.Admit(e, now) && I.TopMemoryTierFor(e->size) < e->tier;
+
+    if (e->tier != Tier::kDisk) {
+      if (promote && e->pins == 0) {
+        // Host -> GPU. The entry is pinned while its new home is prepared.
+        e->pins++;
+        MemoryArena* arena = nullptr;
+        std::byte* dst = I.AllocateIn(Tier::kGpu, e->size, &arena, lock);
+        if (dst) {
+          std::byte* src = e->data;
+          MemoryKind sk = e->arena->kind();
+          lock.unlock();
+          Status s = I.Copy(dst, arena->kind(), src, sk, e->size);
+          lock.lock();
+          if (s.ok() && e->live && e->pins == 1 && e->tier == Tier::kHost) {
+            I.Relocate(e, Tier::kGpu, arena, dst);
+          } else {
+            arena->Free(dst);
+          }
+        }
+        e->pins--;
+        if (!e->live) {
+          if (e->pins == 0) I.FreeMemory(e);
+          continue;
+        }
+      }
+      I.Touch(e);
+      I.tiers[static_cast<int>(e->tier)].hits++;
+      e->pins++;
+      ReadHandle h;
+      h.cache_ = this;
+      h.data_ = e->data;
+      h.kind_ = e->arena->kind();
+      h.info_ = ObjectInfo{e->size, e->version, e->tensor, e->tier, e->on_disk};
+      h.entry_ = std::static_pointer_cast<void>(sp);
+      lock.unlock();
+      I.DrainEvictions();
+      return h;
+    }
+
+    // Disk tier: read without any lock held.
+    I.tiers[2].hits++;
+    const uint64_t version = e->version;
+    lock.unlock();
+    ReadHandle h;
+    StoredObjectMeta meta;
+    Status s = I.disk->Get(key, &meta, &h.owned_);
+    if (s.IsNotFound() || (s.ok() && meta.version != version)) {
+      // The disk tier dropped it (or a newer write is racing): look again from the index.
+      if (s.IsNotFound()) {
+        Shard& sh = I.ShardFor(key);
+        std::lock_guard<std::mutex> sl(sh.mu);
+        auto it = sh.map.find(std::string(key));
+        if (it != sh.map.end() && it->second.get() == e) {
+          std::lock_guard<std::mutex> l2(I.mu);
+          if (e->tier == Tier::kDisk) {
+            I.Kill(e);
+            sh.map.erase(it);
+          }
+        }
+      }
+      continue;
+    }
+    GKV_RETURN_IF_ERROR(s);
+    h.data_ = reinterpret_cast<const std::byte*>(h.owned_.data());
+    h.kind_ = MemoryKind::kHost;
+    h.info_ = ObjectInfo{meta.size, meta.version, meta.tensor, Tier::kDisk, true};
+
+    if (promote) {
+      lock.lock();
+      const Tier target = I.TopMemoryTierFor(e->size);
+      MemoryArena* arena = nullptr;
+      std::byte* dst = nullptr;
+      if (e->live && e->tier == Tier::kDisk && e->version == version) {
+        e->pins++;
+        dst = I.AllocateIn(target, e->size, &arena, lock);
+        e->pins--;
+      }
+      if (dst) {
+        lock.unlock();
+        Status cs = I.Copy(dst, arena->kind(), h.owned_.data(), MemoryKind::kHost, e->size);
+        lock.lock();
+        if (cs.ok() && e->live && e->tier == Tier::kDisk && e->version == version) {
+          I.Relocate(e, target, arena, dst);  // the disk copy stays as a clean copy
+        } else {
+          arena->Free(dst);
+        }
+      }
+      lock.unlock();
+      I.DrainEvictions();
+    }
+    return h;
+  }
+  return Status::Aborted("key kept changing during the read; try again");
+}
+
+Result<ObjectInfo> TieredCache::GetInto(std::string_view key, void* dst, uint64_t dst_size,
+                                        MemoryKind dst_kind) {
+  GKV_ASSIGN_OR_RETURN(ReadHandle h, Acquire(key));
+  if (dst_size < h.size()) {
+    return Status::InvalidArgument("buffer of " + std::to_string(dst_size) +
+                                   " bytes is smaller than the object (" +
+                                   std::to_string(h.size()) + " bytes)");
+  }
+  GKV_RETURN_IF_ERROR(CopyBytes(dst, dst_kind, h.data(), h.memory_kind(), h.size()));
+  return h.info();
+}
+
+Result<ObjectInfo> TieredCache::Get(std::string_view key, std::string* out) {
+  GKV_ASSIGN_OR_RETURN(ReadHandle h, Acquire(key));
+  out->resize(h.size());
+  GKV_RETURN_IF_ERROR(
+      CopyBytes(out->data(), MemoryKind::kHost, h.data(), h.memory_kind(), h.size()));
+  return h.info();
+}
+
+Result<ObjectInfo> TieredCache::Stat(std::string_view key) {
+  Impl& I = *impl_;
+  std::shared_ptr<Entry> sp = I.Lookup(key);
+  if (!sp) return Status::NotFound("key not found");
+  std::lock_guard<std::mutex> lock(I.mu);
+  if (!sp->live) return Status::NotFound("key not found");
+  return ObjectInfo{sp->size, sp->version, sp->tensor, sp->tier, sp->on_disk};
+}
+
+Status TieredCache::Delete(std::string_view key) {
+  Impl& I = *impl_;
+  std::shared_ptr<Entry> victim;
+  {
+    Shard& s = I.ShardFor(key);
+    std::lock_guard<std::mutex> shard_lock(s.mu);
+    auto it = s.map.find(std::string(key));
+    if (it == s.map.end()) return Status::NotFound("key not found");
+    victim = it->second;
+    s.map.erase(it);
+    std::lock_guard<std::mutex> lock(I.mu);
+    I.Kill(victim.get());
+    I.counters.deletes++;
+  }
+  if (I.disk && victim->on_disk) {
+    GKV_RETURN_IF_ERROR(I.disk->DeleteIfVersion(key, victim->version));
+  }
+  I.DrainEvictions();
+  return Status::OK();
+}
+
+Status TieredCache::CopyBytes(void* dst, MemoryKind dst_kind, const void* src,
+                              MemoryKind src_kind, uint64_t size) {
+  return impl_->Copy(dst, dst_kind, src, src_kind, size);
+}
+
+Status TieredCache::Flush() {
+  Impl& I = *impl_;
+  if (!I.disk) return Status::OK();
+  std::vector<std::shared_ptr<Entry>> dirty;
+  for (auto& s : I.shards) {
+    std::lock_guard<std::mutex> shard_lock(s->mu);
+    std::lock_guard<std::mutex> lock(I.mu);
+    for (auto& [k, e] : s->map) {
+      if (e->live && !e->on_disk && e->tier != Tier::kDisk) {
+        e->pins++;
+        dirty.push_back(e);
+      }
+    }
+  }
+  Status first_error;
+  std::string staging;
+  for (auto& e : dirty) {
+    const void* src = e->data;
+    Status s;
+    if (e->arena->kind() == MemoryKind::kDevice) {
+      staging.resize(e->size);
+      s = I.Copy(staging.data(), MemoryKind::kHost, e->data, MemoryKind::kDevice, e->size);
+      src = staging.data();
+    }
+    std::vector<DiskEviction> evicted;
+    if (s.ok()) s = I.disk->Put(e->key, {e->size, e->version, e->tensor}, src, false, &evicted);
+    std::lock_guard<std::mutex> lock(I.mu);
+    if (s.ok()) e->on_disk = true;
+    else if (first_error.ok()) first_error = s;
+    I.QueueDiskEvictions(evicted);
+    I.Unpin(e.get());
+  }
+  I.DrainEvictions();
+  GKV_RETURN_IF_ERROR(first_error);
+  return I.disk->Flush();
+}
+
+CacheStats TieredCache::GetStats() const {
+  const Impl& I = *impl_;
+  std::lock_guard<std::mutex> lock(I.mu);
+  CacheStats st = I.counters;
+  for (int t = 0; t < kTierCount; ++t) {
+    const TierState& ts = I.tiers[t];
+    TierStats& o = st.tiers[t];
+    o.enabled = ts.enabled;
+    o.objects = ts.objects;
+    o.hits = ts.hits;
+    if (t < 2) {
+      for (const auto& a : ts.arenas) {
+        o.capacity += a->capacity();
+        o.used_bytes += a->used();
+        o.largest_free_block = std::max(o.largest_free_block, a->allocator().largest_free_block());
+      }
+    } else if (I.disk) {
+      o.capacity = I.disk->capacity();
+      o.used_bytes = I.disk->used_bytes();
+    }
+  }
+  return st;
+}
+
+bool TieredCache::tier_enabled(Tier t) const { return impl_->tiers[static_cast<int>(t)].enabled; }
+
+uint64_t TieredCache::tier_capacity(Tier t) const {
+  return impl_->tiers[static_cast<int>(t)].capacity;
+}
+
+uint64_t TieredCache::max_object_size() const {
+  uint64_t m = 0;
+  for (int t = 0; t < 2; ++t) {
+    if (impl_->tiers[t].enabled) m = std::max(m, impl_->tiers[t].capacity);
+  }
+  if (impl_->disk) m = std::max(m, impl_->disk->capacity() - std::min<uint64_t>(impl_->disk->capacity(), impl_->options.max_key_size));
+  return m;
+}
+
+const std::string& TieredCache::gpu_tier_note() const { return impl_->gpu_note; }
+
+}  // namespace gkv

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Configures and builds gkv into build/ (or $GKV_BUILD_DIR) with Ninja. Extra arguments go to
+# cmake, e.g. scripts/build.sh -DGKV_SANITIZE=address.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+"$PWD/scripts/deps.sh"
+BUILD_DIR=${GKV_BUILD_DIR:-build}
+mkdir -p "$BUILD_DIR"
+cmake -S . -B "$BUILD_DIR" -G Ninja "$@" > "$BUILD_DIR/configure.log" 2>&1 || {
+  cat "$BUILD_DIR/configure.log"
+  exit 1
+}
+grep -E "^-- gkv:" "$BUILD_DIR/configure.log" || true
+ninja -C "$BUILD_DIR" -j "${GKV_JOBS:-$(nproc)}"

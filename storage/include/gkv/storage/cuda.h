@@ -1,0 +1,58 @@
+// The CUDA boundary of gkv: every cudaError_t is translated into a Status here and nowhere
+// else. Compiled against the CUDA runtime when the toolkit was found at build time; otherwise
+// every call reports NotSupported. Whether a usable GPU exists is decided at run time.
+// Thread-safety: all functions are thread-safe.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <string>
+
+#include "gkv/status.h"
+
+namespace gkv {
+
+enum class MemoryKind : uint8_t { kHost = 0, kDevice = 1 };
+std::string_view MemoryKindName(MemoryKind kind);
+
+struct CudaProbe {
+  bool compiled_in = false;  // built with the CUDA runtime
+  bool usable = false;       // at least one device answered
+  int device_count = 0;
+  std::string reason;        // why not usable, in one line (empty when usable)
+};
+
+// Probes once per process and caches the answer.
+const CudaProbe& ProbeCuda();
+
+// Device memory: cudaMalloc/cudaFree on `device`.
+Result<void*> CudaMallocDevice(int device, size_t size);
+void CudaFreeDevice(int device, void* ptr);
+// Pinned host memory: cudaHostAlloc (portable) / cudaFreeHost.
+Result<void*> CudaMallocPinnedHost(size_t size);
+void CudaFreePinnedHost(void* ptr);
+// True if `ptr` is device (or managed) memory according to the CUDA runtime; false for host
+// memory, and always false without a usable GPU.
+bool IsDevicePointer(const void* ptr);
+
+// Copies between any two memories on one CUDA stream owned by this object
+// (cudaMemcpyAsync + cudaStreamSynchronize). Thread-safe: calls are serialized on the stream.
+class DeviceCopier {
+ public:
+  // NotSupported without CUDA, Unavailable without a usable device.
+  static Result<std::unique_ptr<DeviceCopier>> Create(int device);
+  ~DeviceCopier();
+  DeviceCopier(const DeviceCopier&) = delete;
+  DeviceCopier& operator=(const DeviceCopier&) = delete;
+
+  // Blocks until the copy is done. `dst` and `src` may each be host or device memory.
+  Status Copy(void* dst, const void* src, size_t size);
+  int device() const { return device_; }
+
+ private:
+  DeviceCopier(int device, void* stream) : device_(device), stream_(stream) {}
+  int device_;
+  void* stream_;  // cudaStream_t, kept opaque so this header has no CUDA types
+};
+
+}  // namespace gkv

@@ -1,0 +1,67 @@
+// MemoryArena: one contiguous region of memory, allocated once at start, sub-allocated by a
+// RangeAllocator. The GPU tier is one arena per configured device (cudaMalloc); the host tier is
+// one arena of pinned memory (cudaHostAlloc) when the CUDA runtime works, page-aligned ordinary
+// memory (mmap) otherwise. The region is freed only when the arena is destroyed; the cache
+// destroys arenas last, after every entry (and every pin) is gone.
+// Thread-safety: not thread-safe; the cache serializes Allocate/Free under its placement lock.
+// base() and pointers derived from it may be read and written from any thread.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "gkv/status.h"
+#include "gkv/storage/cuda.h"
+#include "gkv/storage/range_allocator.h"
+
+namespace gkv {
+
+class MemoryArena {
+ public:
+  enum class HostMode { kAuto, kPinned, kPageable };
+
+  // Host memory. kAuto pins when the CUDA runtime is usable and silently falls back otherwise;
+  // kPinned fails when it can't pin.
+  static Result<std::unique_ptr<MemoryArena>> CreateHost(uint64_t capacity,
+                                                         HostMode mode = HostMode::kAuto);
+  // Device memory on `device` (cudaMalloc). Unavailable/NotSupported without a usable GPU.
+  static Result<std::unique_ptr<MemoryArena>> CreateDevice(int device, uint64_t capacity);
+
+  ~MemoryArena();
+  MemoryArena(const MemoryArena&) = delete;
+  MemoryArena& operator=(const MemoryArena&) = delete;
+
+  // Returns a pointer into the region, or nullptr when no free block fits.
+  std::byte* Allocate(uint64_t size);
+  // REQUIRES: `p` came from Allocate on this arena and is not freed yet.
+  void Free(std::byte* p);
+  uint64_t BlockSize(const std::byte* p) const { return allocator_.BlockSize(p - base_); }
+
+  MemoryKind kind() const { return kind_; }
+  int device() const { return device_; }
+  bool pinned() const { return backing_ == Backing::kCudaPinned; }
+  std::byte* base() const { return base_; }
+  bool Contains(const void* p) const {
+    auto* b = static_cast<const std::byte*>(p);
+    return b >= base_ && b < base_ + allocator_.capacity();
+  }
+  const RangeAllocator& allocator() const { return allocator_; }
+  uint64_t capacity() const { return allocator_.capacity(); }
+  uint64_t used() const { return allocator_.used(); }
+
+ private:
+  enum class Backing { kMmap, kCudaPinned, kCudaDevice };
+  MemoryArena(MemoryKind kind, Backing backing, int device, std::byte* base, uint64_t size)
+      : kind_(kind), backing_(backing), device_(device), base_(base), mapped_size_(size),
+        allocator_(size) {}
+
+  MemoryKind kind_;
+  Backing backing_;
+  int device_;
+  std::byte* base_;
+  uint64_t mapped_size_;
+  RangeAllocator allocator_;
+};
+
+}  // namespace gkv

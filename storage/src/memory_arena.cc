@@ -1,0 +1,54 @@
+#include "gkv/storage/memory_arena.h"
+
+#include <sys/mman.h>
+
+#include <cerrno>
+#include <cstring>
+
+namespace gkv {
+
+Result<std::unique_ptr<MemoryArena>> MemoryArena::CreateHost(uint64_t capacity, HostMode mode) {
+  if (capacity == 0) return Status::InvalidArgument("host pool capacity is zero");
+  if (mode != HostMode::kPageable && ProbeCuda().usable) {
+    auto pinned = CudaMallocPinnedHost(capacity);
+    if (pinned.ok()) {
+      return std::unique_ptr<MemoryArena>(new MemoryArena(MemoryKind::kHost, Backing::kCudaPinned,
+                                                          -1, static_cast<std::byte*>(*pinned),
+                                                          capacity));
+    }
+    if (mode == HostMode::kPinned) return pinned.status().WithContext("pinning the host pool");
+  } else if (mode == HostMode::kPinned) {
+    return Status::Unavailable("cannot pin the host pool: " + ProbeCuda().reason);
+  }
+  // Anonymous mappings are page-aligned and committed lazily, page by page.
+  void* p = mmap(nullptr, capacity, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) {
+    return Status::NoSpace(std::string("mmap of the host pool failed: ") + std::strerror(errno));
+  }
+  return std::unique_ptr<MemoryArena>(
+      new MemoryArena(MemoryKind::kHost, Backing::kMmap, -1, static_cast<std::byte*>(p), capacity));
+}
+
+Result<std::unique_ptr<MemoryArena>> MemoryArena::CreateDevice(int device, uint64_t capacity) {
+  if (capacity == 0) return Status::InvalidArgument("GPU arena capacity is zero");
+  GKV_ASSIGN_OR_RETURN(void* p, CudaMallocDevice(device, capacity));
+  return std::unique_ptr<MemoryArena>(new MemoryArena(
+      MemoryKind::kDevice, Backing::kCudaDevice, device, static_cast<std::byte*>(p), capacity));
+}
+
+MemoryArena::~MemoryArena() {
+  switch (backing_) {
+    case Backing::kMmap: munmap(base_, mapped_size_); break;
+    case Backing::kCudaPinned: CudaFreePinnedHost(base_); break;
+    case Backing::kCudaDevice: CudaFreeDevice(device_, base_); break;
+  }
+}
+
+std::byte* MemoryArena::Allocate(uint64_t size) {
+  auto off = allocator_.Allocate(size);
+  return off ? base_ + *off : nullptr;
+}
+
+void MemoryArena::Free(std::byte* p) { allocator_.Free(static_cast<uint64_t>(p - base_)); }
+
+}  // namespace gkv

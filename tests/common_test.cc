@@ -1,0 +1,140 @@
+#include <gtest/gtest.h>
+
+#include "gkv/bytes.h"
+#include "gkv/hash.h"
+#include "gkv/size.h"
+#include "gkv/status.h"
+#include "gkv/tensor.h"
+
+namespace gkv {
+namespace {
+
+TEST(StatusTest, OkIsDefaultAndCarriesNoMessage) {
+  Status s;
+  EXPECT_TRUE(s.ok());
+  EXPECT_EQ(s.ToString(), "ok");
+  Status e = Status::NoSpace("tier full");
+  EXPECT_FALSE(e.ok());
+  EXPECT_EQ(e.code(), StatusCode::kNoSpace);
+  EXPECT_EQ(e.ToString(), "no_space: tier full");
+  EXPECT_EQ(e.WithContext("put k").ToString(), "no_space: put k: tier full");
+}
+
+Result<int> Half(int x) {
+  if (x % 2) return Status::InvalidArgument("odd");
+  return x / 2;
+}
+
+Result<int> Quarter(int x) {
+  GKV_ASSIGN_OR_RETURN(int h, Half(x));
+  return Half(h);
+}
+
+TEST(StatusTest, ResultPropagatesErrors) {
+  EXPECT_EQ(*Quarter(8), 2);
+  Result<int> r = Quarter(6);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  Result<int> from_ok = Status::OK();
+  EXPECT_EQ(from_ok.status().code(), StatusCode::kInternal);
+}
+
+TEST(TensorTest, ByteSizeMustMatchShapeAndDtype) {
+  TensorMeta m{DType::kF32, {2, 3}};
+  EXPECT_TRUE(m.Validate(24).ok());
+  EXPECT_EQ(m.Validate(23).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(m.ToString(), "f32[2,3]");
+  TensorMeta bf{DType::kBF16, {4}};
+  EXPECT_TRUE(bf.Validate(8).ok());
+  TensorMeta scalar{DType::kF64, {}};
+  EXPECT_TRUE(scalar.Validate(8).ok());
+  TensorMeta empty{DType::kI8, {0, 5}};
+  EXPECT_TRUE(empty.Validate(0).ok());
+}
+
+TEST(TensorTest, EveryDtypeHasItsItemSize) {
+  EXPECT_EQ(ItemSize(DType::kF64), 8u);
+  EXPECT_EQ(ItemSize(DType::kF32), 4u);
+  EXPECT_EQ(ItemSize(DType::kF16), 2u);
+  EXPECT_EQ(ItemSize(DType::kBF16), 2u);
+  EXPECT_EQ(ItemSize(DType::kF8E4M3), 1u);
+  EXPECT_EQ(ItemSize(DType::kF8E5M2), 1u);
+  EXPECT_EQ(ItemSize(DType::kI64), 8u);
+  EXPECT_EQ(ItemSize(DType::kI32), 4u);
+  EXPECT_EQ(ItemSize(DType::kI16), 2u);
+  EXPECT_EQ(ItemSize(DType::kI8), 1u);
+  EXPECT_EQ(ItemSize(DType::kU8), 1u);
+  EXPECT_EQ(ItemSize(DType::kBool), 1u);
+  for (int d = 0; d <= static_cast<int>(DType::kBool); ++d) {
+    auto dt = static_cast<DType>(d);
+    EXPECT_EQ(*ParseDType(DTypeName(dt)), dt);
+  }
+  EXPECT_FALSE(ParseDType("f128").ok());
+}
+
+TEST(TensorTest, InvalidMetadataIsRefused) {
+  EXPECT_FALSE((TensorMeta{DType::kF32, {1, 1, 1, 1, 1, 1, 1, 1, 1}}).Validate(4).ok());
+  EXPECT_TRUE((TensorMeta{DType::kF32, {1, 1, 1, 1, 1, 1, 1, 1}}).Validate(4).ok());
+  EXPECT_FALSE((TensorMeta{DType::kF32, {-1, 2}}).Validate(8).ok());
+  EXPECT_FALSE((TensorMeta{DType::kRaw, {3}}).Validate(3).ok());
+  // Element count overflowing 64 bits must not wrap around to a matching size.
+  EXPECT_FALSE((TensorMeta{DType::kF32, {1LL << 62, 1LL << 62}}).Validate(0).ok());
+  EXPECT_FALSE((TensorMeta{static_cast<DType>(99), {}}).Validate(1).ok());
+}
+
+TEST(TensorTest, ShapeParsing) {
+  EXPECT_EQ(*ParseShape("2,3"), (std::vector<int64_t>{2, 3}));
+  EXPECT_TRUE(ParseShape("")->empty());
+  EXPECT_FALSE(ParseShape("2,,3").ok());
+  EXPECT_FALSE(ParseShape("2,-3").ok());
+  EXPECT_FALSE(ParseShape("1,1,1,1,1,1,1,1,1").ok());
+}
+
+TEST(BytesTest, TensorRoundTripAndTruncation) {
+  std::string buf;
+  ByteWriter w(&buf);
+  TensorMeta m{DType::kBF16, {7, 11, 13}};
+  w.Tensor(m);
+  w.String("key");
+  ByteReader r(buf);
+  TensorMeta back;
+  std::string key;
+  ASSERT_TRUE(r.Tensor(&back));
+  ASSERT_TRUE(r.String(&key, 100));
+  EXPECT_EQ(back, m);
+  EXPECT_EQ(key, "key");
+  for (size_t cut = 0; cut < buf.size(); ++cut) {
+    ByteReader t(buf.data(), cut);
+    TensorMeta x;
+    std::string k;
+    bool ok = t.Tensor(&x) && t.String(&k, 100);
+    EXPECT_FALSE(ok) << "cut at " << cut;
+  }
+}
+
+TEST(HashTest, StableXxh3Values) {
+  // Pinned so that every client and server version maps keys to the same nodes.
+  EXPECT_EQ(HashKey(""), 0x2D06800538D394C2ULL);
+  EXPECT_NE(HashKey("a"), HashKey("b"));
+  EXPECT_EQ(HashKey("embedding/42"), HashKey(std::string("embedding/42")));
+}
+
+TEST(SizeTest, ParsesBinaryAndDecimalSuffixes) {
+  EXPECT_EQ(*ParseSize("512MiB"), 512ULL << 20);
+  EXPECT_EQ(*ParseSize("8GiB"), 8ULL << 30);
+  EXPECT_EQ(*ParseSize("4k"), 4096u);
+  EXPECT_EQ(*ParseSize("1.5GiB"), 3ULL << 29);
+  EXPECT_EQ(*ParseSize("2GB"), 2000000000ULL);
+  EXPECT_EQ(*ParseSize("4096"), 4096u);
+  EXPECT_EQ(*ParseSize("64 mib"), 64ULL << 20);
+  EXPECT_FALSE(ParseSize("").ok());
+  EXPECT_FALSE(ParseSize("MiB").ok());
+  EXPECT_FALSE(ParseSize("12XB").ok());
+  EXPECT_FALSE(ParseSize("0.3B").ok());
+  EXPECT_FALSE(ParseSize("99999999999TiB").ok());
+  EXPECT_EQ(FormatSize(16ULL << 20), "16 MiB");
+  EXPECT_EQ(FormatSize(512), "512 B");
+}
+
+}  // namespace
+}  // namespace gkv

@@ -1,0 +1,437 @@
+// Tier logic of the node cache. The GPU tier is backed by host memory here
+// (gpu_tier_in_host_memory), so every path runs without a GPU; tests labelled gpu cover the
+// real device arena.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <map>
+#include <thread>
+
+#include "gkv/cache/tiered_cache.h"
+#include "gkv/hash.h"
+#include "gkv/random.h"
+#include "test_util.h"
+
+namespace gkv {
+namespace {
+
+constexpr uint64_t kKiB = 1024;
+
+CacheOptions SmallOptions(const std::string& disk, uint64_t gpu, uint64_t host, uint64_t dsk) {
+  CacheOptions o;
+  o.gpu_capacity = gpu;
+  o.gpu_tier_in_host_memory = true;
+  o.host_capacity = host;
+  o.host_mode = MemoryArena::HostMode::kPageable;
+  o.disk_path = disk;
+  o.disk_capacity = dsk;
+  o.promotion_window = std::chrono::milliseconds(60'000);
+  return o;
+}
+
+std::unique_ptr<TieredCache> MustOpen(const CacheOptions& o) {
+  auto r = TieredCache::Open(o);
+  EXPECT_TRUE(r.ok()) << r.status().ToString();
+  return r.ok() ? std::move(*r) : nullptr;
+}
+
+Tier TierOf(TieredCache& c, const std::string& key) {
+  auto st = c.Stat(key);
+  EXPECT_TRUE(st.ok()) << key << ": " << st.status().ToString();
+  return st.ok() ? st->tier : Tier::kDisk;
+}
+
+std::string ValueFor(Random& rng, size_t size) {
+  std::string v(size, '\0');
+  rng.Fill(v.data(), size);
+  return v;
+}
+
+TEST(TieredCacheTest, PutLandsInHighestTierWithRoom) {
+  testing::TempDir dir;
+  auto c = MustOpen(SmallOptions(dir.path(), 64 * kKiB, 256 * kKiB, 4 << 20));
+  ASSERT_TRUE(c);
+  std::string v(1000, 'a');
+  ASSERT_TRUE(c->Put("small", v.data(), v.size()).ok());
+  EXPECT_EQ(TierOf(*c, "small"), Tier::kGpu);
+  // Bigger than the GPU tier, fits the host tier.
+  std::string big(100 * kKiB, 'b');
+  ASSERT_TRUE(c->Put("big", big.data(), big.size()).ok());
+  EXPECT_EQ(TierOf(*c, "big"), Tier::kHost);
+  // Bigger than both memory tiers: straight to disk.
+  std::string huge(1 << 20, 'c');
+  ASSERT_TRUE(c->Put("huge", huge.data(), huge.size()).ok());
+  EXPECT_EQ(TierOf(*c, "huge"), Tier::kDisk);
+  std::string out;
+  ASSERT_TRUE(c->Get("huge", &out).ok());
+  EXPECT_EQ(out, huge);
+}
+
+TEST(TieredCacheTest, EvictionOrderIsLeastRecentlyUsed) {
+  testing::TempDir dir;
+  // Four 16 KiB objects fill the GPU tier exactly.
+  auto c = MustOpen(SmallOptions(dir.path(), 64 * kKiB, 1 << 20, 8 << 20));
+  ASSERT_TRUE(c);
+  std::string v(16 * kKiB, 'x');
+  for (int i = 0; i < 4; ++i) ASSERT_TRUE(c->Put("k" + std::to_string(i), v.data(), v.size()).ok());
+  std::string out;
+  ASSERT_TRUE(c->Get("k0", &out).ok());  // k0 is now the most recent; k1 the least
+  ASSERT_TRUE(c->Put("k4", v.data(), v.size()).ok());
+  EXPECT_EQ(TierOf(*c, "k1"), Tier::kHost);
+  for (const char* k : {"k0", "k2", "k3", "k4"}) EXPECT_EQ(TierOf(*c, k), Tier::kGpu) << k;
+  ASSERT_TRUE(c->Put("k5", v.data(), v.size()).ok());
+  EXPECT_EQ(TierOf(*c, "k2"), Tier::kHost);
+  auto st = c->GetStats();
+  EXPECT_EQ(st.moves[0][1], 2u);
+}
+
+TEST(TieredCacheTest, HostTierSpillsToDisk) {
+  testing::TempDir dir;
+  auto c = MustOpen(SmallOptions(dir.path(), 0, 64 * kKiB, 8 << 20));
+  ASSERT_TRUE(c);
+  std::string v(16 * kKiB, 'x');
+  for (int i = 0; i < 6; ++i) ASSERT_TRUE(c->Put("k" + std::to_string(i), v.data(), v.size()).ok());
+  EXPECT_EQ(TierOf(*c, "k0"), Tier::kDisk);
+  EXPECT_EQ(TierOf(*c, "k1"), Tier::kDisk);
+  EXPECT_EQ(TierOf(*c, "k5"), Tier::kHost);
+  EXPECT_EQ(c->GetStats().moves[1][2], 2u);
+}
+
+TEST(TieredCacheTest, SpillAndPromotionKeepBytesIdentical) {
+  testing::TempDir dir;
+  auto c = MustOpen(SmallOptions(dir.path(), 256 * kKiB, 512 * kKiB, 64 << 20));
+  ASSERT_TRUE(c);
+  Random rng(testing::TestSeed());
+  std::map<std::string, std::string> expect;
+  for (int i = 0; i < 120; ++i) {
+    std::string key = "obj/" + std::to_string(i);
+    expect[key] = ValueFor(rng, rng.Uniform(0, 40 * kKiB));
+    ASSERT_TRUE(c->Put(key, expect[key].data(), expect[key].size()).ok());
+  }
+  auto st = c->GetStats();
+  ASSERT_GT(st.moves[0][1], 0u);
+  ASSERT_GT(st.moves[1][2], 0u);
+  // Read everything twice: the second read of a lower-tier object promotes it, which evicts
+  // others; every byte must survive every move.
+  for (int round = 0; round < 3; ++round) {
+    for (auto& [key, value] : expect) {
+      std::string out;
+      auto info = c->Get(key, &out);
+      ASSERT_TRUE(info.ok()) << key << ": " << info.status().ToString();
+      ASSERT_EQ(out.size(), value.size()) << key;
+      ASSERT_EQ(HashBytes(out.data(), out.size(), 1), HashBytes(value.data(), value.size(), 1))
+          << key << " round " << round;
+      ASSERT_EQ(out, value) << key;
+    }
+  }
+  st = c->GetStats();
+  EXPECT_GT(st.moves[2][0] + st.moves[2][1], 0u) << "disk objects were never promoted";
+}
+
+TEST(TieredCacheTest, PromotionNeedsASecondReadWithinTheWindow) {
+  testing::TempDir dir;
+  auto o = SmallOptions(dir.path(), 0, 64 * kKiB, 8 << 20);
+  auto c = MustOpen(o);
+  ASSERT_TRUE(c);
+  std::string v(16 * kKiB, 'p');
+  for (int i = 0; i < 5; ++i) ASSERT_TRUE(c->Put("k" + std::to_string(i), v.data(), v.size()).ok());
+  ASSERT_EQ(TierOf(*c, "k0"), Tier::kDisk);
+  std::string out;
+  ASSERT_TRUE(c->Get("k0", &out).ok());
+  EXPECT_EQ(TierOf(*c, "k0"), Tier::kDisk) << "one read must not promote (scan resistance)";
+  auto info = c->Get("k0", &out);
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->tier, Tier::kDisk);  // served from disk, then moved up
+  EXPECT_EQ(TierOf(*c, "k0"), Tier::kHost);
+  EXPECT_EQ(out, v);
+
+  // With a zero window the second read comes too late.
+  testing::TempDir dir2;
+  o = SmallOptions(dir2.path(), 0, 64 * kKiB, 8 << 20);
+  o.promotion_window = std::chrono::milliseconds(0);
+  auto c2 = MustOpen(o);
+  ASSERT_TRUE(c2);
+  for (int i = 0; i < 5; ++i) ASSERT_TRUE(c2->Put("k" + std::to_string(i), v.data(), v.size()).ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  ASSERT_TRUE(c2->Get("k0", &out).ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  ASSERT_TRUE(c2->Get("k0", &out).ok());
+  EXPECT_EQ(TierOf(*c2, "k0"), Tier::kDisk);
+}
+
+TEST(TieredCacheTest, ScanDoesNotFlushTheHotSet) {
+  testing::TempDir dir;
+  auto c = MustOpen(SmallOptions(dir.path(), 0, 64 * kKiB, 16 << 20));
+  ASSERT_TRUE(c);
+  std::string v(16 * kKiB, 's');
+  for (int i = 0; i < 40; ++i) ASSERT_TRUE(c->Put("cold" + std::to_string(i), v.data(), v.size()).ok());
+  for (int i = 0; i < 4; ++i) ASSERT_TRUE(c->Put("hot" + std::to_string(i), v.data(), v.size()).ok());
+  std::string out;
+  for (int i = 0; i < 40; ++i) ASSERT_TRUE(c->Get("cold" + std::to_string(i), &out).ok());
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(TierOf(*c, "hot" + std::to_string(i)), Tier::kHost);
+}
+
+TEST(TieredCacheTest, PinnedEntriesAreNeverMovedOrFreed) {
+  testing::TempDir dir;
+  auto c = MustOpen(SmallOptions(dir.path(), 64 * kKiB, 64 * kKiB, 8 << 20));
+  ASSERT_TRUE(c);
+  Random rng(testing::TestSeed());
+  std::string pinned_value = ValueFor(rng, 16 * kKiB);
+  ASSERT_TRUE(c->Put("pinned", pinned_value.data(), pinned_value.size()).ok());
+  auto handle = c->Acquire("pinned");
+  ASSERT_TRUE(handle.ok());
+  const std::byte* where = handle->data();
+  // Overwrite the tier many times over, and replace and delete the key itself.
+  for (int i = 0; i < 40; ++i) {
+    std::string v = ValueFor(rng, 16 * kKiB);
+    ASSERT_TRUE(c->Put("other" + std::to_string(i), v.data(), v.size()).ok());
+  }
+  EXPECT_EQ(TierOf(*c, "pinned"), Tier::kGpu);
+  std::string newer(8, 'n');
+  ASSERT_TRUE(c->Put("pinned", newer.data(), newer.size()).ok());
+  ASSERT_TRUE(c->Delete("pinned").ok());
+  for (int i = 40; i < 60; ++i) {
+    std::string v = ValueFor(rng, 16 * kKiB);
+    ASSERT_TRUE(c->Put("other" + std::to_string(i), v.data(), v.size()).ok());
+  }
+  EXPECT_EQ(handle->data(), where);
+  EXPECT_EQ(0, std::memcmp(handle->data(), pinned_value.data(), pinned_value.size()));
+  uint64_t used_before = c->GetStats().tiers[0].used_bytes;
+  *handle = ReadHandle();  // release: the old block is freed now
+  EXPECT_LT(c->GetStats().tiers[0].used_bytes, used_before);
+}
+
+TEST(TieredCacheTest, FullyPinnedTierSendsPutsToTheNextTier) {
+  testing::TempDir dir;
+  auto c = MustOpen(SmallOptions("", 32 * kKiB, 64 * kKiB, 0));
+  ASSERT_TRUE(c);
+  std::string v(16 * kKiB, 'q');
+  std::vector<ReadHandle> pins;
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_TRUE(c->Put("g" + std::to_string(i), v.data(), v.size()).ok());
+    pins.push_back(std::move(*c->Acquire("g" + std::to_string(i))));
+  }
+  ASSERT_TRUE(c->Put("next", v.data(), v.size()).ok());
+  EXPECT_EQ(TierOf(*c, "next"), Tier::kHost);
+  for (int i = 0; i < 2; ++i) EXPECT_EQ(TierOf(*c, "g" + std::to_string(i)), Tier::kGpu);
+}
+
+TEST(TieredCacheTest, CapacitiesHoldUnderConcurrentPutGetDelete) {
+  testing::TempDir dir;
+  const uint64_t gpu = 256 * kKiB, host = 512 * kKiB, disk = 4 << 20;
+  auto c = MustOpen(SmallOptions(dir.path(), gpu, host, disk));
+  ASSERT_TRUE(c);
+  const uint64_t seed = testing::TestSeed();
+  std::atomic<bool> failed{false};
+  std::atomic<uint64_t> reads_ok{0};
+  auto worker = [&](int t) {
+    Random rng(seed + t);
+    for (int i = 0; i < 1500 && !failed; ++i) {
+      std::string key = "k" + std::to_string(rng.Uniform(0, 199));
+      uint64_t op = rng.Uniform(0, 9);
+      if (op < 4) {
+        // The value carries its own check: 8 bytes of hash of the rest.
+        std::string v = ValueFor(rng, rng.Uniform(8, 24 * kKiB));
+        uint64_t h = HashBytes(v.data() + 8, v.size() - 8, 0);
+        std::memcpy(v.data(), &h, 8);
+        auto r = c->Put(key, v.data(), v.size(), {}, rng.Uniform(0, 9) == 0);
+        if (!r.ok() && r.status().code() != StatusCode::kNoSpace) {
+          ADD_FAILURE() << r.status().ToString();
+          failed = true;
+        }
+      } else if (op < 9) {
+        std::string out;
+        auto r = c->Get(key, &out);
+        if (r.ok()) {
+          uint64_t h;
+          std::memcpy(&h, out.data(), 8);
+          if (h != HashBytes(out.data() + 8, out.size() - 8, 0)) {
+            ADD_FAILURE() << "corrupt value for " << key;
+            failed = true;
+          }
+          reads_ok++;
+        } else if (!r.status().IsNotFound()) {
+          ADD_FAILURE() << r.status().ToString();
+          failed = true;
+        }
+      } else {
+        Status s = c->Delete(key);
+        if (!s.ok() && !s.IsNotFound()) {
+          ADD_FAILURE() << s.ToString();
+          failed = true;
+        }
+      }
+      if (i % 100 == 0) {
+        auto st = c->GetStats();
+        if (st.tiers[0].used_bytes > gpu || st.tiers[1].used_bytes > host ||
+            st.tiers[2].used_bytes > disk) {
+          ADD_FAILURE() << "capacity exceeded";
+          failed = true;
+        }
+      }
+    }
+  };
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) threads.emplace_back(worker, t);
+  for (auto& th : threads) th.join();
+  EXPECT_FALSE(failed);
+  EXPECT_GT(reads_ok, 0u);
+  auto st = c->GetStats();
+  EXPECT_LE(st.tiers[0].used_bytes, gpu);
+  EXPECT_LE(st.tiers[1].used_bytes, host);
+  EXPECT_LE(st.tiers[2].used_bytes, disk);
+}
+
+TEST(TieredCacheTest, DurableAndSpilledEntriesSurviveReopen) {
+  testing::TempDir dir;
+  Random rng(testing::TestSeed());
+  std::map<std::string, std::string> durable, spilled;
+  {
+    auto c = MustOpen(SmallOptions(dir.path(), 0, 64 * kKiB, 32 << 20));
+    ASSERT_TRUE(c);
+    for (int i = 0; i < 10; ++i) {
+      std::string key = "durable/" + std::to_string(i);
+      durable[key] = ValueFor(rng, 10 * kKiB);
+      ASSERT_TRUE(c->Put(key, durable[key].data(), durable[key].size(),
+                         TensorMeta{DType::kU8, {10, 1024}}, true).ok());
+    }
+    for (int i = 0; i < 20; ++i) {
+      std::string key = "plain/" + std::to_string(i);
+      std::string v = ValueFor(rng, 12 * kKiB);
+      ASSERT_TRUE(c->Put(key, v.data(), v.size()).ok());
+      spilled[key] = v;
+    }
+    EXPECT_GT(c->GetStats().durable_writes, 9u);
+    // Only what actually went to disk counts as spilled.
+    for (auto it = spilled.begin(); it != spilled.end();) {
+      auto st = c->Stat(it->first);
+      it = (st.ok() && st->tier == Tier::kDisk) ? std::next(it) : spilled.erase(it);
+    }
+    ASSERT_FALSE(spilled.empty());
+  }
+  auto c = MustOpen(SmallOptions(dir.path(), 0, 64 * kKiB, 32 << 20));
+  ASSERT_TRUE(c);
+  for (auto* group : {&durable, &spilled}) {
+    for (auto& [key, value] : *group) {
+      std::string out;
+      auto info = c->Get(key, &out);
+      ASSERT_TRUE(info.ok()) << key << ": " << info.status().ToString();
+      EXPECT_EQ(out, value) << key;
+    }
+  }
+  EXPECT_EQ(c->Stat("durable/3")->tensor, (TensorMeta{DType::kU8, {10, 1024}}));
+}
+
+TEST(TieredCacheTest, FlushWritesBackMemoryEntries) {
+  testing::TempDir dir;
+  std::string v(1000, 'f');
+  {
+    auto c = MustOpen(SmallOptions(dir.path(), 64 * kKiB, 64 * kKiB, 8 << 20));
+    ASSERT_TRUE(c);
+    ASSERT_TRUE(c->Put("in-gpu", v.data(), v.size()).ok());
+    ASSERT_TRUE(c->Flush().ok());
+    EXPECT_TRUE(c->Stat("in-gpu")->on_disk);
+  }
+  auto c = MustOpen(SmallOptions(dir.path(), 64 * kKiB, 64 * kKiB, 8 << 20));
+  std::string out;
+  ASSERT_TRUE(c->Get("in-gpu", &out).ok());
+  EXPECT_EQ(out, v);
+}
+
+TEST(TieredCacheTest, OverwrittenDurableValueIsNotServedAfterRestart) {
+  testing::TempDir dir;
+  {
+    auto c = MustOpen(SmallOptions(dir.path(), 0, 64 * kKiB, 8 << 20));
+    ASSERT_TRUE(c);
+    ASSERT_TRUE(c->Put("k", "old", 3, {}, true).ok());
+    ASSERT_TRUE(c->Put("k", "new", 3, {}, false).ok());
+    std::string out;
+    ASSERT_TRUE(c->Get("k", &out).ok());
+    EXPECT_EQ(out, "new");
+  }
+  auto c = MustOpen(SmallOptions(dir.path(), 0, 64 * kKiB, 8 << 20));
+  std::string out;
+  EXPECT_TRUE(c->Get("k", &out).status().IsNotFound()) << "stale value came back: " << out;
+}
+
+TEST(TieredCacheTest, DeleteRemovesEveryCopy) {
+  testing::TempDir dir;
+  {
+    auto c = MustOpen(SmallOptions(dir.path(), 0, 64 * kKiB, 8 << 20));
+    ASSERT_TRUE(c);
+    ASSERT_TRUE(c->Put("k", "v", 1, {}, true).ok());
+    ASSERT_TRUE(c->Delete("k").ok());
+    EXPECT_TRUE(c->Delete("k").IsNotFound());
+    std::string out;
+    EXPECT_TRUE(c->Get("k", &out).status().IsNotFound());
+  }
+  auto c = MustOpen(SmallOptions(dir.path(), 0, 64 * kKiB, 8 << 20));
+  EXPECT_TRUE(c->Stat("k").status().IsNotFound());
+}
+
+TEST(TieredCacheTest, InvalidTensorMetadataIsRefused) {
+  auto c = MustOpen(SmallOptions("", 0, 64 * kKiB, 0));
+  ASSERT_TRUE(c);
+  std::string v(24, 't');
+  EXPECT_EQ(c->Put("t", v.data(), v.size(), TensorMeta{DType::kF32, {2, 2}}).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(c->Put("t", v.data(), v.size(), TensorMeta{DType::kRaw, {24}}).status().code(),
+            StatusCode::kInvalidArgument);
+  auto ok = c->Put("t", v.data(), v.size(), TensorMeta{DType::kF32, {2, 3}});
+  ASSERT_TRUE(ok.ok());
+  EXPECT_EQ(c->Stat("t")->tensor, (TensorMeta{DType::kF32, {2, 3}}));
+}
+
+TEST(TieredCacheTest, OversizeObjectsAndKeysAreRefused) {
+  testing::TempDir dir;
+  auto c = MustOpen(SmallOptions(dir.path(), 16 * kKiB, 32 * kKiB, 64 * kKiB));
+  ASSERT_TRUE(c);
+  std::string v(128 * kKiB, 'o');
+  auto r = c->Put("too-big", v.data(), v.size());
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kNoSpace);
+  EXPECT_NE(r.status().message().find("larger than every tier"), std::string_view::npos);
+  std::string long_key(2000, 'k');
+  EXPECT_EQ(c->Put(long_key, "v", 1).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(c->Put("", "v", 1).status().code(), StatusCode::kInvalidArgument);
+  std::string out;
+  EXPECT_TRUE(c->Get("too-big", &out).status().IsNotFound());
+}
+
+TEST(TieredCacheTest, ZeroByteObjectsRoundTrip) {
+  auto c = MustOpen(SmallOptions("", 16 * kKiB, 0, 0));
+  ASSERT_TRUE(c);
+  ASSERT_TRUE(c->Put("empty", nullptr, 0).ok());
+  std::string out = "junk";
+  auto info = c->Get("empty", &out);
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(out.size(), 0u);
+}
+
+TEST(TieredCacheTest, NoDiskTierDropsColdObjects) {
+  auto c = MustOpen(SmallOptions("", 0, 64 * kKiB, 0));
+  ASSERT_TRUE(c);
+  std::string v(16 * kKiB, 'd');
+  for (int i = 0; i < 8; ++i) ASSERT_TRUE(c->Put("k" + std::to_string(i), v.data(), v.size()).ok());
+  EXPECT_TRUE(c->Stat("k0").status().IsNotFound());
+  EXPECT_TRUE(c->Stat("k7").ok());
+  EXPECT_EQ(c->GetStats().dropped, 4u);
+  EXPECT_EQ(c->Put("d", "x", 1, {}, true).status().code(), StatusCode::kNotSupported);
+}
+
+TEST(TieredCacheTest, GpuTierIsOffWithAReasonWithoutAGpu) {
+  if (ProbeCuda().usable) GTEST_SKIP() << "a GPU is present; covered by the gpu tests";
+  CacheOptions o;
+  o.gpu_capacity = 1 << 20;
+  o.host_capacity = 1 << 20;
+  o.host_mode = MemoryArena::HostMode::kPageable;
+  auto c = MustOpen(o);
+  ASSERT_TRUE(c);
+  EXPECT_FALSE(c->tier_enabled(Tier::kGpu));
+  EXPECT_FALSE(c->gpu_tier_note().empty());
+  ASSERT_TRUE(c->Put("k", "v", 1).ok());
+  EXPECT_EQ(TierOf(*c, "k"), Tier::kHost);
+}
+
+}  // namespace
+}  // namespace gkv
