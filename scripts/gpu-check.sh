@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# GPU check in two halves, because the GPU machine has no compiler, no packages and no network.
+#
+#   scripts/gpu-check.sh prepare   here: build with CUDA (static runtime), collect the binaries
+#                                  and every shared library they need (from the installed Debian
+#                                  packages, found with ldd) into gpu-bundle/ (ignored by git).
+#   scripts/gpu-check.sh run       there: run the gpu-labelled tests, the whole unit suite, and the
+#                                  storage benchmarks (GPU tier next to cudaMemcpy), writing
+#                                  everything under $OUT (or ./gpu-results).
+#
+# With the device tool: prepare here, then run with carry=["gpu-bundle"] and the command
+# `scripts/gpu-check.sh run`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BUNDLE=gpu-bundle
+
+prepare() {
+  GKV_BUILD_DIR=build-gpu scripts/build.sh -DGKV_WITH_CUDA=ON -DCMAKE_BUILD_TYPE=Release
+  rm -rf "$BUNDLE"
+  mkdir -p "$BUNDLE/bin" "$BUNDLE/lib"
+  local bins=(build-gpu/bin/*)
+  cp "${bins[@]}" "$BUNDLE/bin/"
+  strip --strip-debug "$BUNDLE"/bin/* 2>/dev/null || true
+  # Every resolved shared library except glibc's own (the GPU machine's glibc is used).
+  for b in "${bins[@]}"; do ldd "$b"; done | awk '/=> \//{print $3}' | sort -u | while read -r lib; do
+    case "$(basename "$lib")" in
+      libc.so*|libm.so*|libpthread.so*|libdl.so*|librt.so*|ld-linux*|libcuda.so*) ;;
+      *) cp -L "$lib" "$BUNDLE/lib/" ;;
+    esac
+  done
+  strip --strip-unneeded "$BUNDLE"/lib/* 2>/dev/null || true
+  # UCX loads its transports as modules at run time; ship them too.
+  if [ -d /usr/lib/x86_64-linux-gnu/ucx ]; then
+    cp -rL /usr/lib/x86_64-linux-gnu/ucx "$BUNDLE/lib/ucx"
+  fi
+  du -sh "$BUNDLE"
+}
+
+run() {
+  local out=${OUT:-$PWD/gpu-results}
+  mkdir -p "$out"
+  export LD_LIBRARY_PATH="$PWD/$BUNDLE/lib:${LD_LIBRARY_PATH:-}"
+  [ -d "$BUNDLE/lib/ucx" ] && export UCX_MODULE_DIR="$PWD/$BUNDLE/lib/ucx"
+  {
+    echo "== nvidia-smi"; nvidia-smi || true
+    echo "== date"; date -u
+  } > "$out/machine.txt" 2>&1
+  local rc=0
+  "$BUNDLE/bin/gpu_test" --gtest_output=json:"$out/gpu_test.json" 2>&1 | tee "$out/gpu_test.txt" || rc=1
+  for t in common_test storage_test cache_test; do
+    "$BUNDLE/bin/$t" 2>&1 | tail -n 3 | tee -a "$out/unit_tests.txt" || rc=1
+  done
+  "$BUNDLE/bin/gkv-storage-bench" --benchmark_min_time=0.2 \
+    --benchmark_out="$out/storage_bench.json" --benchmark_out_format=json 2>&1 |
+    tee "$out/storage_bench.txt" || rc=1
+  return $rc
+}
+
+case "${1:-}" in
+  prepare) prepare ;;
+  run) run ;;
+  *) echo "usage: scripts/gpu-check.sh prepare|run" >&2; exit 2 ;;
+esac
