@@ -21,7 +21,7 @@
 
 #include "gkv/cache/tiered_cache.h"
 #include "gkv/random.h"
-#include "gkv/storage/cuda.h"
+#include "gkv/cuda.h"
 #include "gkv/storage/memory_arena.h"
 #include "gkv/storage/range_allocator.h"
 

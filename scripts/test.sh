@@ -22,7 +22,7 @@ esac
 scripts/build.sh -DGKV_SANITIZE="$SAN" -DGKV_BUILD_BENCH=OFF -DCMAKE_BUILD_TYPE=Debug
 export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
-export TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1}
+export TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/tests/tsan.supp}
 if [ "$SAN" = thread ]; then
   ctest --test-dir "$GKV_BUILD_DIR" --output-on-failure -j "$(nproc)" --timeout 600 -R Concurrent
 else

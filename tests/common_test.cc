@@ -138,3 +138,94 @@ TEST(SizeTest, ParsesBinaryAndDecimalSuffixes) {
 
 }  // namespace
 }  // namespace gkv
+
+#include "gkv/cluster.h"
+#include "gkv/random.h"
+
+namespace gkv {
+namespace {
+
+ClusterConfig ThreeNodes() {
+  auto c = ParseClusterYaml(R"(
+nodes:
+  - {id: a, address: 127.0.0.1:7000, weight: 1}
+  - {id: b, address: 127.0.0.1:7001, weight: 2}
+  - {id: c, address: "127.0.0.1:7002"}
+)");
+  EXPECT_TRUE(c.ok()) << c.status().ToString();
+  return *c;
+}
+
+TEST(ClusterTest, ParsesNodesWeightsAndDefaults) {
+  ClusterConfig c = ThreeNodes();
+  ASSERT_EQ(c.nodes.size(), 3u);
+  EXPECT_EQ(c.nodes[1].weight, 2.0);
+  EXPECT_EQ(c.nodes[2].weight, 1.0);
+  EXPECT_EQ(c.nodes[2].port, 7002);
+  EXPECT_EQ(c.FindNode("b"), 1);
+  EXPECT_TRUE(c.secret.empty());
+}
+
+TEST(ClusterTest, RefusesBadFiles) {
+  EXPECT_FALSE(ParseClusterYaml("nodes: []").ok());
+  EXPECT_FALSE(ParseClusterYaml("nodes: [{id: a}]").ok());
+  EXPECT_FALSE(ParseClusterYaml("nodes: [{id: a, address: 'x:0'}]").ok());
+  EXPECT_FALSE(ParseClusterYaml("nodes: [{id: a, address: 'x:1', weight: -1}]").ok());
+  EXPECT_FALSE(ParseClusterYaml("nodes: [{id: a, address: 'x:1'}, {id: a, address: 'x:2'}]").ok());
+  EXPECT_FALSE(ParseClusterYaml("{{{").ok());
+  EXPECT_FALSE(LoadClusterFile("/nonexistent/cluster.yaml").ok());
+}
+
+TEST(HashRingTest, SharesFollowWeightsWithinFivePercent) {
+  ClusterConfig c = ThreeNodes();
+  HashRing ring(c.nodes);
+  std::vector<int> counts(3, 0);
+  const int n = 1'000'000;
+  for (int i = 0; i < n; ++i) counts[ring.NodeFor("key:" + std::to_string(i))]++;
+  const double total_weight = 4.0;
+  for (int i = 0; i < 3; ++i) {
+    double expected = c.nodes[i].weight / total_weight;
+    double got = static_cast<double>(counts[i]) / n;
+    EXPECT_NEAR(got / expected, 1.0, 0.05) << "node " << c.nodes[i].id << " got " << got;
+  }
+}
+
+TEST(HashRingTest, RemovingANodeMovesOnlyItsKeys) {
+  std::vector<NodeInfo> nodes;
+  for (int i = 0; i < 5; ++i) {
+    nodes.push_back({"n" + std::to_string(i), "127.0.0.1", uint16_t(7000 + i), 1.0});
+  }
+  HashRing before(nodes);
+  std::vector<NodeInfo> fewer = nodes;
+  fewer.erase(fewer.begin() + 2);
+  HashRing after(fewer);
+  int moved_from_others = 0, moved_from_removed = 0;
+  for (int i = 0; i < 200'000; ++i) {
+    std::string key = "k" + std::to_string(i);
+    const std::string& was = nodes[before.NodeFor(key)].id;
+    const std::string& now = fewer[after.NodeFor(key)].id;
+    if (was == "n2") moved_from_removed++;
+    else if (was != now) moved_from_others++;
+  }
+  EXPECT_EQ(moved_from_others, 0);
+  EXPECT_GT(moved_from_removed, 0);
+}
+
+TEST(HashRingTest, NodesForGivesDistinctNodesOwnerFirst) {
+  ClusterConfig c = ThreeNodes();
+  HashRing ring(c.nodes);
+  for (int i = 0; i < 1000; ++i) {
+    std::string key = "r" + std::to_string(i);
+    auto nodes = ring.NodesFor(key, 5);
+    ASSERT_EQ(nodes.size(), 3u);
+    EXPECT_EQ(nodes[0], ring.NodeFor(key));
+    EXPECT_NE(nodes[0], nodes[1]);
+    EXPECT_NE(nodes[1], nodes[2]);
+    EXPECT_NE(nodes[0], nodes[2]);
+  }
+  auto shares = ring.Shares();
+  EXPECT_NEAR(shares[0] + shares[1] + shares[2], 1.0, 1e-9);
+}
+
+}  // namespace
+}  // namespace gkv

@@ -4,7 +4,7 @@
 
 #include "gkv/cache/tiered_cache.h"
 #include "gkv/random.h"
-#include "gkv/storage/cuda.h"
+#include "gkv/cuda.h"
 #include "gkv/storage/memory_arena.h"
 #include "test_util.h"
 

@@ -36,7 +36,7 @@
 #include <vector>
 
 #include "gkv/status.h"
-#include "gkv/storage/cuda.h"
+#include "gkv/cuda.h"
 #include "gkv/storage/memory_arena.h"
 #include "gkv/tensor.h"
 

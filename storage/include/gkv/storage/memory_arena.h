@@ -12,7 +12,7 @@
 #include <memory>
 
 #include "gkv/status.h"
-#include "gkv/storage/cuda.h"
+#include "gkv/cuda.h"
 #include "gkv/storage/range_allocator.h"
 
 namespace gkv {

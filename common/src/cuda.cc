@@ -1,4 +1,4 @@
-#include "gkv/storage/cuda.h"
+#include "gkv/cuda.h"
 
 #include <mutex>
 

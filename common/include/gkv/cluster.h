@@ -1,0 +1,74 @@
+// Cluster membership and the consistent-hash ring, shared by clients, servers and tools.
+//
+// Cluster file (YAML):
+//   nodes:
+//     - {id: n0, address: 127.0.0.1:7000, weight: 2}
+//     - {id: n1, address: 127.0.0.1:7001}          # weight defaults to 1
+//   secret: ...        # optional shared secret (or secret_env: NAME to read it from the env)
+//
+// HashRing: xxHash3 positions, `vnodes_per_weight * weight` virtual nodes per node, so a node's
+// share of the key space follows its weight (set it from the node's memory). A key belongs to
+// the first virtual node clockwise from HashKey(key). Removing a node moves only its own keys.
+// Thread-safety: immutable after construction; share freely.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "gkv/status.h"
+
+namespace gkv {
+
+struct NodeInfo {
+  std::string id;
+  std::string host;
+  uint16_t port = 0;
+  double weight = 1.0;
+  std::string address() const { return host + ":" + std::to_string(port); }
+};
+
+struct ClusterConfig {
+  std::vector<NodeInfo> nodes;
+  std::string secret;  // empty: no access control
+
+  // Index into nodes, or -1.
+  int FindNode(std::string_view id) const;
+};
+
+Result<ClusterConfig> ParseClusterYaml(std::string_view yaml);
+Result<ClusterConfig> LoadClusterFile(const std::string& path);
+// "host:port" (IPv4 or a name; "[v6]:port" for IPv6).
+Status ParseAddress(std::string_view address, std::string* host, uint16_t* port);
+
+class HashRing {
+ public:
+  static constexpr int kDefaultVnodesPerWeight = 1024;
+
+  explicit HashRing(const std::vector<NodeInfo>& nodes,
+                    int vnodes_per_weight = kDefaultVnodesPerWeight);
+
+  // Index (into the node list given at construction) of the node owning `key`.
+  // REQUIRES: at least one node.
+  int NodeFor(std::string_view key) const;
+  // Up to `count` distinct nodes clockwise from the key's position, the owner first.
+  std::vector<int> NodesFor(std::string_view key, int count) const;
+  int node_count() const { return node_count_; }
+  // Fraction of the 64-bit hash space each node owns.
+  std::vector<double> Shares() const;
+
+ private:
+  struct Point {
+    uint64_t position;
+    int node;
+    bool operator<(const Point& o) const {
+      return position < o.position || (position == o.position && node < o.node);
+    }
+  };
+  size_t Find(uint64_t hash) const;
+  std::vector<Point> points_;
+  int node_count_ = 0;
+};
+
+}  // namespace gkv
