@@ -227,10 +227,20 @@ struct TieredCache::Impl {
         s = Copy(staging.data(), MemoryKind::kHost, src, MemoryKind::kDevice, e->size);
         src = reinterpret_cast<const std::byte*>(staging.data());
       }
-      if (s.ok()) s = disk->Put(key, meta, src, /*sync=*/false, &evicted);
+      bool written = false;
+      if (s.ok()) s = disk->Put(key, meta, src, /*sync=*/false, &evicted, &written);
       lock.lock();
       QueueDiskEvictions(evicted);
       Unpin(e);
+      if (s.ok() && !written) {
+        // A newer version of the key is already on disk: this one is superseded, drop it.
+        if (e->live && e->tier == from && e->pins == 0) {
+          counters.dropped++;
+          RemoveFromIndexLater(e);
+          Kill(e);
+        }
+        return;
+      }
       if (s.ok()) {
         if (!e->live) {
           // Deleted or replaced while being written: the disk copy is stale.
@@ -558,8 +568,10 @@ Result<uint64_t> TieredCache::Commit(WriteHandle h, bool durable) {
     }
     std::vector<DiskEviction> evicted;
     StoredObjectMeta meta{e->size, e->version, e->tensor};
-    GKV_RETURN_IF_ERROR(I.disk->Put(e->key, meta, src, durable, &evicted));
-    e->on_disk = true;
+    bool written = false;
+    GKV_RETURN_IF_ERROR(I.disk->Put(e->key, meta, src, durable, &evicted, &written));
+    // Not written means a newer version is already on disk; this commit will be superseded.
+    e->on_disk = written;
     std::lock_guard<std::mutex> lock(I.mu);
     if (durable) I.counters.durable_writes++;
     I.QueueDiskEvictions(evicted);
@@ -612,6 +624,7 @@ Result<uint64_t> TieredCache::Put(std::string_view key, const void* data, uint64
 
 Result<ReadHandle> TieredCache::Acquire(std::string_view key) {
   Impl& I = *impl_;
+  std::string retry_reason;
   for (int attempt = 0; attempt < 8; ++attempt) {
     std::shared_ptr<Entry> sp = I.Lookup(key);
     if (!sp) {
@@ -621,7 +634,10 @@ Result<ReadHandle> TieredCache::Acquire(std::string_view key) {
     }
     Entry* e = sp.get();
     std::unique_lock<std::mutex> lock(I.mu);
-    if (!e->live) continue;  // replaced or deleted meanwhile: look again
+    if (!e->live) {  // replaced or deleted meanwhile: look again
+      retry_reason = "replaced";
+      continue;
+    }
     const auto now = Clock::now();
     const bool promote = I.Admit(e, now) && I.TopMemoryTierFor(e->size) < e->tier;
 
@@ -646,6 +662,7 @@ Result<ReadHandle> TieredCache::Acquire(std::string_view key) {
         e->pins--;
         if (!e->live) {
           if (e->pins == 0) I.FreeMemory(e);
+          retry_reason = "replaced during promotion";
           continue;
         }
       }
@@ -670,8 +687,13 @@ Result<ReadHandle> TieredCache::Acquire(std::string_view key) {
     ReadHandle h;
     StoredObjectMeta meta;
     Status s = I.disk->Get(key, &meta, &h.owned_);
-    if (s.IsNotFound() || (s.ok() && meta.version != version)) {
-      // The disk tier dropped it (or a newer write is racing): look again from the index.
+    // A newer version on disk belongs to a put that is committing right now (it writes through
+    // before it publishes): serving it is correct, since that put overlaps this read.
+    if (s.IsNotFound() || (s.ok() && meta.version < version)) {
+      // The disk tier dropped it: look again from the index.
+      retry_reason = s.ok() ? "disk holds version " + std::to_string(meta.version) +
+                                  ", index " + std::to_string(version)
+                            : "dropped from disk";
       if (s.IsNotFound()) {
         Shard& sh = I.ShardFor(key);
         std::lock_guard<std::mutex> sl(sh.mu);
@@ -691,7 +713,7 @@ Result<ReadHandle> TieredCache::Acquire(std::string_view key) {
     h.kind_ = MemoryKind::kHost;
     h.info_ = ObjectInfo{meta.size, meta.version, meta.tensor, Tier::kDisk, true};
 
-    if (promote) {
+    if (promote && meta.version == version) {
       lock.lock();
       const Tier target = I.TopMemoryTierFor(e->size);
       MemoryArena* arena = nullptr;
@@ -716,7 +738,7 @@ Result<ReadHandle> TieredCache::Acquire(std::string_view key) {
     }
     return h;
   }
-  return Status::Aborted("key kept changing during the read; try again");
+  return Status::Aborted("key kept changing during the read (" + retry_reason + "); try again");
 }
 
 Result<ObjectInfo> TieredCache::GetInto(std::string_view key, void* dst, uint64_t dst_size,
@@ -799,9 +821,12 @@ Status TieredCache::Flush() {
       src = staging.data();
     }
     std::vector<DiskEviction> evicted;
-    if (s.ok()) s = I.disk->Put(e->key, {e->size, e->version, e->tensor}, src, false, &evicted);
+    bool written = false;
+    if (s.ok()) {
+      s = I.disk->Put(e->key, {e->size, e->version, e->tensor}, src, false, &evicted, &written);
+    }
     std::lock_guard<std::mutex> lock(I.mu);
-    if (s.ok()) e->on_disk = true;
+    if (s.ok() && written) e->on_disk = true;
     else if (first_error.ok()) first_error = s;
     I.QueueDiskEvictions(evicted);
     I.Unpin(e.get());

@@ -124,7 +124,8 @@ DiskTier::~DiskTier() {
 }
 
 Status DiskTier::Put(std::string_view key, const StoredObjectMeta& meta, const void* data,
-                     bool sync, std::vector<DiskEviction>* evicted) {
+                     bool sync, std::vector<DiskEviction>* evicted, bool* written) {
+  if (written) *written = false;
   const uint64_t bytes = meta.size + key.size();
   if (bytes > options_.capacity) {
     return Status::NoSpace("object of " + std::to_string(meta.size) +
@@ -139,6 +140,7 @@ Status DiskTier::Put(std::string_view key, const StoredObjectMeta& meta, const v
   if (s.ok()) {
     MetaRecord r;
     GKV_RETURN_IF_ERROR(DecodeMeta(old, &r));
+    if (r.meta.version > meta.version) return Status::OK();
     batch.Delete(handles_[kOrder], OrderKey(r.sequence));
     old_bytes = r.meta.size + key.size();
     existed = true;
@@ -153,6 +155,7 @@ Status DiskTier::Put(std::string_view key, const StoredObjectMeta& meta, const v
   rocksdb::WriteOptions wo;
   wo.sync = sync;
   GKV_RETURN_IF_ERROR(FromRocks(db_->Write(wo, &batch), "disk tier write"));
+  if (written) *written = true;
   used_bytes_ = used_bytes_ - old_bytes + bytes;
   if (!existed) object_count_++;
   if (used_bytes_ > options_.capacity) return EvictOldestLocked(key, evicted);

@@ -61,9 +61,11 @@ class DiskTier {
   DiskTier& operator=(const DiskTier&) = delete;
 
   // Stores (replacing) `key`. NoSpace if the object alone exceeds the capacity. Evicted objects
-  // are appended to `evicted` (may be null).
+  // are appended to `evicted` (may be null). A stored version newer than meta.version is kept:
+  // the call then writes nothing and sets *written (may be null) to false. Versions only grow,
+  // so a slow write of an old version can never overwrite a newer durable one.
   Status Put(std::string_view key, const StoredObjectMeta& meta, const void* data, bool sync,
-             std::vector<DiskEviction>* evicted);
+             std::vector<DiskEviction>* evicted, bool* written = nullptr);
   // NotFound if absent. `value` receives exactly meta->size bytes.
   Status Get(std::string_view key, StoredObjectMeta* meta, std::string* value) const;
   Status GetMeta(std::string_view key, StoredObjectMeta* meta) const;
