@@ -92,6 +92,12 @@ bool IsDevicePointer(const void* ptr) {
   return attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged;
 }
 
+Status CudaCopySync(void* dst, const void* src, size_t size) {
+  if (!ProbeCuda().usable) return Status::Unavailable(ProbeCuda().reason);
+  if (size == 0) return Status::OK();
+  return FromCuda(cudaMemcpy(dst, src, size, cudaMemcpyDefault), "cudaMemcpy");
+}
+
 Result<std::unique_ptr<DeviceCopier>> DeviceCopier::Create(int device) {
   if (!ProbeCuda().usable) return Status::Unavailable(ProbeCuda().reason);
   GKV_RETURN_IF_ERROR(FromCuda(cudaSetDevice(device), "cudaSetDevice"));
@@ -132,6 +138,7 @@ void CudaFreeDevice(int, void*) {}
 Result<void*> CudaMallocPinnedHost(size_t) { return Status::NotSupported(ProbeCuda().reason); }
 void CudaFreePinnedHost(void*) {}
 bool IsDevicePointer(const void*) { return false; }
+Status CudaCopySync(void*, const void*, size_t) { return Status::NotSupported(ProbeCuda().reason); }
 Result<std::unique_ptr<DeviceCopier>> DeviceCopier::Create(int) {
   return Status::NotSupported(ProbeCuda().reason);
 }

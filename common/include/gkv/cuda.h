@@ -35,6 +35,10 @@ void CudaFreePinnedHost(void* ptr);
 // memory, and always false without a usable GPU.
 bool IsDevicePointer(const void* ptr);
 
+// cudaMemcpy (default stream, synchronous) between any two memories; for occasional copies
+// outside the cache (staging in the transport and the client).
+Status CudaCopySync(void* dst, const void* src, size_t size);
+
 // Copies between any two memories on one CUDA stream owned by this object
 // (cudaMemcpyAsync + cudaStreamSynchronize). Thread-safe: calls are serialized on the stream.
 class DeviceCopier {

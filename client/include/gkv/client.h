@@ -1,0 +1,135 @@
+// gkv::Client: the C++ client of a gkv cluster.
+//
+// Keys map to nodes by consistent hashing (gkv/cluster.h) computed here, so a get costs one
+// round trip to the owning node. Values move with UCX straight between the server's tier and the
+// caller's buffer, host or CUDA device memory (device buffers go to UCX directly when UCX can
+// move device memory, through a pinned staging copy when it can't).
+//
+// Thread-safety: a Client is safe to use from many threads at once. Every call has a deadline
+// (per call, or ClientOptions::default_timeout) and returns Timeout or Unavailable instead of
+// hanging. A deadline that passes while bytes are still moving closes that node's connection
+// (the node is hung or overloaded), so the caller's buffer is never touched after the call
+// returns; the next call reconnects.
+// Ownership: buffers passed to Put/GetInto are borrowed for the duration of the call (for the
+// async forms: until the future is ready or the callback has run).
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <future>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "gkv/cluster.h"
+#include "gkv/status.h"
+#include "gkv/tensor.h"
+
+namespace gkv {
+
+struct ClientOptions {
+  std::string cluster_file;  // or fill `cluster` directly
+  ClusterConfig cluster;
+  std::chrono::milliseconds default_timeout{2000};
+};
+
+// Where a buffer lives. kAuto asks the CUDA runtime (host when no GPU is usable).
+enum class BufferMemory : uint8_t { kAuto, kHost, kDevice };
+
+struct PutOptions {
+  TensorMeta tensor;  // default: raw bytes
+  bool durable = false;
+  std::chrono::milliseconds timeout{0};  // 0: the client's default
+  BufferMemory memory = BufferMemory::kAuto;
+};
+
+struct GetOptions {
+  std::chrono::milliseconds timeout{0};
+  BufferMemory memory = BufferMemory::kAuto;  // of GetInto's destination
+};
+
+// What the server knows about a stored object.
+struct ValueInfo {
+  uint64_t size = 0;
+  uint64_t version = 0;
+  TensorMeta tensor;
+  std::string tier;  // "gpu", "host" or "disk": where the server held it when it answered
+  bool on_disk = false;
+};
+
+// An owned value in host memory.
+class Value {
+ public:
+  Value() = default;
+  const std::byte* data() const { return bytes_.get(); }
+  std::byte* mutable_data() { return bytes_.get(); }
+  size_t size() const { return info_.size; }
+  std::string_view view() const { return {reinterpret_cast<const char*>(data()), size()}; }
+  const ValueInfo& info() const { return info_; }
+
+ private:
+  friend class Client;
+  std::unique_ptr<std::byte[]> bytes_;
+  ValueInfo info_;
+};
+
+struct PutItem {
+  std::string key;
+  const void* data = nullptr;
+  size_t size = 0;
+  TensorMeta tensor;
+};
+
+class Client {
+ public:
+  static Result<std::unique_ptr<Client>> Open(const ClientOptions& options);
+  ~Client();  // fails whatever is still pending with Aborted, then disconnects
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
+  // Stores `size` bytes (host or device memory) under `key`; returns the new version.
+  Result<uint64_t> Put(std::string_view key, const void* data, size_t size,
+                       const PutOptions& options = {});
+  Result<Value> Get(std::string_view key, const GetOptions& options = {});
+  // Receives the value into `dst` (host or device). InvalidArgument if it holds fewer than the
+  // value's bytes (nothing is written then).
+  Result<ValueInfo> GetInto(std::string_view key, void* dst, size_t capacity,
+                            const GetOptions& options = {});
+  Status Delete(std::string_view key, std::chrono::milliseconds timeout = {});
+  Result<ValueInfo> Stat(std::string_view key, std::chrono::milliseconds timeout = {});
+
+  // One message per node involved; results in the order of `keys` / `items`.
+  std::vector<Result<Value>> MultiGet(const std::vector<std::string>& keys,
+                                      const GetOptions& options = {});
+  std::vector<Result<uint64_t>> MultiPut(const std::vector<PutItem>& items,
+                                         const PutOptions& options = {});
+
+  // Async forms: the future becomes ready (or the callback runs, on the client's I/O thread:
+  // keep it short) when the operation ends.
+  std::future<Result<Value>> GetAsync(std::string_view key, const GetOptions& options = {});
+  void GetAsync(std::string_view key, const GetOptions& options,
+                std::function<void(Result<Value>)> callback);
+  std::future<Result<uint64_t>> PutAsync(std::string_view key, const void* data, size_t size,
+                                         const PutOptions& options = {});
+  void PutAsync(std::string_view key, const void* data, size_t size, const PutOptions& options,
+                std::function<void(Result<uint64_t>)> callback);
+
+  // The node's id, from the node itself.
+  Result<std::string> Ping(int node, std::chrono::milliseconds timeout = {});
+  // The node's statistics as JSON (docs/STATS.md).
+  Result<std::string> NodeStats(int node, std::chrono::milliseconds timeout = {});
+
+  const ClusterConfig& cluster() const;
+  // Index into cluster().nodes of the node that owns `key`.
+  int NodeFor(std::string_view key) const;
+
+ private:
+  struct Impl;
+  explicit Client(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace gkv

@@ -1,0 +1,622 @@
+#include "gkv/client.h"
+
+#include <cstring>
+#include <queue>
+#include <unordered_map>
+
+#include "gkv/cuda.h"
+#include "gkv/log.h"
+#include "gkv/transport/protocol.h"
+#include "gkv/transport/ucx_transport.h"
+
+namespace gkv {
+
+namespace w = wire;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::string_view TierNameOf(uint8_t tier) {
+  static constexpr std::string_view kNames[] = {"gpu", "host", "disk"};
+  return tier < 3 ? kNames[tier] : "unknown";
+}
+
+ValueInfo ToInfo(const w::ObjectMeta& m) {
+  return ValueInfo{m.size, m.version, m.tensor, std::string(TierNameOf(m.tier)), m.on_disk};
+}
+
+MemoryKind Resolve(BufferMemory m, const void* ptr) {
+  if (m == BufferMemory::kHost) return MemoryKind::kHost;
+  if (m == BufferMemory::kDevice) return MemoryKind::kDevice;
+  return IsDevicePointer(ptr) ? MemoryKind::kDevice : MemoryKind::kHost;
+}
+
+// Moves a move-only value into a copyable std::function.
+template <typename T>
+std::shared_ptr<T> Share(T value) {
+  return std::make_shared<T>(std::move(value));
+}
+
+}  // namespace
+
+struct Client::Impl {
+  struct Pending {
+    uint64_t id = 0;
+    int node = 0;
+    ConnId conn = 0;
+    Clock::time_point deadline;
+    int io = 0;  // transport operations still holding our buffers
+    bool finished = false;
+    std::function<void()> ready;  // the outcome, run once io == 0
+    std::function<void(const std::shared_ptr<Pending>&, std::unique_ptr<Incoming>)> on_reply;
+    std::function<void(Status)> on_error;
+  };
+  using PendingPtr = std::shared_ptr<Pending>;
+
+  ClientOptions options;
+  ClusterConfig cluster;
+  std::unique_ptr<HashRing> ring;
+  std::unique_ptr<UcxTransport> transport;
+  std::atomic<uint64_t> next_id{1};
+
+  // Worker-thread state.
+  std::vector<ConnId> node_conn;
+  std::unordered_map<ConnId, int> node_of_conn;
+  std::unordered_map<uint64_t, PendingPtr> pending;
+  std::priority_queue<std::pair<Clock::time_point, uint64_t>,
+                      std::vector<std::pair<Clock::time_point, uint64_t>>, std::greater<>>
+      deadlines;
+
+  Clock::time_point DeadlineFrom(std::chrono::milliseconds t) const {
+    return Clock::now() + (t.count() > 0 ? t : options.default_timeout);
+  }
+
+  // --- completion (worker thread) ---
+
+  // Records the operation's outcome; it runs when no transport operation holds our buffers.
+  // The first outcome wins; later replies for the id are dropped.
+  void Complete(const PendingPtr& p, std::function<void()> outcome) {
+    if (p->finished || p->ready) return;
+    pending.erase(p->id);
+    p->ready = std::move(outcome);
+    Settle(p);
+  }
+
+  void Settle(const PendingPtr& p) {
+    if (p->io == 0 && p->ready && !p->finished) {
+      p->finished = true;
+      auto fn = std::move(p->ready);
+      p->on_reply = nullptr;
+      p->on_error = nullptr;
+      fn();
+    }
+  }
+
+  void Fail(const PendingPtr& p, const Status& s) {
+    if (!p->on_error) return;
+    auto on_error = p->on_error;
+    Complete(p, [on_error, s] { on_error(s); });
+  }
+
+  void FailNode(int node, const Status& s, bool force_close) {
+    ConnId conn = node_conn[node];
+    std::vector<PendingPtr> victims;
+    for (auto& [id, p] : pending) {
+      if (p->node == node) victims.push_back(p);
+    }
+    for (auto& p : victims) Fail(p, s);
+    if (conn != 0) {
+      node_conn[node] = 0;
+      node_of_conn.erase(conn);
+      // Forcing the close completes (with an error) whatever UCX still holds of our buffers.
+      if (force_close) transport->Close(conn, /*force=*/true);
+    }
+  }
+
+  void OnDisconnect(ConnId conn, const Status& s) {
+    auto it = node_of_conn.find(conn);
+    if (it == node_of_conn.end()) return;
+    const int node = it->second;
+    GKV_LOG_WARN("lost node {} ({}): {}", cluster.nodes[node].id, cluster.nodes[node].address(),
+                 s.ToString());
+    FailNode(node, Status::Unavailable("node " + cluster.nodes[node].id + " (" +
+                                       cluster.nodes[node].address() + "): " +
+                                       std::string(s.message())),
+             false);
+  }
+
+  void OnTick() {
+    const auto now = Clock::now();
+    while (!deadlines.empty() && deadlines.top().first <= now) {
+      const uint64_t id = deadlines.top().second;
+      deadlines.pop();
+      auto it = pending.find(id);
+      if (it == pending.end()) continue;
+      PendingPtr p = it->second;
+      Status timeout = Status::Timeout("no reply from node " + cluster.nodes[p->node].id +
+                                       " within the deadline");
+      Fail(p, timeout);
+      // Bytes still moving into or out of the caller's buffer: the connection goes, so the
+      // buffer is released before the caller sees the timeout.
+      if (p->io > 0) FailNode(p->node, timeout, /*force_close=*/true);
+    }
+  }
+
+  void OnMessage(std::unique_ptr<Incoming> msg) {
+    if (msg->am_id() != w::kAmReply) return;
+    w::Header h;
+    std::string_view body;
+    if (!w::DecodeMessage(msg->header().data(), msg->header().size(), &h, &body).ok()) {
+      GKV_LOG_WARN("dropping a malformed reply");
+      return;
+    }
+    auto it = pending.find(h.request_id);
+    if (it == pending.end()) return;  // timed out earlier; dropping releases its payload
+    PendingPtr p = it->second;
+    if (p->on_reply) p->on_reply(p, std::move(msg));
+  }
+
+  Result<ConnId> EnsureConn(int node) {
+    if (node_conn[node] != 0 && transport->IsOpen(node_conn[node])) return node_conn[node];
+    const NodeInfo& n = cluster.nodes[node];
+    GKV_ASSIGN_OR_RETURN(ConnId conn, transport->Connect(n.host, n.port));
+    node_conn[node] = conn;
+    node_of_conn[conn] = node;
+    return conn;
+  }
+
+  // Sends one request (worker thread). `payload` must stay valid until the pending completes.
+  void Issue(int node, w::Opcode op, uint16_t flags, std::string body, const void* payload,
+             size_t size, MemoryKind kind, Clock::time_point deadline,
+             std::function<void(const PendingPtr&, std::unique_ptr<Incoming>)> on_reply,
+             std::function<void(Status)> on_error) {
+    auto conn = EnsureConn(node);
+    if (!conn.ok()) return on_error(conn.status());
+    auto p = std::make_shared<Pending>();
+    p->id = next_id.fetch_add(1, std::memory_order_relaxed);
+    p->node = node;
+    p->conn = *conn;
+    p->deadline = deadline;
+    p->on_reply = std::move(on_reply);
+    p->on_error = std::move(on_error);
+    pending[p->id] = p;
+    deadlines.push({deadline, p->id});
+    p->io++;
+    w::Header h{op, flags, p->id};
+    transport->Send(*conn, w::kAmRequest, w::EncodeMessage(h, body), payload, size, kind,
+                    [this, p](Status s) {
+                      p->io--;
+                      // Aborted: the server refused the payload; its reply says why.
+                      if (!s.ok() && s.code() != StatusCode::kAborted) Fail(p, s);
+                      Settle(p);
+                    });
+  }
+
+  // Receives a reply's payload into `dst`, then runs `then` (worker thread).
+  void ReceivePayload(const PendingPtr& p, std::unique_ptr<Incoming> msg, void* dst,
+                      MemoryKind kind, std::function<void(Status)> then) {
+    p->io++;
+    transport->Receive(std::move(msg), dst, kind, [this, p, then = std::move(then)](Status s) {
+      p->io--;
+      then(s);
+      Settle(p);
+    });
+  }
+
+  // --- operations (worker thread) ---
+
+  void DoGet(std::string key, void* user_dst, size_t capacity, MemoryKind dst_kind,
+             Clock::time_point deadline, std::function<void(Result<Value>)> done) {
+    const int node = ring->NodeFor(key);
+    auto on_reply = [this, user_dst, capacity, dst_kind, done](const PendingPtr& p,
+                                                             std::unique_ptr<Incoming> msg) {
+      w::Header h;
+      std::string_view body;
+      w::ReplyStatus rs;
+      w::ObjectMeta meta;
+      Status s = w::DecodeMessage(msg->header().data(), msg->header().size(), &h, &body);
+      if (s.ok()) s = w::DecodeObjectReply(body, &rs, &meta);
+      if (s.ok()) s = rs.ToStatus();
+      if (s.ok() && meta.size != msg->payload_size()) {
+        s = Status::ProtocolError("reply carries a payload of the wrong size");
+      }
+      if (s.ok() && user_dst && capacity < meta.size) {
+        s = Status::InvalidArgument("buffer of " + std::to_string(capacity) +
+                                    " bytes is smaller than the value (" +
+                                    std::to_string(meta.size) + " bytes)");
+      }
+      if (!s.ok()) return Fail(p, s);
+      auto value = std::make_shared<Value>();
+      value->info_ = ToInfo(meta);
+      void* dst = user_dst;
+      MemoryKind kind = dst_kind;
+      std::shared_ptr<std::byte[]> staging;
+      if (!user_dst) {
+        value->bytes_.reset(new std::byte[meta.size ? meta.size : 1]);
+        dst = value->bytes_.get();
+        kind = MemoryKind::kHost;
+      } else if (kind == MemoryKind::kDevice && !transport->device_memory_supported()) {
+        staging.reset(new std::byte[meta.size ? meta.size : 1]);
+        dst = staging.get();
+        kind = MemoryKind::kHost;
+      }
+      const size_t size = meta.size;
+      ReceivePayload(p, std::move(msg), dst, kind,
+                     [this, p, value, staging, user_dst, size, done](Status rs2) {
+                       if (rs2.ok() && staging) rs2 = CudaCopySync(user_dst, staging.get(), size);
+                       if (!rs2.ok()) return Fail(p, rs2);
+                       Complete(p, [value, done] { done(std::move(*value)); });
+                     });
+    };
+    Issue(node, w::Opcode::kGet, 0, w::EncodeKeyRequest(key), nullptr, 0, MemoryKind::kHost,
+          deadline, on_reply, [done](Status s) { done(s); });
+  }
+
+  void DoPut(std::string key, const void* data, size_t size, MemoryKind kind,
+             std::shared_ptr<std::byte[]> keepalive, const PutOptions& o,
+             Clock::time_point deadline, std::function<void(Result<uint64_t>)> done) {
+    const int node = ring->NodeFor(key);
+    w::PutRequest req{key, o.tensor, size};
+    auto on_reply = [this, done, keepalive](const PendingPtr& p, std::unique_ptr<Incoming> msg) {
+      w::Header h;
+      std::string_view body;
+      w::ReplyStatus rs;
+      uint64_t version = 0;
+      Status s = w::DecodeMessage(msg->header().data(), msg->header().size(), &h, &body);
+      if (s.ok()) s = w::DecodePutReply(body, &rs, &version);
+      if (s.ok()) s = rs.ToStatus();
+      if (!s.ok()) return Fail(p, s);
+      Complete(p, [done, version] { done(version); });
+    };
+    Issue(node, w::Opcode::kPut, o.durable ? w::kFlagDurable : 0, w::EncodePutRequest(req), data,
+          size, kind, deadline, on_reply, [done](Status s) { done(s); });
+  }
+
+  // Replies whose payload is a block to read fully (batches, stats).
+  void IssueWithPayloadReply(int node, w::Opcode op, uint16_t flags, std::string body,
+                             std::shared_ptr<std::string> request_payload,
+                             Clock::time_point deadline,
+                             std::function<void(Result<std::shared_ptr<std::string>>)> done) {
+    auto on_reply = [this, done, request_payload](const PendingPtr& p,
+                                                  std::unique_ptr<Incoming> msg) {
+      w::Header h;
+      std::string_view rbody;
+      w::ReplyStatus rs;
+      Status s = w::DecodeMessage(msg->header().data(), msg->header().size(), &h, &rbody);
+      if (s.ok()) s = w::DecodeStatusReply(rbody, &rs);
+      if (s.ok()) s = rs.ToStatus();
+      if (!s.ok()) return Fail(p, s);
+      auto buf = std::make_shared<std::string>();
+      buf->resize(msg->payload_size());
+      ReceivePayload(p, std::move(msg), buf->data(), MemoryKind::kHost,
+                     [this, p, buf, done](Status s2) {
+                       if (!s2.ok()) return Fail(p, s2);
+                       Complete(p, [buf, done] { done(buf); });
+                     });
+    };
+    const void* data = request_payload ? request_payload->data() : nullptr;
+    size_t size = request_payload ? request_payload->size() : 0;
+    Issue(node, op, flags, std::move(body), data, size, MemoryKind::kHost, deadline, on_reply,
+          [done](Status s) { done(s); });
+  }
+};
+
+Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+Client::~Client() {
+  Impl* I = impl_.get();
+  std::promise<void> drained;
+  I->transport->Post([I, &drained] {
+    for (size_t n = 0; n < I->cluster.nodes.size(); ++n) {
+      I->FailNode(static_cast<int>(n), Status::Aborted("client closed"), true);
+    }
+    drained.set_value();
+  });
+  drained.get_future().wait();
+  I->transport.reset();
+}
+
+Result<std::unique_ptr<Client>> Client::Open(const ClientOptions& options) {
+  auto impl = std::make_unique<Impl>();
+  impl->options = options;
+  if (!options.cluster_file.empty()) {
+    GKV_ASSIGN_OR_RETURN(impl->cluster, LoadClusterFile(options.cluster_file));
+  } else {
+    impl->cluster = options.cluster;
+  }
+  if (impl->cluster.nodes.empty()) return Status::InvalidArgument("the cluster has no nodes");
+  impl->ring = std::make_unique<HashRing>(impl->cluster.nodes);
+  impl->node_conn.assign(impl->cluster.nodes.size(), 0);
+  Impl* raw = impl.get();
+  UcxTransport::Handlers handlers;
+  handlers.on_message = [raw](std::unique_ptr<Incoming> m) { raw->OnMessage(std::move(m)); };
+  handlers.on_disconnect = [raw](ConnId c, const Status& s) { raw->OnDisconnect(c, s); };
+  handlers.on_tick = [raw] { raw->OnTick(); };
+  UcxTransport::Options topts;
+  topts.poll_interval = std::chrono::milliseconds(1);
+  GKV_ASSIGN_OR_RETURN(impl->transport, UcxTransport::Create(topts, std::move(handlers)));
+  return std::unique_ptr<Client>(new Client(std::move(impl)));
+}
+
+const ClusterConfig& Client::cluster() const { return impl_->cluster; }
+int Client::NodeFor(std::string_view key) const { return impl_->ring->NodeFor(key); }
+
+void Client::GetAsync(std::string_view key, const GetOptions& o,
+                      std::function<void(Result<Value>)> callback) {
+  Impl* I = impl_.get();
+  auto deadline = I->DeadlineFrom(o.timeout);
+  I->transport->Post([I, key = std::string(key), deadline, cb = std::move(callback)]() mutable {
+    I->DoGet(std::move(key), nullptr, 0, MemoryKind::kHost, deadline, std::move(cb));
+  });
+}
+
+std::future<Result<Value>> Client::GetAsync(std::string_view key, const GetOptions& o) {
+  auto promise = std::make_shared<std::promise<Result<Value>>>();
+  auto future = promise->get_future();
+  GetAsync(key, o, [promise](Result<Value> r) { promise->set_value(std::move(r)); });
+  return future;
+}
+
+Result<Value> Client::Get(std::string_view key, const GetOptions& o) {
+  return GetAsync(key, o).get();
+}
+
+Result<ValueInfo> Client::GetInto(std::string_view key, void* dst, size_t capacity,
+                                  const GetOptions& o) {
+  Impl* I = impl_.get();
+  const MemoryKind kind = Resolve(o.memory, dst);
+  auto deadline = I->DeadlineFrom(o.timeout);
+  std::promise<Result<ValueInfo>> promise;
+  auto future = promise.get_future();
+  I->transport->Post([&, key = std::string(key)]() mutable {
+    I->DoGet(std::move(key), dst, capacity, kind, deadline, [&promise](Result<Value> r) {
+      if (r.ok()) promise.set_value(r->info());
+      else promise.set_value(r.status());
+    });
+  });
+  return future.get();
+}
+
+void Client::PutAsync(std::string_view key, const void* data, size_t size, const PutOptions& o,
+                      std::function<void(Result<uint64_t>)> callback) {
+  Impl* I = impl_.get();
+  MemoryKind kind = Resolve(o.memory, data);
+  std::shared_ptr<std::byte[]> staging;
+  if (kind == MemoryKind::kDevice && !I->transport->device_memory_supported()) {
+    // Stage device bytes through host memory (this UCX can't read device memory).
+    staging.reset(new std::byte[size ? size : 1]);
+    Status s = CudaCopySync(staging.get(), data, size);
+    if (!s.ok()) return callback(s);
+    data = staging.get();
+    kind = MemoryKind::kHost;
+  }
+  auto deadline = I->DeadlineFrom(o.timeout);
+  I->transport->Post([I, key = std::string(key), data, size, kind, staging, o, deadline,
+                      cb = std::move(callback)]() mutable {
+    I->DoPut(std::move(key), data, size, kind, staging, o, deadline, std::move(cb));
+  });
+}
+
+std::future<Result<uint64_t>> Client::PutAsync(std::string_view key, const void* data, size_t size,
+                                               const PutOptions& o) {
+  auto promise = std::make_shared<std::promise<Result<uint64_t>>>();
+  auto future = promise->get_future();
+  PutAsync(key, data, size, o, [promise](Result<uint64_t> r) { promise->set_value(std::move(r)); });
+  return future;
+}
+
+Result<uint64_t> Client::Put(std::string_view key, const void* data, size_t size,
+                             const PutOptions& o) {
+  return PutAsync(key, data, size, o).get();
+}
+
+Status Client::Delete(std::string_view key, std::chrono::milliseconds timeout) {
+  Impl* I = impl_.get();
+  auto deadline = I->DeadlineFrom(timeout);
+  std::promise<Status> promise;
+  auto future = promise.get_future();
+  I->transport->Post([&, key = std::string(key)] {
+    auto on_reply = [I, &promise](const Impl::PendingPtr& p, std::unique_ptr<Incoming> msg) {
+      w::Header h;
+      std::string_view body;
+      w::ReplyStatus rs;
+      Status s = w::DecodeMessage(msg->header().data(), msg->header().size(), &h, &body);
+      if (s.ok()) s = w::DecodeStatusReply(body, &rs);
+      if (s.ok()) s = rs.ToStatus();
+      I->Complete(p, [&promise, s] { promise.set_value(s); });
+    };
+    I->Issue(I->ring->NodeFor(key), w::Opcode::kDelete, 0, w::EncodeKeyRequest(key), nullptr, 0,
+             MemoryKind::kHost, deadline, on_reply, [&promise](Status s) { promise.set_value(s); });
+  });
+  return future.get();
+}
+
+Result<ValueInfo> Client::Stat(std::string_view key, std::chrono::milliseconds timeout) {
+  Impl* I = impl_.get();
+  auto deadline = I->DeadlineFrom(timeout);
+  std::promise<Result<ValueInfo>> promise;
+  auto future = promise.get_future();
+  I->transport->Post([&, key = std::string(key)] {
+    auto on_reply = [I, &promise](const Impl::PendingPtr& p, std::unique_ptr<Incoming> msg) {
+      w::Header h;
+      std::string_view body;
+      w::ReplyStatus rs;
+      w::ObjectMeta meta;
+      Status s = w::DecodeMessage(msg->header().data(), msg->header().size(), &h, &body);
+      if (s.ok()) s = w::DecodeObjectReply(body, &rs, &meta);
+      if (s.ok()) s = rs.ToStatus();
+      if (!s.ok()) return I->Fail(p, s);
+      I->Complete(p, [&promise, meta] { promise.set_value(ToInfo(meta)); });
+    };
+    I->Issue(I->ring->NodeFor(key), w::Opcode::kStat, 0, w::EncodeKeyRequest(key), nullptr, 0,
+             MemoryKind::kHost, deadline, on_reply, [&promise](Status s) { promise.set_value(s); });
+  });
+  return future.get();
+}
+
+std::vector<Result<Value>> Client::MultiGet(const std::vector<std::string>& keys,
+                                            const GetOptions& o) {
+  Impl* I = impl_.get();
+  std::vector<Result<Value>> results;
+  results.reserve(keys.size());
+  for (size_t i = 0; i < keys.size(); ++i) results.emplace_back(Status::Aborted("not sent"));
+  if (keys.empty()) return results;
+  // Group by node: one message per node.
+  std::vector<std::vector<size_t>> by_node(I->cluster.nodes.size());
+  for (size_t i = 0; i < keys.size(); ++i) by_node[I->ring->NodeFor(keys[i])].push_back(i);
+  auto deadline = I->DeadlineFrom(o.timeout);
+  std::promise<void> all_done;
+  int remaining = 0;
+  for (auto& v : by_node) remaining += v.empty() ? 0 : 1;
+  I->transport->Post([&] {
+    for (size_t n = 0; n < by_node.size(); ++n) {
+      if (by_node[n].empty()) continue;
+      std::vector<std::string> node_keys;
+      for (size_t i : by_node[n]) node_keys.push_back(keys[i]);
+      auto payload = std::make_shared<std::string>(w::EncodeKeyList(node_keys));
+      const std::vector<size_t>* idx = &by_node[n];
+      I->IssueWithPayloadReply(
+          static_cast<int>(n), w::Opcode::kMultiGet, 0, "", payload, deadline,
+          [&, idx](Result<std::shared_ptr<std::string>> r) {
+            std::vector<w::BatchGetResult> res;
+            size_t block = 0;
+            Status s = r.status();
+            if (s.ok()) s = w::DecodeBatchGetBlock(**r, &res, &block);
+            if (s.ok() && res.size() != idx->size()) {
+              s = Status::ProtocolError("batch reply has the wrong number of results");
+            }
+            size_t off = block;
+            for (size_t j = 0; j < idx->size(); ++j) {
+              Result<Value>& out = results[(*idx)[j]];
+              if (!s.ok()) {
+                out = s;
+                continue;
+              }
+              if (res[j].code != StatusCode::kOk) {
+                out = Status(res[j].code, res[j].code == StatusCode::kNotFound ? "key not found"
+                                                                              : "batch get failed");
+                continue;
+              }
+              Value v;
+              v.info_ = ToInfo(res[j].meta);
+              v.bytes_.reset(new std::byte[v.info_.size ? v.info_.size : 1]);
+              std::memcpy(v.bytes_.get(), (*r)->data() + off, v.info_.size);
+              off += v.info_.size;
+              out = std::move(v);
+            }
+            if (--remaining == 0) all_done.set_value();
+          });
+    }
+  });
+  all_done.get_future().wait();
+  return results;
+}
+
+std::vector<Result<uint64_t>> Client::MultiPut(const std::vector<PutItem>& items,
+                                               const PutOptions& o) {
+  Impl* I = impl_.get();
+  std::vector<Result<uint64_t>> results(items.size(), Status::Aborted("not sent"));
+  if (items.empty()) return results;
+  std::vector<std::vector<size_t>> by_node(I->cluster.nodes.size());
+  for (size_t i = 0; i < items.size(); ++i) by_node[I->ring->NodeFor(items[i].key)].push_back(i);
+  // Each node's message: metadata block, then the values (gathered here, in the caller).
+  std::vector<std::shared_ptr<std::string>> payloads(by_node.size());
+  for (size_t n = 0; n < by_node.size(); ++n) {
+    if (by_node[n].empty()) continue;
+    std::vector<w::BatchPutItem> meta;
+    size_t total = 0;
+    for (size_t i : by_node[n]) {
+      meta.push_back({items[i].key, items[i].tensor, items[i].size});
+      total += items[i].size;
+    }
+    auto p = std::make_shared<std::string>(w::EncodeBatchPutBlock(meta));
+    p->reserve(p->size() + total);
+    for (size_t i : by_node[n]) {
+      const size_t at = p->size();
+      p->resize(at + items[i].size);
+      if (Resolve(o.memory, items[i].data) == MemoryKind::kDevice) {
+        Status s = CudaCopySync(p->data() + at, items[i].data, items[i].size);
+        if (!s.ok()) results[i] = s;
+      } else if (items[i].size) {
+        std::memcpy(p->data() + at, items[i].data, items[i].size);
+      }
+    }
+    payloads[n] = p;
+  }
+  auto deadline = I->DeadlineFrom(o.timeout);
+  std::promise<void> all_done;
+  int remaining = 0;
+  for (auto& v : by_node) remaining += v.empty() ? 0 : 1;
+  I->transport->Post([&] {
+    for (size_t n = 0; n < by_node.size(); ++n) {
+      if (by_node[n].empty()) continue;
+      const std::vector<size_t>* idx = &by_node[n];
+      I->IssueWithPayloadReply(
+          static_cast<int>(n), w::Opcode::kMultiPut, o.durable ? w::kFlagDurable : 0, "",
+          payloads[n], deadline, [&, idx](Result<std::shared_ptr<std::string>> r) {
+            std::vector<w::BatchPutResult> res;
+            Status s = r.status();
+            if (s.ok()) s = w::DecodeBatchPutResults(**r, &res);
+            if (s.ok() && res.size() != idx->size()) {
+              s = Status::ProtocolError("batch reply has the wrong number of results");
+            }
+            for (size_t j = 0; j < idx->size(); ++j) {
+              Result<uint64_t>& out = results[(*idx)[j]];
+              if (!s.ok()) out = s;
+              else if (res[j].code != StatusCode::kOk) out = Status(res[j].code, "batch put failed");
+              else out = res[j].version;
+            }
+            if (--remaining == 0) all_done.set_value();
+          });
+    }
+  });
+  all_done.get_future().wait();
+  return results;
+}
+
+Result<std::string> Client::Ping(int node, std::chrono::milliseconds timeout) {
+  Impl* I = impl_.get();
+  if (node < 0 || node >= static_cast<int>(I->cluster.nodes.size())) {
+    return Status::InvalidArgument("no such node");
+  }
+  auto deadline = I->DeadlineFrom(timeout);
+  std::promise<Result<std::string>> promise;
+  auto future = promise.get_future();
+  I->transport->Post([&] {
+    auto on_reply = [I, &promise](const Impl::PendingPtr& p, std::unique_ptr<Incoming> msg) {
+      w::Header h;
+      std::string_view body;
+      w::ReplyStatus rs;
+      std::string id;
+      Status s = w::DecodeMessage(msg->header().data(), msg->header().size(), &h, &body);
+      if (s.ok()) s = w::DecodePingReply(body, &rs, &id);
+      if (s.ok()) s = rs.ToStatus();
+      if (!s.ok()) return I->Fail(p, s);
+      I->Complete(p, [&promise, id] { promise.set_value(id); });
+    };
+    I->Issue(node, w::Opcode::kPing, 0, "", nullptr, 0, MemoryKind::kHost, deadline, on_reply,
+             [&promise](Status s) { promise.set_value(s); });
+  });
+  return future.get();
+}
+
+Result<std::string> Client::NodeStats(int node, std::chrono::milliseconds timeout) {
+  Impl* I = impl_.get();
+  if (node < 0 || node >= static_cast<int>(I->cluster.nodes.size())) {
+    return Status::InvalidArgument("no such node");
+  }
+  auto deadline = I->DeadlineFrom(timeout);
+  std::promise<Result<std::string>> promise;
+  auto future = promise.get_future();
+  I->transport->Post([&] {
+    I->IssueWithPayloadReply(node, w::Opcode::kStats, 0, "", nullptr, deadline,
+                             [&promise](Result<std::shared_ptr<std::string>> r) {
+                               if (r.ok()) promise.set_value(**r);
+                               else promise.set_value(r.status());
+                             });
+  });
+  return future.get();
+}
+
+}  // namespace gkv

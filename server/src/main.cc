@@ -1,0 +1,77 @@
+// gkv-server: one node of a gkv cluster.
+//   gkv-server --cluster FILE --node ID [--gpu-mem SIZE] [--host-mem SIZE] [--disk DIR]
+//              [--disk-capacity SIZE] [--threads N]
+// SIGTERM or SIGINT: stop accepting, finish what is in flight, write back to disk, exit 0.
+// Exit codes: 0 clean stop, 1 could not start (message on stderr), 2 bad usage.
+#include <signal.h>
+
+#include <CLI/CLI.hpp>
+#include <cstdio>
+
+#include "gkv/log.h"
+#include "gkv/size.h"
+#include "server.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"gkv-server: one node of a gkv GPU key-value and tensor cache"};
+  std::string cluster_file, node_id, gpu_mem = "0", host_mem = "1GiB", disk_dir,
+                                     disk_capacity = "16GiB", log_level = "info", listen;
+  int threads = 4;
+  std::vector<int> gpus = {0};
+  std::string promotion_window_ms = "10000";
+  app.add_option("--cluster", cluster_file, "cluster file (YAML)")->required();
+  app.add_option("--node", node_id, "this node's id in the cluster file")->required();
+  app.add_option("--gpu-mem", gpu_mem, "GPU tier size per device, e.g. 8GiB (0: off)");
+  app.add_option("--gpus", gpus, "CUDA devices for the GPU tier")->delimiter(',');
+  app.add_option("--host-mem", host_mem, "host (pinned) tier size (0: off)");
+  app.add_option("--disk", disk_dir, "directory of the RocksDB disk tier (empty: no disk tier)");
+  app.add_option("--disk-capacity", disk_capacity, "disk tier capacity");
+  app.add_option("--threads", threads, "executor threads for cache operations")->check(CLI::Range(1, 256));
+  app.add_option("--log-level", log_level, "trace, debug, info, warn, error");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 2;
+  }
+  gkv::SetLogLevel(log_level);
+
+  auto fail = [](const std::string& what) {
+    std::fprintf(stderr, "gkv-server: %s\n", what.c_str());
+    return 1;
+  };
+  auto cluster = gkv::LoadClusterFile(cluster_file);
+  if (!cluster.ok()) return fail(cluster.status().ToString());
+  gkv::ServerOptions options;
+  options.cluster = *cluster;
+  options.node_id = node_id;
+  options.executor_threads = threads;
+  for (auto [text, out] : {std::pair{&gpu_mem, &options.cache.gpu_capacity},
+                           std::pair{&host_mem, &options.cache.host_capacity},
+                           std::pair{&disk_capacity, &options.cache.disk_capacity}}) {
+    auto v = gkv::ParseSize(*text);
+    if (!v.ok()) {
+      std::fprintf(stderr, "gkv-server: %s\n", v.status().ToString().c_str());
+      return 2;
+    }
+    *out = *v;
+  }
+  options.cache.gpu_devices = gpus;
+  options.cache.disk_path = disk_dir;
+
+  // Block the stop signals before any thread starts, so only sigwait below receives them.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGTERM);
+  sigaddset(&stop_signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+
+  auto server = gkv::Server::Start(options);
+  if (!server.ok()) return fail(server.status().ToString());
+  int sig = 0;
+  sigwait(&stop_signals, &sig);
+  GKV_LOG_INFO("{} received: stopping", sig == SIGTERM ? "SIGTERM" : "SIGINT");
+  (*server)->Stop();
+  server->reset();
+  return 0;
+}

@@ -1,0 +1,53 @@
+// Server: one gkv node. A UcxTransport (one worker thread) receives requests and sends replies;
+// a pool of executor threads runs the cache operations (which may evict, copy and hit the disk).
+//
+// Request path of a GET: worker thread decodes the header -> executor: cache Acquire (pins the
+// entry, may promote) -> worker: send the reply with the value straight from the tier's memory
+// (a device entry is staged through host memory when UCX can't read device memory) -> the pin is
+// released when UCX reports the send done.
+// PUT: worker decodes -> executor: Reserve space in the tier the object will live in -> worker:
+// receive the payload straight into that space -> executor: Commit (write-through when durable)
+// -> worker: reply with the new version.
+// Shutdown (Stop): new requests get Unavailable, in-flight ones finish, the cache writes back
+// memory entries to disk (Flush), then the transport and the cache close.
+// Thread-safety: Start/Stop from one controlling thread; everything else is internal.
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <string>
+
+#include "gkv/cache/tiered_cache.h"
+#include "gkv/cluster.h"
+#include "gkv/status.h"
+
+namespace gkv {
+
+struct ServerOptions {
+  ClusterConfig cluster;
+  std::string node_id;
+  CacheOptions cache;
+  int executor_threads = 4;
+  std::string listen_host;  // default: the node's host from the cluster file
+  uint16_t listen_port = 0; // default: the node's port from the cluster file
+};
+
+class Server {
+ public:
+  // Opens the cache (disk tier included) and starts listening. Fails with a clear message when
+  // the node id is unknown, the address can't be bound or the disk can't be opened.
+  static Result<std::unique_ptr<Server>> Start(const ServerOptions& options);
+  ~Server();  // Stop() if still running
+
+  // Graceful stop; idempotent.
+  void Stop();
+  uint16_t port() const;
+  TieredCache& cache();
+
+ private:
+  struct Impl;
+  explicit Server(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace gkv

@@ -1,0 +1,153 @@
+// Starts real gkv-server processes on 127.0.0.1 for integration tests and stops every one of
+// them. Ports are taken free from the kernel; each node gets its own disk directory.
+// A node that fails to come up fails the test (it never skips).
+#pragma once
+
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gkv/client.h"
+#include "test_util.h"
+
+namespace gkv::testing {
+
+inline uint16_t FreePort() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+  socklen_t len = sizeof addr;
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+struct NodeSpec {
+  std::string host_mem = "256MiB";
+  std::string disk_capacity = "1GiB";
+  bool disk = true;
+  std::vector<std::string> extra_args;
+};
+
+class Cluster {
+ public:
+  // Writes the cluster file and starts `n` nodes; waits until each answers a ping.
+  explicit Cluster(int n, NodeSpec spec = {}) : spec_(std::move(spec)) {
+    for (int i = 0; i < n; ++i) ports_.push_back(FreePort());
+    cluster_file_ = dir_.Sub("cluster.yaml");
+    std::ofstream f(cluster_file_);
+    f << "nodes:\n";
+    for (int i = 0; i < n; ++i) {
+      f << "  - {id: n" << i << ", address: 127.0.0.1:" << ports_[i] << "}\n";
+    }
+    f.close();
+    pids_.assign(n, -1);
+    for (int i = 0; i < n; ++i) StartNode(i);
+    WaitReady();
+  }
+
+  ~Cluster() {
+    for (size_t i = 0; i < pids_.size(); ++i) StopNode(static_cast<int>(i), SIGTERM);
+  }
+
+  const std::string& cluster_file() const { return cluster_file_; }
+  std::string disk_dir(int i) const { return dir_.Sub("disk" + std::to_string(i)); }
+  std::string log_file(int i) const { return dir_.Sub("node" + std::to_string(i) + ".log"); }
+  int size() const { return static_cast<int>(pids_.size()); }
+
+  void StartNode(int i) {
+    std::vector<std::string> args = {GKV_SERVER_BIN, "--cluster", cluster_file_, "--node",
+                                      "n" + std::to_string(i), "--host-mem", spec_.host_mem,
+                                      "--threads", "2"};
+    if (spec_.disk) {
+      args.insert(args.end(), {"--disk", disk_dir(i), "--disk-capacity", spec_.disk_capacity});
+    }
+    args.insert(args.end(), spec_.extra_args.begin(), spec_.extra_args.end());
+    pid_t pid = fork();
+    if (pid == 0) {
+      std::string log = log_file(i);
+      FILE* out = freopen(log.c_str(), "a", stderr);
+      (void)out;
+      std::vector<char*> argv;
+      for (auto& a : args) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      execv(argv[0], argv.data());
+      _exit(127);
+    }
+    ASSERT_GT(pid, 0) << "fork failed";
+    pids_[i] = pid;
+  }
+
+  // Sends `sig` and waits for the process; returns its exit status (or -signal).
+  int StopNode(int i, int sig) {
+    if (pids_[i] <= 0) return 0;
+    kill(pids_[i], sig);
+    int status = 0;
+    for (int waited = 0; waited < 200; ++waited) {  // up to 20 s, then SIGKILL
+      if (waitpid(pids_[i], &status, WNOHANG) == pids_[i]) {
+        pids_[i] = -1;
+        return WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status);
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    kill(pids_[i], SIGKILL);
+    waitpid(pids_[i], &status, 0);
+    pids_[i] = -1;
+    ADD_FAILURE() << "node " << i << " did not stop within 20 s";
+    return -SIGKILL;
+  }
+
+  void WaitReady() {
+    ClientOptions o;
+    o.cluster_file = cluster_file_;
+    o.default_timeout = std::chrono::milliseconds(500);
+    auto client = Client::Open(o);
+    ASSERT_TRUE(client.ok()) << client.status().ToString();
+    for (int i = 0; i < size(); ++i) {
+      if (pids_[i] <= 0) continue;
+      bool up = false;
+      for (int attempt = 0; attempt < 100 && !up; ++attempt) {
+        auto r = (*client)->Ping(i);
+        up = r.ok() && *r == "n" + std::to_string(i);
+        if (!up) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
+      ASSERT_TRUE(up) << "node " << i << " did not come up; log:\n" << ReadLog(i);
+    }
+  }
+
+  std::string ReadLog(int i) const {
+    std::ifstream f(log_file(i));
+    return std::string(std::istreambuf_iterator<char>(f), {});
+  }
+
+  std::unique_ptr<Client> NewClient(std::chrono::milliseconds timeout = std::chrono::seconds(5)) {
+    ClientOptions o;
+    o.cluster_file = cluster_file_;
+    o.default_timeout = timeout;
+    auto c = Client::Open(o);
+    EXPECT_TRUE(c.ok()) << c.status().ToString();
+    return c.ok() ? std::move(*c) : nullptr;
+  }
+
+ private:
+  NodeSpec spec_;
+  TempDir dir_;
+  std::string cluster_file_;
+  std::vector<uint16_t> ports_;
+  std::vector<pid_t> pids_;
+};
+
+}  // namespace gkv::testing

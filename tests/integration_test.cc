@@ -1,0 +1,282 @@
+// Integration tests: three real gkv-server processes on 127.0.0.1, talked to over UCX.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <thread>
+
+#include "cluster_harness.h"
+#include "gkv/hash.h"
+#include "gkv/random.h"
+
+namespace gkv {
+namespace {
+
+using testing::Cluster;
+using testing::NodeSpec;
+
+std::string RandomValue(Random& rng, size_t size) {
+  std::string v(size, '\0');
+  rng.Fill(v.data(), size);
+  return v;
+}
+
+TEST(IntegrationTest, EveryOperationWorksAcrossThreeNodes) {
+  Cluster cluster(3);
+  auto client = cluster.NewClient();
+  ASSERT_TRUE(client);
+  for (int n = 0; n < 3; ++n) EXPECT_EQ(*client->Ping(n), "n" + std::to_string(n));
+
+  std::vector<float> tensor(6);
+  for (int i = 0; i < 6; ++i) tensor[i] = i * 1.5f;
+  PutOptions po;
+  po.tensor = TensorMeta{DType::kF32, {2, 3}};
+  auto v1 = client->Put("emb/user/7", tensor.data(), sizeof(float) * 6, po);
+  ASSERT_TRUE(v1.ok()) << v1.status().ToString();
+
+  auto got = client->Get("emb/user/7");
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  EXPECT_EQ(got->size(), 24u);
+  EXPECT_EQ(got->info().tensor, po.tensor);
+  EXPECT_EQ(got->info().version, *v1);
+  EXPECT_EQ(0, std::memcmp(got->data(), tensor.data(), 24));
+
+  auto st = client->Stat("emb/user/7");
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->size, 24u);
+  EXPECT_EQ(st->tier, "host");
+
+  auto v2 = client->Put("emb/user/7", "xyz", 3);
+  ASSERT_TRUE(v2.ok());
+  EXPECT_GT(*v2, *v1);
+  EXPECT_EQ(client->Get("emb/user/7")->view(), "xyz");
+
+  ASSERT_TRUE(client->Delete("emb/user/7").ok());
+  EXPECT_EQ(client->Get("emb/user/7").status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(client->Stat("emb/user/7").status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(client->Delete("emb/user/7").code(), StatusCode::kNotFound);
+
+  // Tensor metadata that does not match the byte size is refused by the server.
+  PutOptions bad;
+  bad.tensor = TensorMeta{DType::kF32, {5}};
+  EXPECT_EQ(client->Put("bad", tensor.data(), 24, bad).status().code(),
+            StatusCode::kInvalidArgument);
+
+  auto stats = client->NodeStats(0);
+  ASSERT_TRUE(stats.ok());
+  EXPECT_NE(stats->find("\"node\":\"n0\""), std::string::npos);
+}
+
+TEST(IntegrationTest, ValuesFromZeroBytesTo64MiBRoundTripByteIdentical) {
+  Cluster cluster(3);
+  auto client = cluster.NewClient(std::chrono::seconds(30));
+  ASSERT_TRUE(client);
+  Random rng(testing::TestSeed());
+  const std::vector<size_t> sizes = {0,         1,           100,        4096,     8193,
+                                     64 << 10,  (1 << 20) + 3, 16 << 20, 64 << 20};
+  for (size_t size : sizes) {
+    std::string key = "blob/" + std::to_string(size);
+    std::string value = RandomValue(rng, size);
+    auto put = client->Put(key, value.data(), value.size());
+    ASSERT_TRUE(put.ok()) << size << ": " << put.status().ToString();
+    auto got = client->Get(key);
+    ASSERT_TRUE(got.ok()) << size << ": " << got.status().ToString();
+    ASSERT_EQ(got->size(), size);
+    EXPECT_EQ(HashBytes(got->data(), size, 7), HashBytes(value.data(), size, 7)) << size;
+    EXPECT_TRUE(got->view() == value) << size;
+    // Into a caller's buffer.
+    std::string into(size + 16, '\0');
+    auto info = client->GetInto(key, into.data(), into.size());
+    ASSERT_TRUE(info.ok()) << size << ": " << info.status().ToString();
+    EXPECT_EQ(info->size, size);
+    EXPECT_EQ(0, std::memcmp(into.data(), value.data(), size)) << size;
+  }
+}
+
+TEST(IntegrationTest, GetIntoASmallerBufferIsRefused) {
+  Cluster cluster(1);
+  auto client = cluster.NewClient();
+  ASSERT_TRUE(client);
+  std::string v(100000, 'q');
+  ASSERT_TRUE(client->Put("k", v.data(), v.size()).ok());
+  std::string small(10, '\0');
+  auto r = client->GetInto("k", small.data(), small.size());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(small, std::string(10, '\0'));
+  // The node is fine afterwards.
+  EXPECT_EQ(client->Get("k")->size(), v.size());
+}
+
+TEST(IntegrationTest, BatchesSpanNodesOneMessagePerNode) {
+  Cluster cluster(3);
+  auto client = cluster.NewClient();
+  ASSERT_TRUE(client);
+  Random rng(testing::TestSeed());
+  std::vector<std::string> keys, values;
+  std::vector<PutItem> items;
+  for (int i = 0; i < 300; ++i) {
+    keys.push_back("row/" + std::to_string(i));
+    values.push_back(RandomValue(rng, rng.Uniform(0, 3000)));
+  }
+  for (int i = 0; i < 300; ++i) items.push_back({keys[i], values[i].data(), values[i].size(), {}});
+  auto put = client->MultiPut(items);
+  ASSERT_EQ(put.size(), 300u);
+  for (auto& r : put) ASSERT_TRUE(r.ok()) << r.status().ToString();
+  std::set<int> nodes;
+  for (auto& k : keys) nodes.insert(client->NodeFor(k));
+  EXPECT_EQ(nodes.size(), 3u);
+
+  std::vector<std::string> query = keys;
+  query.push_back("row/missing");
+  auto got = client->MultiGet(query);
+  ASSERT_EQ(got.size(), 301u);
+  for (int i = 0; i < 300; ++i) {
+    ASSERT_TRUE(got[i].ok()) << keys[i] << ": " << got[i].status().ToString();
+    EXPECT_TRUE(got[i]->view() == values[i]) << keys[i];
+  }
+  EXPECT_EQ(got[300].status().code(), StatusCode::kNotFound);
+  // One mget per node, not per key.
+  int mgets = 0;
+  for (int n = 0; n < 3; ++n) {
+    std::string s = *client->NodeStats(n);
+    auto at = s.find("\"mget\":");
+    ASSERT_NE(at, std::string::npos);
+    mgets += std::stoi(s.substr(at + 7));
+  }
+  EXPECT_EQ(mgets, 3);
+}
+
+TEST(IntegrationTest, SeveralClientThreadsAtOnce) {
+  Cluster cluster(3);
+  auto client = cluster.NewClient(std::chrono::seconds(20));
+  ASSERT_TRUE(client);
+  const uint64_t seed = testing::TestSeed();
+  std::atomic<int> errors{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      Random rng(seed + t);
+      for (int i = 0; i < 100; ++i) {
+        std::string key = "t" + std::to_string(t) + "/" + std::to_string(i % 20);
+        std::string value = RandomValue(rng, rng.Uniform(1, 200000));
+        if (!client->Put(key, value.data(), value.size()).ok()) errors++;
+        auto got = client->Get(key);
+        if (!got.ok() || got->view() != value) errors++;
+        if (i % 10 == 0) {
+          auto fut = client->GetAsync(key);
+          auto r = fut.get();
+          if (!r.ok() || r->view() != value) errors++;
+        }
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(errors.load(), 0);
+}
+
+TEST(IntegrationTest, AValueThatFitsNoNodeIsRefusedClearly) {
+  NodeSpec spec;
+  spec.host_mem = "8MiB";
+  spec.disk_capacity = "16MiB";
+  Cluster cluster(3, spec);
+  auto client = cluster.NewClient(std::chrono::seconds(20));
+  ASSERT_TRUE(client);
+  std::string big(32 << 20, 'b');
+  auto r = client->Put("too-big", big.data(), big.size());
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kNoSpace);
+  EXPECT_NE(r.status().message().find("larger than every tier"), std::string_view::npos)
+      << r.status().ToString();
+  // The node goes on serving.
+  ASSERT_TRUE(client->Put("small", "ok", 2).ok());
+  EXPECT_EQ(client->Get("small")->view(), "ok");
+}
+
+TEST(IntegrationTest, OverflowSpillsToDiskAndReadsBackIntact) {
+  NodeSpec spec;
+  spec.host_mem = "4MiB";
+  spec.disk_capacity = "512MiB";
+  Cluster cluster(1, spec);
+  auto client = cluster.NewClient(std::chrono::seconds(20));
+  ASSERT_TRUE(client);
+  Random rng(testing::TestSeed());
+  std::vector<std::string> values;
+  for (int i = 0; i < 24; ++i) {
+    values.push_back(RandomValue(rng, 1 << 20));
+    ASSERT_TRUE(client->Put("shard/" + std::to_string(i), values[i].data(), values[i].size()).ok());
+  }
+  EXPECT_EQ(client->Stat("shard/0")->tier, "disk");
+  EXPECT_EQ(client->Stat("shard/23")->tier, "host");
+  for (int i = 0; i < 24; ++i) {
+    auto got = client->Get("shard/" + std::to_string(i));
+    ASSERT_TRUE(got.ok()) << i << ": " << got.status().ToString();
+    EXPECT_TRUE(got->view() == values[i]) << i;
+  }
+  std::string stats = *client->NodeStats(0);
+  EXPECT_NE(stats.find("\"host_to_disk\":{\"objects\":"), std::string::npos);
+  EXPECT_EQ(stats.find("\"host_to_disk\":{\"objects\":0"), std::string::npos) << stats;
+}
+
+TEST(IntegrationTest, DeadNodeFailsFastAndOthersKeepServing) {
+  Cluster cluster(3);
+  auto client = cluster.NewClient(std::chrono::milliseconds(800));
+  ASSERT_TRUE(client);
+  // Find keys owned by node 1 and node 0.
+  std::string on1, on0;
+  for (int i = 0; on1.empty() || on0.empty(); ++i) {
+    std::string k = "k" + std::to_string(i);
+    if (client->NodeFor(k) == 1 && on1.empty()) on1 = k;
+    if (client->NodeFor(k) == 0 && on0.empty()) on0 = k;
+  }
+  ASSERT_TRUE(client->Put(on1, "v1", 2).ok());
+  ASSERT_TRUE(client->Put(on0, "v0", 2).ok());
+  cluster.StopNode(1, SIGKILL);
+  auto start = std::chrono::steady_clock::now();
+  auto r = client->Get(on1);
+  auto elapsed = std::chrono::steady_clock::now() - start;
+  ASSERT_FALSE(r.ok());
+  EXPECT_TRUE(r.status().code() == StatusCode::kUnavailable ||
+              r.status().code() == StatusCode::kTimeout)
+      << r.status().ToString();
+  EXPECT_LT(elapsed, std::chrono::seconds(3));
+  EXPECT_EQ(client->Get(on0)->view(), "v0");
+}
+
+TEST(IntegrationTest, SigtermStopsCleanlyAndDurableDataSurvivesRestart) {
+  Cluster cluster(1);
+  {
+    auto client = cluster.NewClient();
+    ASSERT_TRUE(client);
+    PutOptions durable;
+    durable.durable = true;
+    ASSERT_TRUE(client->Put("keep/durable", "precious", 8, durable).ok());
+    ASSERT_TRUE(client->Put("keep/plain", "flushed", 7).ok());
+  }
+  EXPECT_EQ(cluster.StopNode(0, SIGTERM), 0);
+  cluster.StartNode(0);
+  cluster.WaitReady();
+  auto client = cluster.NewClient();
+  ASSERT_TRUE(client);
+  EXPECT_EQ(client->Get("keep/durable")->view(), "precious");
+  // A graceful stop writes memory entries back, so this one is there too.
+  EXPECT_EQ(client->Get("keep/plain")->view(), "flushed");
+}
+
+TEST(IntegrationTest, ServerRefusesToStartOnABusyPortOrBadDisk) {
+  Cluster cluster(1);
+  // Same node id, same port: must exit non-zero with a message.
+  std::string cmd = std::string(GKV_SERVER_BIN) + " --cluster " + cluster.cluster_file() +
+                    " --node n0 --host-mem 16MiB 2>/dev/null";
+  int rc = std::system(cmd.c_str());
+  EXPECT_NE(WEXITSTATUS(rc), 0);
+  cmd = std::string(GKV_SERVER_BIN) + " --cluster " + cluster.cluster_file() +
+        " --node n0 --host-mem 16MiB --disk /proc/nope/db 2>/dev/null";
+  rc = std::system(cmd.c_str());
+  EXPECT_NE(WEXITSTATUS(rc), 0);
+  cmd = std::string(GKV_SERVER_BIN) + " --cluster " + cluster.cluster_file() +
+        " --node nobody 2>/dev/null";
+  rc = std::system(cmd.c_str());
+  EXPECT_EQ(WEXITSTATUS(rc), 1);
+}
+
+}  // namespace
+}  // namespace gkv

@@ -1,0 +1,142 @@
+#include <gtest/gtest.h>
+
+#include "gkv/random.h"
+#include "gkv/transport/protocol.h"
+#include "test_util.h"
+
+namespace gkv::wire {
+namespace {
+
+TEST(ProtocolTest, HeaderRoundTripAndFixedLayout) {
+  std::string m = EncodeMessage({Opcode::kGet, kFlagDurable, 0x1122334455667788ULL}, "body");
+  ASSERT_EQ(m.size(), kFixedHeaderSize + 4);
+  // Little-endian magic "GKV1" first.
+  EXPECT_EQ(m.substr(0, 4), "GKV1");
+  Header h;
+  std::string_view body;
+  ASSERT_TRUE(DecodeMessage(m.data(), m.size(), &h, &body).ok());
+  EXPECT_EQ(h.opcode, Opcode::kGet);
+  EXPECT_EQ(h.flags, kFlagDurable);
+  EXPECT_EQ(h.request_id, 0x1122334455667788ULL);
+  EXPECT_EQ(body, "body");
+}
+
+TEST(ProtocolTest, MalformedHeadersAreRefused) {
+  std::string m = EncodeMessage({Opcode::kPut, 0, 1}, "abc");
+  Header h;
+  std::string_view body;
+  for (size_t cut = 0; cut < m.size(); ++cut) {
+    EXPECT_EQ(DecodeMessage(m.data(), cut, &h, &body).code(), StatusCode::kProtocolError) << cut;
+  }
+  std::string extra = m + "x";
+  EXPECT_FALSE(DecodeMessage(extra.data(), extra.size(), &h, &body).ok());
+  std::string bad_magic = m;
+  bad_magic[0] = 'X';
+  EXPECT_FALSE(DecodeMessage(bad_magic.data(), bad_magic.size(), &h, &body).ok());
+  std::string bad_version = m;
+  bad_version[4] = 2;
+  Status s = DecodeMessage(bad_version.data(), bad_version.size(), &h, &body);
+  EXPECT_NE(s.message().find("version 2"), std::string_view::npos);
+  std::string bad_op = m;
+  bad_op[5] = 99;
+  EXPECT_FALSE(DecodeMessage(bad_op.data(), bad_op.size(), &h, &body).ok());
+}
+
+TEST(ProtocolTest, PutRequestRoundTripAndTruncation) {
+  PutRequest p{"emb/1", TensorMeta{DType::kBF16, {128, 64}}, 16384};
+  std::string b = EncodePutRequest(p);
+  PutRequest q;
+  ASSERT_TRUE(DecodePutRequest(b, &q).ok());
+  EXPECT_EQ(q.key, p.key);
+  EXPECT_EQ(q.tensor, p.tensor);
+  EXPECT_EQ(q.size, p.size);
+  for (size_t cut = 0; cut < b.size(); ++cut) {
+    EXPECT_FALSE(DecodePutRequest(std::string_view(b).substr(0, cut), &q).ok()) << cut;
+  }
+}
+
+TEST(ProtocolTest, ObjectAndPutRepliesRoundTrip) {
+  ObjectMeta m{4096, 42, TensorMeta{DType::kI64, {512}}, 1, true};
+  std::string b = EncodeObjectReply(Status::OK(), m);
+  ReplyStatus rs;
+  ObjectMeta back;
+  ASSERT_TRUE(DecodeObjectReply(b, &rs, &back).ok());
+  EXPECT_EQ(rs.code, StatusCode::kOk);
+  EXPECT_EQ(back.size, 4096u);
+  EXPECT_EQ(back.version, 42u);
+  EXPECT_EQ(back.tensor, m.tensor);
+  EXPECT_TRUE(back.on_disk);
+  b = EncodeObjectReply(Status::NotFound("gone"), m);
+  ASSERT_TRUE(DecodeObjectReply(b, &rs, &back).ok());
+  EXPECT_EQ(rs.ToStatus().ToString(), "not_found: gone");
+  uint64_t version = 0;
+  ASSERT_TRUE(DecodePutReply(EncodePutReply(Status::OK(), 9), &rs, &version).ok());
+  EXPECT_EQ(version, 9u);
+}
+
+TEST(ProtocolTest, BatchBlocksRoundTripAndRejectLies) {
+  std::vector<BatchPutItem> items = {{"a", {}, 3}, {"bb", TensorMeta{DType::kU8, {2}}, 2}};
+  std::string payload = EncodeBatchPutBlock(items) + "xyz" + "pq";
+  std::vector<BatchPutItem> back;
+  size_t block = 0;
+  ASSERT_TRUE(DecodeBatchPutBlock(payload, &back, &block).ok());
+  ASSERT_EQ(back.size(), 2u);
+  EXPECT_EQ(payload.substr(block), "xyzpq");
+  // Values shorter than declared.
+  EXPECT_FALSE(DecodeBatchPutBlock(payload.substr(0, payload.size() - 1), &back, &block).ok());
+  // A count that claims more items than bytes could hold.
+  std::string lie = "\xff\xff\xff\x00";
+  EXPECT_FALSE(DecodeBatchPutBlock(lie, &back, &block).ok());
+  std::vector<std::string> keys;
+  EXPECT_FALSE(DecodeKeyList(lie, &keys).ok());
+  ASSERT_TRUE(DecodeKeyList(EncodeKeyList({"x", "", "zz"}), &keys).ok());
+  EXPECT_EQ(keys, (std::vector<std::string>{"x", "", "zz"}));
+
+  std::vector<BatchGetResult> res(2);
+  res[0].code = StatusCode::kOk;
+  res[0].meta.size = 4;
+  res[1].code = StatusCode::kNotFound;
+  std::string g = EncodeBatchGetBlock(res) + "data";
+  std::vector<BatchGetResult> gb;
+  ASSERT_TRUE(DecodeBatchGetBlock(g, &gb, &block).ok());
+  EXPECT_EQ(g.substr(block), "data");
+  EXPECT_FALSE(DecodeBatchGetBlock(g + "!", &gb, &block).ok());
+
+  std::vector<BatchPutResult> pr = {{StatusCode::kOk, 5}, {StatusCode::kNoSpace, 0}};
+  std::vector<BatchPutResult> pb;
+  ASSERT_TRUE(DecodeBatchPutResults(EncodeBatchPutResults(pr), &pb).ok());
+  EXPECT_EQ(pb[1].code, StatusCode::kNoSpace);
+}
+
+// Random bytes and random mutations of valid messages never crash a decoder.
+TEST(ProtocolTest, RandomInputNeverCrashesDecoders) {
+  Random rng(testing::TestSeed());
+  std::vector<std::string> seeds = {
+      EncodeMessage({Opcode::kPut, 0, 1}, EncodePutRequest({"k", {DType::kF32, {2}}, 8})),
+      EncodeBatchPutBlock({{"a", {}, 1}}) + "z", EncodeKeyList({"a", "b"}),
+      EncodeObjectReply(Status::OK(), {})};
+  for (int i = 0; i < 20000; ++i) {
+    std::string m = seeds[i % seeds.size()];
+    int flips = static_cast<int>(rng.Uniform(1, 4));
+    for (int f = 0; f < flips && !m.empty(); ++f) m[rng.Uniform(0, m.size() - 1)] = char(rng.Next());
+    if (rng.Uniform(0, 3) == 0) m.resize(rng.Uniform(0, m.size()));
+    Header h;
+    std::string_view body;
+    (void)DecodeMessage(m.data(), m.size(), &h, &body);
+    PutRequest p;
+    (void)DecodePutRequest(m, &p);
+    std::vector<BatchPutItem> items;
+    size_t block;
+    (void)DecodeBatchPutBlock(m, &items, &block);
+    std::vector<BatchGetResult> res;
+    (void)DecodeBatchGetBlock(m, &res, &block);
+    std::vector<std::string> keys;
+    (void)DecodeKeyList(m, &keys);
+    ReplyStatus rs;
+    ObjectMeta om;
+    (void)DecodeObjectReply(m, &rs, &om);
+  }
+}
+
+}  // namespace
+}  // namespace gkv::wire

@@ -1,0 +1,144 @@
+// The gkv wire protocol, version 1. docs/PROTOCOL.md describes it byte by byte.
+//
+// Every message is one UCX active message. Requests use AM id kAmRequest, replies kAmReply.
+//   AM header = fixed header (20 bytes) + body (body_len bytes, op-specific fields)
+//   AM data   = payload (value bytes; for batch ops: a metadata block, then the values)
+// Fixed header, little-endian:
+//   u32 magic 'GKV1' | u8 version | u8 opcode | u16 flags | u64 request_id | u32 body_len
+// Decoders check every length against what arrived and refuse trailing bytes; they never
+// allocate more than the input justifies. All functions are pure and thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "gkv/status.h"
+#include "gkv/tensor.h"
+
+namespace gkv::wire {
+
+inline constexpr uint32_t kMagic = 0x31564B47;  // "GKV1" read as little-endian
+inline constexpr uint8_t kVersion = 1;
+inline constexpr size_t kFixedHeaderSize = 20;
+inline constexpr unsigned kAmRequest = 0x6b1;
+inline constexpr unsigned kAmReply = 0x6b2;
+
+// Hard limits of the format (servers apply their own, smaller, configured limits on top).
+inline constexpr size_t kMaxKeySize = 64 * 1024;
+inline constexpr size_t kMaxMessageText = 4096;
+inline constexpr size_t kMaxBatch = 1 << 20;
+
+enum class Opcode : uint8_t {
+  kPing = 1,
+  kPut = 2,
+  kGet = 3,
+  kDelete = 4,
+  kStat = 5,
+  kMultiGet = 6,
+  kMultiPut = 7,
+  kStats = 8,
+  kHello = 9,  // first message on a connection when the cluster has a secret
+};
+std::string_view OpcodeName(Opcode op);
+
+// Header flags.
+inline constexpr uint16_t kFlagDurable = 1 << 0;  // put/multiput: write through to disk
+
+struct Header {
+  Opcode opcode = Opcode::kPing;
+  uint16_t flags = 0;
+  uint64_t request_id = 0;
+};
+
+// Fixed header + body, ready to be the AM header.
+std::string EncodeMessage(const Header& h, std::string_view body);
+// ProtocolError for a short buffer, a wrong magic, an unknown version or opcode, or a body_len
+// that disagrees with the buffer. `body` views into `data`.
+Status DecodeMessage(const void* data, size_t size, Header* h, std::string_view* body);
+
+// Metadata of a stored object as it travels.
+struct ObjectMeta {
+  uint64_t size = 0;
+  uint64_t version = 0;
+  TensorMeta tensor;
+  uint8_t tier = 0;  // gkv::Tier as a number
+  bool on_disk = false;
+};
+
+// --- request bodies ---
+struct PutRequest {
+  std::string key;
+  TensorMeta tensor;
+  uint64_t size = 0;  // must equal the payload length
+};
+std::string EncodePutRequest(const PutRequest& r);
+Status DecodePutRequest(std::string_view body, PutRequest* r);
+
+// Get, Delete, Stat.
+std::string EncodeKeyRequest(std::string_view key);
+Status DecodeKeyRequest(std::string_view body, std::string* key);
+
+// Hello: the cluster secret.
+std::string EncodeHello(std::string_view secret);
+Status DecodeHello(std::string_view body, std::string* secret);
+
+// MultiGet: the body is empty; the payload is this block.
+std::string EncodeKeyList(const std::vector<std::string>& keys);
+Status DecodeKeyList(std::string_view block, std::vector<std::string>* keys);
+
+// MultiPut: the payload is this block followed by the values in order; the body is empty.
+struct BatchPutItem {
+  std::string key;
+  TensorMeta tensor;
+  uint64_t size = 0;
+};
+std::string EncodeBatchPutBlock(const std::vector<BatchPutItem>& items);
+// `block_size` receives the length of the metadata block (values start there).
+Status DecodeBatchPutBlock(std::string_view payload, std::vector<BatchPutItem>* items,
+                           size_t* block_size);
+
+// --- reply bodies: every reply body starts with a status ---
+struct ReplyStatus {
+  StatusCode code = StatusCode::kOk;
+  std::string message;
+  Status ToStatus() const { return code == StatusCode::kOk ? Status() : Status(code, message); }
+};
+
+std::string EncodeStatusReply(const Status& s);
+Status DecodeStatusReply(std::string_view body, ReplyStatus* status);
+
+// Get and Stat: status, then (when OK) the object's metadata. Get's payload is the value.
+std::string EncodeObjectReply(const Status& s, const ObjectMeta& meta);
+Status DecodeObjectReply(std::string_view body, ReplyStatus* status, ObjectMeta* meta);
+
+// Put: status, then (when OK) the new version.
+std::string EncodePutReply(const Status& s, uint64_t version);
+Status DecodePutReply(std::string_view body, ReplyStatus* status, uint64_t* version);
+
+// Ping: status, node id.
+std::string EncodePingReply(const Status& s, std::string_view node_id);
+Status DecodePingReply(std::string_view body, ReplyStatus* status, std::string* node_id);
+
+// MultiGet reply: body = status. Payload = block of per-key results, then the values of the
+// found keys in request order.
+struct BatchGetResult {
+  StatusCode code = StatusCode::kOk;
+  ObjectMeta meta;  // when code is OK
+};
+std::string EncodeBatchGetBlock(const std::vector<BatchGetResult>& results);
+Status DecodeBatchGetBlock(std::string_view payload, std::vector<BatchGetResult>* results,
+                           size_t* block_size);
+
+// MultiPut reply: body = status; payload = count, then per item a status code and version.
+struct BatchPutResult {
+  StatusCode code = StatusCode::kOk;
+  uint64_t version = 0;
+};
+std::string EncodeBatchPutResults(const std::vector<BatchPutResult>& results);
+Status DecodeBatchPutResults(std::string_view payload, std::vector<BatchPutResult>* results);
+
+// Stats reply: body = status; payload = a JSON document (docs/STATS.md).
+
+}  // namespace gkv::wire

@@ -1,0 +1,125 @@
+// UcxTransport: one UCX context and worker driven by one thread of its own, with event-driven
+// progress. Servers and clients both use it; nothing above this file sees a UCX type.
+//
+// Threading: every UCP call happens on the worker thread. Other threads hand work to it with
+// Post() (a queue plus an eventfd in the worker's epoll set). Handlers and completion callbacks
+// run on the worker thread and must not block: hand slow work (disk I/O, cache eviction) to an
+// executor and Post the result back.
+//
+// Progress loop: progress until idle -> run posted tasks and deferred callbacks -> on_tick ->
+// ucp_worker_arm -> epoll_wait(worker fd + eventfd, poll interval). The short poll interval
+// covers missed wakeups (reported in several UCX versions) and drives request deadlines.
+//
+// Endpoints use PEER error handling: a dead peer fails its outstanding operations and reports
+// on_disconnect once. Teardown (destructor): endpoints closed (flushed, forced after a grace
+// period) -> listener -> worker -> context.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "gkv/cuda.h"
+#include "gkv/status.h"
+
+namespace gkv {
+
+using ConnId = uint64_t;  // 0 is never a valid connection
+
+class UcxTransport;
+
+// One active message as it arrived. Move-only. The payload is either eager (held here, readable
+// with payload()) or a rendezvous descriptor (fetch it with UcxTransport::Receive). Destroying the
+// message without receiving a rendezvous payload releases it; the sender's operation then fails
+// with a cancel, which is how a server refuses a payload it has no room for.
+class Incoming {
+ public:
+  ~Incoming();
+  Incoming(const Incoming&) = delete;
+  Incoming& operator=(const Incoming&) = delete;
+
+  ConnId conn() const { return conn_; }
+  unsigned am_id() const { return am_id_; }
+  const std::string& header() const { return header_; }
+  size_t payload_size() const { return length_; }
+  bool payload_is_rendezvous() const { return rndv_; }
+  // REQUIRES: !payload_is_rendezvous(). Valid while this object lives.
+  std::string_view payload() const;
+
+ private:
+  friend class UcxTransport;
+  Incoming() = default;
+  struct Impl;
+  void* transport_ = nullptr;  // UcxTransport::Impl
+  ConnId conn_ = 0;
+  unsigned am_id_ = 0;
+  std::string header_;
+  std::string copied_;       // eager payload copied during the callback
+  void* ucx_data_ = nullptr; // eager payload kept by UCX, or the rendezvous descriptor
+  size_t length_ = 0;
+  bool rndv_ = false;
+};
+
+class UcxTransport {
+ public:
+  struct Options {
+    bool listen = false;
+    std::string listen_host = "0.0.0.0";
+    uint16_t listen_port = 0;  // 0: any free port (see listen_port())
+    std::chrono::milliseconds poll_interval{2};
+  };
+  struct Handlers {
+    // A message on AM id wire::kAmRequest or wire::kAmReply. Worker thread.
+    std::function<void(std::unique_ptr<Incoming>)> on_message;
+    // A connection failed or was closed by the peer. Called once per connection. Worker thread.
+    std::function<void(ConnId, const Status&)> on_disconnect;
+    // A connection was accepted (servers). Worker thread.
+    std::function<void(ConnId)> on_accept;
+    // Every loop iteration (at least every poll interval). Worker thread.
+    std::function<void()> on_tick;
+  };
+
+  // Starts the worker thread. Unavailable when UCX can't start or the address can't be bound.
+  static Result<std::unique_ptr<UcxTransport>> Create(const Options& options, Handlers handlers);
+  ~UcxTransport();
+  UcxTransport(const UcxTransport&) = delete;
+  UcxTransport& operator=(const UcxTransport&) = delete;
+
+  // --- any thread ---
+  void Post(std::function<void()> task);
+  // True when this UCX build can move CUDA device memory itself (context memory types).
+  bool device_memory_supported() const;
+  uint16_t listen_port() const;
+  size_t max_header_size() const;
+  bool OnWorkerThread() const;
+
+  // --- worker thread only ---
+  // Starts connecting; sends may be issued at once (UCX queues them). Failure shows up later as
+  // on_disconnect.
+  Result<ConnId> Connect(const std::string& host, uint16_t port);
+  bool IsOpen(ConnId conn) const;
+  // Sends an active message. `done` runs on the worker thread when UCX no longer needs
+  // `payload` (or on failure). The header is owned by the operation until then. A device payload
+  // requires device_memory_supported().
+  void Send(ConnId conn, unsigned am_id, std::string header, const void* payload, size_t size,
+            MemoryKind kind, std::function<void(Status)> done);
+  // Receives the payload of `msg` into `dst` (at least payload_size() bytes). `done` runs on the
+  // worker thread; `dst` must stay valid until then.
+  void Receive(std::unique_ptr<Incoming> msg, void* dst, MemoryKind kind,
+               std::function<void(Status)> done);
+  // Closes a connection: flushes it, or with `force` (or a failed peer) drops it at once, which
+  // completes its outstanding operations with an error. No on_disconnect for it.
+  void Close(ConnId conn, bool force = false);
+
+ private:
+  friend class Incoming;
+  struct Impl;
+  explicit UcxTransport(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace gkv

@@ -1,0 +1,318 @@
+#include "gkv/transport/protocol.h"
+
+#include "gkv/bytes.h"
+
+namespace gkv::wire {
+namespace {
+
+Status Malformed(std::string_view what) {
+  return Status::ProtocolError("malformed " + std::string(what));
+}
+
+bool ValidCode(uint8_t c) { return c <= static_cast<uint8_t>(StatusCode::kInternal); }
+
+void WriteMeta(ByteWriter& w, const ObjectMeta& m) {
+  w.U64(m.size);
+  w.U64(m.version);
+  w.Tensor(m.tensor);
+  w.U8(m.tier);
+  w.U8(m.on_disk ? 1 : 0);
+}
+
+bool ReadMeta(ByteReader& r, ObjectMeta* m) {
+  uint8_t on_disk = 0;
+  if (!r.U64(&m->size) || !r.U64(&m->version) || !r.Tensor(&m->tensor) || !r.U8(&m->tier) ||
+      !r.U8(&on_disk)) {
+    return false;
+  }
+  m->on_disk = on_disk != 0;
+  return m->tier <= 2 && on_disk <= 1;
+}
+
+void WriteStatus(ByteWriter& w, const Status& s) {
+  w.U8(static_cast<uint8_t>(s.code()));
+  std::string_view m = s.message();
+  w.String(m.substr(0, kMaxMessageText));
+}
+
+bool ReadStatus(ByteReader& r, ReplyStatus* s) {
+  uint8_t code;
+  if (!r.U8(&code) || !ValidCode(code) || !r.String(&s->message, kMaxMessageText)) return false;
+  s->code = static_cast<StatusCode>(code);
+  return true;
+}
+
+}  // namespace
+
+std::string_view OpcodeName(Opcode op) {
+  switch (op) {
+    case Opcode::kPing: return "ping";
+    case Opcode::kPut: return "put";
+    case Opcode::kGet: return "get";
+    case Opcode::kDelete: return "delete";
+    case Opcode::kStat: return "stat";
+    case Opcode::kMultiGet: return "mget";
+    case Opcode::kMultiPut: return "mput";
+    case Opcode::kStats: return "stats";
+    case Opcode::kHello: return "hello";
+  }
+  return "unknown";
+}
+
+std::string EncodeMessage(const Header& h, std::string_view body) {
+  std::string out;
+  out.reserve(kFixedHeaderSize + body.size());
+  ByteWriter w(&out);
+  w.U32(kMagic);
+  w.U8(kVersion);
+  w.U8(static_cast<uint8_t>(h.opcode));
+  w.U16(h.flags);
+  w.U64(h.request_id);
+  w.U32(static_cast<uint32_t>(body.size()));
+  w.Bytes(body.data(), body.size());
+  return out;
+}
+
+Status DecodeMessage(const void* data, size_t size, Header* h, std::string_view* body) {
+  ByteReader r(data, size);
+  uint32_t magic = 0, body_len = 0;
+  uint8_t version = 0, opcode = 0;
+  if (!r.U32(&magic) || !r.U8(&version) || !r.U8(&opcode) || !r.U16(&h->flags) ||
+      !r.U64(&h->request_id) || !r.U32(&body_len)) {
+    return Status::ProtocolError("message shorter than the 20-byte header");
+  }
+  if (magic != kMagic) return Status::ProtocolError("bad magic: not a gkv message");
+  if (version != kVersion) {
+    return Status::ProtocolError("protocol version " + std::to_string(version) +
+                                 " is not supported (this side speaks 1)");
+  }
+  if (opcode < static_cast<uint8_t>(Opcode::kPing) || opcode > static_cast<uint8_t>(Opcode::kHello)) {
+    return Status::ProtocolError("unknown opcode " + std::to_string(opcode));
+  }
+  if (body_len != r.remaining()) {
+    return Status::ProtocolError("body length " + std::to_string(body_len) + " but " +
+                                 std::to_string(r.remaining()) + " bytes arrived");
+  }
+  h->opcode = static_cast<Opcode>(opcode);
+  r.Bytes(body_len, body);
+  return Status::OK();
+}
+
+std::string EncodePutRequest(const PutRequest& p) {
+  std::string out;
+  ByteWriter w(&out);
+  w.String(p.key);
+  w.Tensor(p.tensor);
+  w.U64(p.size);
+  return out;
+}
+
+Status DecodePutRequest(std::string_view body, PutRequest* p) {
+  ByteReader r(body);
+  if (!r.String(&p->key, kMaxKeySize) || !r.Tensor(&p->tensor) || !r.U64(&p->size) ||
+      r.remaining() != 0) {
+    return Malformed("put request");
+  }
+  return Status::OK();
+}
+
+std::string EncodeKeyRequest(std::string_view key) {
+  std::string out;
+  ByteWriter(&out).String(key);
+  return out;
+}
+
+Status DecodeKeyRequest(std::string_view body, std::string* key) {
+  ByteReader r(body);
+  if (!r.String(key, kMaxKeySize) || r.remaining() != 0) return Malformed("key request");
+  return Status::OK();
+}
+
+std::string EncodeHello(std::string_view secret) { return EncodeKeyRequest(secret); }
+
+Status DecodeHello(std::string_view body, std::string* secret) {
+  ByteReader r(body);
+  if (!r.String(secret, kMaxMessageText) || r.remaining() != 0) return Malformed("hello");
+  return Status::OK();
+}
+
+std::string EncodeKeyList(const std::vector<std::string>& keys) {
+  std::string out;
+  ByteWriter w(&out);
+  w.U32(static_cast<uint32_t>(keys.size()));
+  for (const auto& k : keys) w.String(k);
+  return out;
+}
+
+Status DecodeKeyList(std::string_view block, std::vector<std::string>* keys) {
+  ByteReader r(block);
+  uint32_t n = 0;
+  // Each key needs at least its 4-byte length: a count beyond that is a lie.
+  if (!r.U32(&n) || n > kMaxBatch || n > r.remaining() / 4) return Malformed("key list");
+  keys->resize(n);
+  for (auto& k : *keys) {
+    if (!r.String(&k, kMaxKeySize)) return Malformed("key list");
+  }
+  if (r.remaining() != 0) return Malformed("key list");
+  return Status::OK();
+}
+
+std::string EncodeBatchPutBlock(const std::vector<BatchPutItem>& items) {
+  std::string out;
+  ByteWriter w(&out);
+  w.U32(static_cast<uint32_t>(items.size()));
+  for (const auto& it : items) {
+    w.String(it.key);
+    w.Tensor(it.tensor);
+    w.U64(it.size);
+  }
+  return out;
+}
+
+Status DecodeBatchPutBlock(std::string_view payload, std::vector<BatchPutItem>* items,
+                           size_t* block_size) {
+  ByteReader r(payload);
+  uint32_t n = 0;
+  // Minimum item: 4 (key length) + 2 (dtype, rank) + 8 (size).
+  if (!r.U32(&n) || n > kMaxBatch || n > r.remaining() / 14) return Malformed("batch put block");
+  items->resize(n);
+  uint64_t total = 0;
+  for (auto& it : *items) {
+    if (!r.String(&it.key, kMaxKeySize) || !r.Tensor(&it.tensor) || !r.U64(&it.size)) {
+      return Malformed("batch put block");
+    }
+    if (it.size > payload.size()) return Malformed("batch put block (item size)");
+    total += it.size;
+  }
+  *block_size = payload.size() - r.remaining();
+  if (total != r.remaining()) {
+    return Status::ProtocolError("batch put: item sizes add up to " + std::to_string(total) +
+                                 " bytes but " + std::to_string(r.remaining()) + " arrived");
+  }
+  return Status::OK();
+}
+
+std::string EncodeStatusReply(const Status& s) {
+  std::string out;
+  ByteWriter w(&out);
+  WriteStatus(w, s);
+  return out;
+}
+
+Status DecodeStatusReply(std::string_view body, ReplyStatus* status) {
+  ByteReader r(body);
+  if (!ReadStatus(r, status) || r.remaining() != 0) return Malformed("status reply");
+  return Status::OK();
+}
+
+std::string EncodeObjectReply(const Status& s, const ObjectMeta& meta) {
+  std::string out;
+  ByteWriter w(&out);
+  WriteStatus(w, s);
+  if (s.ok()) WriteMeta(w, meta);
+  return out;
+}
+
+Status DecodeObjectReply(std::string_view body, ReplyStatus* status, ObjectMeta* meta) {
+  ByteReader r(body);
+  if (!ReadStatus(r, status)) return Malformed("object reply");
+  if (status->code == StatusCode::kOk && !ReadMeta(r, meta)) return Malformed("object reply");
+  if (r.remaining() != 0) return Malformed("object reply");
+  return Status::OK();
+}
+
+std::string EncodePutReply(const Status& s, uint64_t version) {
+  std::string out;
+  ByteWriter w(&out);
+  WriteStatus(w, s);
+  if (s.ok()) w.U64(version);
+  return out;
+}
+
+Status DecodePutReply(std::string_view body, ReplyStatus* status, uint64_t* version) {
+  ByteReader r(body);
+  if (!ReadStatus(r, status)) return Malformed("put reply");
+  if (status->code == StatusCode::kOk && !r.U64(version)) return Malformed("put reply");
+  if (r.remaining() != 0) return Malformed("put reply");
+  return Status::OK();
+}
+
+std::string EncodePingReply(const Status& s, std::string_view node_id) {
+  std::string out;
+  ByteWriter w(&out);
+  WriteStatus(w, s);
+  w.String(node_id);
+  return out;
+}
+
+Status DecodePingReply(std::string_view body, ReplyStatus* status, std::string* node_id) {
+  ByteReader r(body);
+  if (!ReadStatus(r, status) || !r.String(node_id, kMaxMessageText) || r.remaining() != 0) {
+    return Malformed("ping reply");
+  }
+  return Status::OK();
+}
+
+std::string EncodeBatchGetBlock(const std::vector<BatchGetResult>& results) {
+  std::string out;
+  ByteWriter w(&out);
+  w.U32(static_cast<uint32_t>(results.size()));
+  for (const auto& res : results) {
+    w.U8(static_cast<uint8_t>(res.code));
+    if (res.code == StatusCode::kOk) WriteMeta(w, res.meta);
+  }
+  return out;
+}
+
+Status DecodeBatchGetBlock(std::string_view payload, std::vector<BatchGetResult>* results,
+                           size_t* block_size) {
+  ByteReader r(payload);
+  uint32_t n = 0;
+  if (!r.U32(&n) || n > kMaxBatch || n > r.remaining()) return Malformed("batch get block");
+  results->resize(n);
+  uint64_t total = 0;
+  for (auto& res : *results) {
+    uint8_t code;
+    if (!r.U8(&code) || !ValidCode(code)) return Malformed("batch get block");
+    res.code = static_cast<StatusCode>(code);
+    if (res.code == StatusCode::kOk) {
+      if (!ReadMeta(r, &res.meta) || res.meta.size > payload.size()) {
+        return Malformed("batch get block");
+      }
+      total += res.meta.size;
+    }
+  }
+  *block_size = payload.size() - r.remaining();
+  if (total != r.remaining()) return Malformed("batch get block (value sizes)");
+  return Status::OK();
+}
+
+std::string EncodeBatchPutResults(const std::vector<BatchPutResult>& results) {
+  std::string out;
+  ByteWriter w(&out);
+  w.U32(static_cast<uint32_t>(results.size()));
+  for (const auto& res : results) {
+    w.U8(static_cast<uint8_t>(res.code));
+    w.U64(res.version);
+  }
+  return out;
+}
+
+Status DecodeBatchPutResults(std::string_view payload, std::vector<BatchPutResult>* results) {
+  ByteReader r(payload);
+  uint32_t n = 0;
+  if (!r.U32(&n) || n > kMaxBatch || n != r.remaining() / 9 || r.remaining() % 9 != 0) {
+    return Malformed("batch put results");
+  }
+  results->resize(n);
+  for (auto& res : *results) {
+    uint8_t code;
+    if (!r.U8(&code) || !ValidCode(code) || !r.U64(&res.version)) {
+      return Malformed("batch put results");
+    }
+    res.code = static_cast<StatusCode>(code);
+  }
+  return Status::OK();
+}
+
+}  // namespace gkv::wire

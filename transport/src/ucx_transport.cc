@@ -1,0 +1,587 @@
+#include "gkv/transport/ucx_transport.h"
+
+#include <netdb.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <ucp/api/ucp.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "gkv/log.h"
+#include "gkv/transport/protocol.h"
+
+namespace gkv {
+namespace {
+
+// The ucs_status_t boundary.
+Status FromUcs(ucs_status_t s, std::string_view what) {
+  if (s == UCS_OK || s == UCS_INPROGRESS) return Status::OK();
+  std::string m(what);
+  m += ": ";
+  m += ucs_status_string(s);
+  switch (s) {
+    case UCS_ERR_CONNECTION_RESET:
+    case UCS_ERR_ENDPOINT_TIMEOUT:
+    case UCS_ERR_UNREACHABLE:
+    case UCS_ERR_REJECTED:
+    case UCS_ERR_NOT_CONNECTED:
+    case UCS_ERR_BUSY:
+    case UCS_ERR_IO_ERROR:
+      return Status::Unavailable(m);
+    case UCS_ERR_CANCELED: return Status::Aborted(m);
+    case UCS_ERR_TIMED_OUT: return Status::Timeout(m);
+    case UCS_ERR_NO_MEMORY:
+    case UCS_ERR_NO_RESOURCE: return Status::NoSpace(m);
+    case UCS_ERR_MESSAGE_TRUNCATED: return Status::ProtocolError(m);
+    case UCS_ERR_INVALID_PARAM: return Status::InvalidArgument(m);
+    case UCS_ERR_UNSUPPORTED: return Status::NotSupported(m);
+    default: return Status::IOError(m);
+  }
+}
+
+Status ResolveAddress(const std::string& host, uint16_t port, sockaddr_storage* out,
+                      socklen_t* len) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  int rc = getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res);
+  if (rc != 0 || !res) {
+    return Status::InvalidArgument("cannot resolve '" + host + "': " + gai_strerror(rc));
+  }
+  std::memcpy(out, res->ai_addr, res->ai_addrlen);
+  *len = res->ai_addrlen;
+  freeaddrinfo(res);
+  return Status::OK();
+}
+
+}  // namespace
+
+struct UcxTransport::Impl {
+  struct Conn;
+  struct ErrorArg {
+    Impl* impl;
+    ConnId id;
+  };
+  struct Conn {
+    ucp_ep_h ep = nullptr;
+    bool failed = false;
+    std::unique_ptr<ErrorArg> err_arg;
+  };
+  struct AmArg {
+    Impl* impl;
+    unsigned am_id;
+  };
+  struct SendOp {
+    Impl* impl;
+    std::string header;  // must live until the send completes (UCX 1.13)
+    std::function<void(Status)> done;
+  };
+  struct RecvOp {
+    Impl* impl;
+    std::function<void(Status)> done;
+  };
+
+  Options options;
+  Handlers handlers;
+  ucp_context_h context = nullptr;
+  ucp_worker_h worker = nullptr;
+  ucp_listener_h listener = nullptr;
+  bool cuda_supported = false;
+  size_t max_header = 0;
+  uint16_t bound_port = 0;
+  int epoll_fd = -1;
+  int event_fd = -1;
+  int worker_fd = -1;
+  std::thread thread;
+  std::thread::id thread_id;
+  std::atomic<bool> stopping{false};
+  AmArg am_args[2];
+
+  std::mutex post_mu;
+  std::vector<std::function<void()>> posted;  // guarded by post_mu
+
+  // Worker-thread state.
+  ConnId next_conn = 1;
+  std::unordered_map<ConnId, Conn> conns;
+  std::unordered_map<ucp_ep_h, ConnId> conn_by_ep;
+  std::vector<std::function<void()>> deferred;  // callbacks to run after progress returns
+  std::vector<void*> closing;                   // ep close requests in flight
+
+  ~Impl() {
+    if (listener) ucp_listener_destroy(listener);
+    if (worker) ucp_worker_destroy(worker);
+    if (context) ucp_cleanup(context);
+    if (epoll_fd >= 0) close(epoll_fd);
+    if (event_fd >= 0) close(event_fd);
+  }
+
+  Status Init() {
+    ucp_config_t* config = nullptr;
+    GKV_RETURN_IF_ERROR(FromUcs(ucp_config_read(nullptr, nullptr, &config), "ucp_config_read"));
+    ucp_params_t params{};
+    params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
+    params.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
+    params.mt_workers_shared = 0;
+    ucs_status_t st = ucp_init(&params, config, &context);
+    ucp_config_release(config);
+    GKV_RETURN_IF_ERROR(FromUcs(st, "ucp_init"));
+
+    ucp_context_attr_t cattr{};
+    cattr.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
+    GKV_RETURN_IF_ERROR(FromUcs(ucp_context_query(context, &cattr), "ucp_context_query"));
+    // A successful ucp_mem_map of CUDA memory proves nothing on a UCX without CUDA; the
+    // context's memory types are the reliable signal.
+    cuda_supported = (cattr.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
+
+    ucp_worker_params_t wparams{};
+    wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+    wparams.thread_mode = UCS_THREAD_MODE_SINGLE;
+    GKV_RETURN_IF_ERROR(FromUcs(ucp_worker_create(context, &wparams, &worker), "ucp_worker_create"));
+
+    ucp_worker_attr_t wattr{};
+    wattr.field_mask = UCP_WORKER_ATTR_FIELD_MAX_AM_HEADER;
+    GKV_RETURN_IF_ERROR(FromUcs(ucp_worker_query(worker, &wattr), "ucp_worker_query"));
+    max_header = wattr.max_am_header;
+
+    const unsigned ids[2] = {wire::kAmRequest, wire::kAmReply};
+    for (int i = 0; i < 2; ++i) {
+      am_args[i] = {this, ids[i]};
+      ucp_am_handler_param_t hp{};
+      hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                      UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
+      hp.id = ids[i];
+      hp.flags = UCP_AM_FLAG_WHOLE_MSG;
+      hp.cb = &Impl::OnAm;
+      hp.arg = &am_args[i];
+      GKV_RETURN_IF_ERROR(FromUcs(ucp_worker_set_am_recv_handler(worker, &hp), "am handler"));
+    }
+
+    if (options.listen) {
+      sockaddr_storage addr{};
+      socklen_t len = 0;
+      GKV_RETURN_IF_ERROR(ResolveAddress(options.listen_host, options.listen_port, &addr, &len));
+      ucp_listener_params_t lp{};
+      lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
+      lp.sockaddr.addr = reinterpret_cast<const sockaddr*>(&addr);
+      lp.sockaddr.addrlen = len;
+      lp.conn_handler.cb = &Impl::OnConnRequest;
+      lp.conn_handler.arg = this;
+      ucs_status_t ls = ucp_listener_create(worker, &lp, &listener);
+      if (ls != UCS_OK) {
+        return FromUcs(ls, "cannot listen on " + options.listen_host + ":" +
+                               std::to_string(options.listen_port))
+            .WithContext("bind");
+      }
+      ucp_listener_attr_t la{};
+      la.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
+      GKV_RETURN_IF_ERROR(FromUcs(ucp_listener_query(listener, &la), "ucp_listener_query"));
+      const sockaddr* sa = reinterpret_cast<const sockaddr*>(&la.sockaddr);
+      bound_port = ntohs(sa->sa_family == AF_INET6
+                             ? reinterpret_cast<const sockaddr_in6*>(sa)->sin6_port
+                             : reinterpret_cast<const sockaddr_in*>(sa)->sin_port);
+    }
+
+    GKV_RETURN_IF_ERROR(FromUcs(ucp_worker_get_efd(worker, &worker_fd), "ucp_worker_get_efd"));
+    epoll_fd = epoll_create1(EPOLL_CLOEXEC);
+    event_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (epoll_fd < 0 || event_fd < 0) return Status::IOError("epoll/eventfd setup failed");
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    ev.data.fd = worker_fd;
+    epoll_ctl(epoll_fd, EPOLL_CTL_ADD, worker_fd, &ev);
+    ev.data.fd = event_fd;
+    epoll_ctl(epoll_fd, EPOLL_CTL_ADD, event_fd, &ev);
+    return Status::OK();
+  }
+
+  // --- UCX callbacks (inside progress): record, never call back into UCP here ---
+
+  static void OnConnRequest(ucp_conn_request_h request, void* arg) {
+    auto* self = static_cast<Impl*>(arg);
+    const ConnId id = self->next_conn++;
+    Conn& c = self->conns[id];
+    c.err_arg.reset(new ErrorArg{self, id});
+    ucp_ep_params_t ep{};
+    ep.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                    UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    ep.conn_request = request;
+    ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    ep.err_handler.cb = &Impl::OnEpError;
+    ep.err_handler.arg = c.err_arg.get();
+    ucs_status_t st = ucp_ep_create(self->worker, &ep, &c.ep);
+    if (st != UCS_OK) {
+      GKV_LOG_WARN("accepting a connection failed: {}", ucs_status_string(st));
+      self->conns.erase(id);
+      return;
+    }
+    self->conn_by_ep[c.ep] = id;
+    if (self->handlers.on_accept) {
+      self->deferred.push_back([self, id] { self->handlers.on_accept(id); });
+    }
+  }
+
+  static void OnEpError(void* arg, ucp_ep_h, ucs_status_t status) {
+    auto* ea = static_cast<ErrorArg*>(arg);
+    Impl* self = ea->impl;
+    const ConnId id = ea->id;
+    auto it = self->conns.find(id);
+    if (it == self->conns.end() || it->second.failed) return;
+    it->second.failed = true;
+    Status s = FromUcs(status, "connection lost");
+    self->deferred.push_back([self, id, s] {
+      // The endpoint is dead: close it forcibly; its operations have failed already.
+      self->CloseInternal(id, /*force=*/true);
+      if (self->handlers.on_disconnect) self->handlers.on_disconnect(id, s);
+    });
+  }
+
+  static ucs_status_t OnAm(void* arg, const void* header, size_t header_length, void* data,
+                           size_t length, const ucp_am_recv_param_t* param) {
+    auto* a = static_cast<AmArg*>(arg);
+    Impl* self = a->impl;
+    std::unique_ptr<Incoming> msg(new Incoming());
+    msg->transport_ = self;
+    msg->am_id_ = a->am_id;
+    msg->header_.assign(static_cast<const char*>(header), header_length);
+    msg->length_ = length;
+    if ((param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) && param->reply_ep) {
+      auto it = self->conn_by_ep.find(param->reply_ep);
+      msg->conn_ = it == self->conn_by_ep.end() ? 0 : it->second;
+    }
+    ucs_status_t ret = UCS_OK;
+    if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
+      msg->rndv_ = true;
+      msg->ucx_data_ = data;
+      ret = UCS_INPROGRESS;  // we own the descriptor: receive or release it later
+    } else if (length > 0 && (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_DATA)) {
+      msg->ucx_data_ = data;
+      ret = UCS_INPROGRESS;  // keep UCX's buffer, released with the message
+    } else if (length > 0) {
+      msg->copied_.assign(static_cast<const char*>(data), length);
+    }
+    Incoming* raw = msg.release();
+    self->deferred.push_back([self, raw] {
+      std::unique_ptr<Incoming> m(raw);
+      if (self->handlers.on_message) self->handlers.on_message(std::move(m));
+    });
+    return ret;
+  }
+
+  static void OnSendDone(void* request, ucs_status_t status, void* user_data) {
+    auto* op = static_cast<SendOp*>(user_data);
+    Status s = FromUcs(status, "send");
+    op->impl->deferred.push_back([op, s] {
+      op->done(s);
+      delete op;
+    });
+    ucp_request_free(request);
+  }
+
+  static void OnRecvDone(void* request, ucs_status_t status, size_t, void* user_data) {
+    auto* op = static_cast<RecvOp*>(user_data);
+    Status s = FromUcs(status, "receive");
+    op->impl->deferred.push_back([op, s] {
+      op->done(s);
+      delete op;
+    });
+    ucp_request_free(request);
+  }
+
+  // --- worker thread ---
+
+  void RunDeferred() {
+    // Callbacks may add more deferred work; loop until quiet.
+    while (!deferred.empty()) {
+      std::vector<std::function<void()>> batch;
+      batch.swap(deferred);
+      for (auto& fn : batch) fn();
+    }
+  }
+
+  void RunPosted() {
+    std::vector<std::function<void()>> batch;
+    {
+      std::lock_guard<std::mutex> lock(post_mu);
+      batch.swap(posted);
+    }
+    for (auto& fn : batch) fn();
+  }
+
+  void ProgressAll() {
+    while (ucp_worker_progress(worker) != 0) {
+    }
+    RunDeferred();
+  }
+
+  void Loop() {
+    thread_id = std::this_thread::get_id();
+    epoll_event events[4];
+    while (!stopping.load(std::memory_order_acquire)) {
+      ProgressAll();
+      RunPosted();
+      RunDeferred();
+      if (handlers.on_tick) handlers.on_tick();
+      ucs_status_t st = ucp_worker_arm(worker);
+      if (st == UCS_ERR_BUSY) continue;
+      {
+        std::lock_guard<std::mutex> lock(post_mu);
+        if (!posted.empty()) continue;
+      }
+      int n = epoll_wait(epoll_fd, events, 4, static_cast<int>(options.poll_interval.count()));
+      for (int i = 0; i < n; ++i) {
+        if (events[i].data.fd == event_fd) {
+          uint64_t v;
+          while (read(event_fd, &v, sizeof v) > 0) {
+          }
+        }
+      }
+    }
+    Shutdown();
+  }
+
+  void Shutdown() {
+    // Finish what was posted, then close every endpoint (flush for a short grace period).
+    RunPosted();
+    ProgressAll();
+    std::vector<ConnId> ids;
+    for (auto& [id, c] : conns) ids.push_back(id);
+    for (ConnId id : ids) CloseInternal(id, false);
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+    while (!closing.empty() && std::chrono::steady_clock::now() < deadline) {
+      ucp_worker_progress(worker);
+      for (auto it = closing.begin(); it != closing.end();) {
+        if (ucp_request_check_status(*it) != UCS_INPROGRESS) {
+          ucp_request_free(*it);
+          it = closing.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      RunDeferred();
+      RunPosted();
+    }
+    for (void* r : closing) {
+      ucp_request_cancel(worker, r);
+      ucp_request_free(r);
+    }
+    closing.clear();
+    RunDeferred();
+  }
+
+  void CloseInternal(ConnId id, bool force) {
+    auto it = conns.find(id);
+    if (it == conns.end()) return;
+    ucp_ep_h ep = it->second.ep;
+    force = force || it->second.failed;
+    conn_by_ep.erase(ep);
+    // The error handler's argument must outlive the endpoint: keep it until shutdown.
+    retired_args.push_back(std::move(it->second.err_arg));
+    conns.erase(it);
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+    void* req = ucp_ep_close_nbx(ep, &p);
+    if (UCS_PTR_IS_PTR(req)) closing.push_back(req);
+    // Close requests are reaped here in normal operation too.
+    for (auto c = closing.begin(); c != closing.end();) {
+      if (ucp_request_check_status(*c) != UCS_INPROGRESS) {
+        ucp_request_free(*c);
+        c = closing.erase(c);
+      } else {
+        ++c;
+      }
+    }
+  }
+  std::vector<std::unique_ptr<ErrorArg>> retired_args;
+};
+
+// ---------------- Incoming ----------------
+
+Incoming::~Incoming() {
+  if (!ucx_data_) return;
+  auto* impl = static_cast<UcxTransport::Impl*>(transport_);
+  void* data = ucx_data_;
+  ucx_data_ = nullptr;
+  auto release = [impl, data] { ucp_am_data_release(impl->worker, data); };
+  if (std::this_thread::get_id() == impl->thread_id) {
+    release();
+  } else {
+    std::lock_guard<std::mutex> lock(impl->post_mu);
+    impl->posted.push_back(release);
+    uint64_t one = 1;
+    (void)!write(impl->event_fd, &one, sizeof one);
+  }
+}
+
+std::string_view Incoming::payload() const {
+  if (ucx_data_ && !rndv_) return {static_cast<const char*>(ucx_data_), length_};
+  return copied_;
+}
+
+// ---------------- UcxTransport ----------------
+
+UcxTransport::UcxTransport(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+Result<std::unique_ptr<UcxTransport>> UcxTransport::Create(const Options& options,
+                                                           Handlers handlers) {
+  auto impl = std::make_unique<Impl>();
+  impl->options = options;
+  impl->handlers = std::move(handlers);
+  Status s = impl->Init();
+  if (!s.ok()) return s.code() == StatusCode::kInvalidArgument ? s : Status::Unavailable(s.message());
+  std::unique_ptr<UcxTransport> t(new UcxTransport(std::move(impl)));
+  Impl* raw = t->impl_.get();
+  std::atomic<bool> started{false};
+  raw->thread = std::thread([raw, &started] {
+    raw->thread_id = std::this_thread::get_id();
+    started.store(true, std::memory_order_release);
+    raw->Loop();
+  });
+  while (!started.load(std::memory_order_acquire)) std::this_thread::yield();
+  return t;
+}
+
+UcxTransport::~UcxTransport() {
+  impl_->stopping.store(true, std::memory_order_release);
+  uint64_t one = 1;
+  (void)!write(impl_->event_fd, &one, sizeof one);
+  if (impl_->thread.joinable()) impl_->thread.join();
+}
+
+void UcxTransport::Post(std::function<void()> task) {
+  {
+    std::lock_guard<std::mutex> lock(impl_->post_mu);
+    impl_->posted.push_back(std::move(task));
+  }
+  uint64_t one = 1;
+  (void)!write(impl_->event_fd, &one, sizeof one);
+}
+
+bool UcxTransport::device_memory_supported() const { return impl_->cuda_supported; }
+uint16_t UcxTransport::listen_port() const { return impl_->bound_port; }
+size_t UcxTransport::max_header_size() const { return impl_->max_header; }
+bool UcxTransport::OnWorkerThread() const {
+  return std::this_thread::get_id() == impl_->thread_id;
+}
+
+Result<ConnId> UcxTransport::Connect(const std::string& host, uint16_t port) {
+  Impl& I = *impl_;
+  sockaddr_storage addr{};
+  socklen_t len = 0;
+  GKV_RETURN_IF_ERROR(ResolveAddress(host, port, &addr, &len));
+  const ConnId id = I.next_conn++;
+  Impl::Conn& c = I.conns[id];
+  c.err_arg.reset(new Impl::ErrorArg{&I, id});
+  ucp_ep_params_t ep{};
+  ep.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
+                  UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
+  ep.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
+  ep.sockaddr.addr = reinterpret_cast<const sockaddr*>(&addr);
+  ep.sockaddr.addrlen = len;
+  ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  ep.err_handler.cb = &Impl::OnEpError;
+  ep.err_handler.arg = c.err_arg.get();
+  ucs_status_t st = ucp_ep_create(I.worker, &ep, &c.ep);
+  if (st != UCS_OK) {
+    I.conns.erase(id);
+    return FromUcs(st, "connecting to " + host + ":" + std::to_string(port));
+  }
+  I.conn_by_ep[c.ep] = id;
+  return id;
+}
+
+bool UcxTransport::IsOpen(ConnId conn) const {
+  auto it = impl_->conns.find(conn);
+  return it != impl_->conns.end() && !it->second.failed;
+}
+
+void UcxTransport::Send(ConnId conn, unsigned am_id, std::string header, const void* payload,
+                        size_t size, MemoryKind kind, std::function<void(Status)> done) {
+  Impl& I = *impl_;
+  auto it = I.conns.find(conn);
+  if (it == I.conns.end() || it->second.failed) {
+    done(Status::Unavailable("connection is closed"));
+    return;
+  }
+  if (header.size() > I.max_header) {
+    done(Status::InvalidArgument("message header of " + std::to_string(header.size()) +
+                                 " bytes exceeds the transport's limit of " +
+                                 std::to_string(I.max_header)));
+    return;
+  }
+  if (kind == MemoryKind::kDevice && !I.cuda_supported) {
+    done(Status::NotSupported("this UCX cannot send device memory; stage through host memory"));
+    return;
+  }
+  auto* op = new Impl::SendOp{&I, std::move(header), std::move(done)};
+  ucp_request_param_t p{};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                   UCP_OP_ATTR_FIELD_FLAGS;
+  p.flags = UCP_AM_SEND_FLAG_REPLY;
+  p.cb.send = &Impl::OnSendDone;
+  p.user_data = op;
+  if (kind == MemoryKind::kDevice) {
+    p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+    p.memory_type = UCS_MEMORY_TYPE_CUDA;
+  }
+  void* req = ucp_am_send_nbx(it->second.ep, am_id, op->header.data(), op->header.size(),
+                              size ? payload : nullptr, size, &p);
+  if (req == nullptr) {
+    op->done(Status::OK());
+    delete op;
+  } else if (UCS_PTR_IS_ERR(req)) {
+    op->done(FromUcs(UCS_PTR_STATUS(req), "send"));
+    delete op;
+  }
+}
+
+void UcxTransport::Receive(std::unique_ptr<Incoming> msg, void* dst, MemoryKind kind,
+                           std::function<void(Status)> done) {
+  Impl& I = *impl_;
+  if (!msg->rndv_) {
+    std::string_view data = msg->payload();
+    Status s;
+    if (kind == MemoryKind::kDevice) {
+      s = CudaCopySync(dst, data.data(), data.size());
+    } else if (!data.empty()) {
+      std::memcpy(dst, data.data(), data.size());
+    }
+    done(s);
+    return;
+  }
+  if (kind == MemoryKind::kDevice && !I.cuda_supported) {
+    done(Status::NotSupported("this UCX cannot receive into device memory"));
+    return;
+  }
+  void* desc = msg->ucx_data_;
+  msg->ucx_data_ = nullptr;  // the descriptor is consumed by the receive
+  auto* op = new Impl::RecvOp{&I, std::move(done)};
+  ucp_request_param_t p{};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  p.cb.recv_am = &Impl::OnRecvDone;
+  p.user_data = op;
+  if (kind == MemoryKind::kDevice) {
+    p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+    p.memory_type = UCS_MEMORY_TYPE_CUDA;
+  }
+  void* req = ucp_am_recv_data_nbx(I.worker, desc, dst, msg->length_, &p);
+  if (req == nullptr) {
+    op->done(Status::OK());
+    delete op;
+  } else if (UCS_PTR_IS_ERR(req)) {
+    op->done(FromUcs(UCS_PTR_STATUS(req), "receive"));
+    delete op;
+  }
+}
+
+void UcxTransport::Close(ConnId conn, bool force) { impl_->CloseInternal(conn, force); }
+
+}  // namespace gkv
