@@ -330,6 +330,11 @@ struct TieredCache::Impl {
     }
   }
 
+  bool WouldPromote(const Entry* e, Clock::time_point now) const {
+    return e->reads_in_tier >= 1 && now - e->last_read <= options.promotion_window &&
+           TopMemoryTierFor(e->size) < e->tier;
+  }
+
   bool Admit(Entry* e, Clock::time_point now) {
     bool promote = e->reads_in_tier >= 1 && now - e->last_read <= options.promotion_window;
     e->reads_in_tier++;
@@ -615,6 +620,70 @@ Result<uint64_t> TieredCache::Commit(WriteHandle h, bool durable) {
   return e->version;
 }
 
+TieredCache::FastPath TieredCache::TryReserveInMemory(std::string_view key, uint64_t size,
+                                                      const TensorMeta& tensor, WriteHandle* out) {
+  Impl& I = *impl_;
+  if (key.empty() || key.size() > I.options.max_key_size || !tensor.Validate(size).ok()) {
+    return FastPath::kNeedsSlowPath;  // the slow path reports the error
+  }
+  std::lock_guard<std::mutex> lock(I.mu);
+  for (Tier t : {Tier::kGpu, Tier::kHost}) {
+    const TierState& ts = I.tiers[static_cast<int>(t)];
+    if (!ts.enabled || size > ts.capacity) continue;
+    MemoryArena* arena = nullptr;
+    std::byte* p = I.TryAllocate(t, size, &arena);
+    if (!p) return FastPath::kNeedsSlowPath;  // would have to evict
+    *out = WriteHandle();
+    out->cache_ = this;
+    out->key_ = std::string(key);
+    out->tensor_ = tensor;
+    out->size_ = size;
+    out->tier_ = t;
+    out->arena_ = arena;
+    out->data_ = p;
+    out->kind_ = arena->kind();
+    return FastPath::kServed;
+  }
+  return FastPath::kNeedsSlowPath;
+}
+
+TieredCache::FastPath TieredCache::TryCommitInMemory(WriteHandle* h, uint64_t* version) {
+  Impl& I = *impl_;
+  if (h->cache_ != this || !h->data_ || h->tier_ == Tier::kDisk) return FastPath::kNeedsSlowPath;
+  Shard& s = I.ShardFor(h->key_);
+  std::shared_ptr<Entry> old;
+  {
+    std::lock_guard<std::mutex> shard_lock(s.mu);
+    std::lock_guard<std::mutex> lock(I.mu);
+    auto it = s.map.find(h->key_);
+    // An older copy on disk must be deleted (disk I/O): not for this path.
+    if (it != s.map.end() && it->second->on_disk) return FastPath::kNeedsSlowPath;
+    auto e = std::make_shared<Entry>();
+    e->key = h->key_;
+    e->size = h->size_;
+    e->tensor = h->tensor_;
+    e->version = I.next_version.fetch_add(1);
+    e->tier = h->tier_;
+    e->arena = h->arena_;
+    e->data = h->data_;
+    h->arena_ = nullptr;
+    h->data_ = nullptr;
+    h->cache_ = nullptr;
+    I.LinkLru(e.get());
+    I.counters.puts++;
+    // Versions are taken under the shard lock here, so nothing newer can be in the map.
+    if (it != s.map.end()) {
+      old = it->second;
+      I.Kill(old.get());
+      it->second = e;
+    } else {
+      s.map.emplace(e->key, e);
+    }
+    *version = e->version;
+  }
+  return FastPath::kServed;
+}
+
 Result<uint64_t> TieredCache::Put(std::string_view key, const void* data, uint64_t size,
                                   const TensorMeta& tensor, bool durable, MemoryKind src_kind) {
   GKV_ASSIGN_OR_RETURN(WriteHandle h, Reserve(key, size, tensor));
@@ -739,6 +808,30 @@ Result<ReadHandle> TieredCache::Acquire(std::string_view key) {
     return h;
   }
   return Status::Aborted("key kept changing during the read (" + retry_reason + "); try again");
+}
+
+TieredCache::FastPath TieredCache::TryAcquireFromMemory(std::string_view key, ReadHandle* out) {
+  Impl& I = *impl_;
+  std::shared_ptr<Entry> sp = I.Lookup(key);
+  std::lock_guard<std::mutex> lock(I.mu);
+  if (!sp) {
+    I.counters.misses++;
+    return FastPath::kMiss;
+  }
+  Entry* e = sp.get();
+  const auto now = Clock::now();
+  if (!e->live || e->tier == Tier::kDisk || I.WouldPromote(e, now)) return FastPath::kNeedsSlowPath;
+  I.Admit(e, now);
+  I.Touch(e);
+  I.tiers[static_cast<int>(e->tier)].hits++;
+  e->pins++;
+  *out = ReadHandle();
+  out->cache_ = this;
+  out->data_ = e->data;
+  out->kind_ = e->arena->kind();
+  out->info_ = ObjectInfo{e->size, e->version, e->tensor, e->tier, e->on_disk};
+  out->entry_ = std::static_pointer_cast<void>(sp);
+  return FastPath::kServed;
 }
 
 Result<ObjectInfo> TieredCache::GetInto(std::string_view key, void* dst, uint64_t dst_size,

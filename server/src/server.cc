@@ -137,6 +137,29 @@ struct Server::Impl {
     }
     if (!s.ok()) return ReplyStatus(conn, h.opcode, h.request_id, s);  // msg dropped: released
     op->msg = std::move(msg);
+    // Hot path, all on the I/O thread: free room in a memory tier, receive straight into it,
+    // publish. Anything that would evict or touch the disk goes through the executors.
+    if (cache->TryReserveInMemory(op->req.key, op->req.size, op->req.tensor, &op->handle) ==
+            TieredCache::FastPath::kServed &&
+        (op->handle.memory_kind() == MemoryKind::kHost || transport->device_memory_supported())) {
+      void* dst = op->handle.data();
+      MemoryKind kind = op->handle.memory_kind();
+      transport->Receive(std::move(op->msg), dst, kind, [this, op](Status rs) {
+        if (!rs.ok()) {
+          op->handle = WriteHandle();
+          return ReplyStatus(op->conn, op->header.opcode, op->header.request_id, rs);
+        }
+        uint64_t version = 0;
+        if ((op->header.flags & w::kFlagDurable) == 0 &&
+            cache->TryCommitInMemory(&op->handle, &version) == TieredCache::FastPath::kServed) {
+          return Reply(op->conn, op->header.opcode, op->header.request_id, Status::OK(),
+                       w::EncodePutReply(Status::OK(), version), nullptr, 0, MemoryKind::kHost,
+                       nullptr);
+        }
+        executors->Submit([this, op] { CommitAndReply(op); });
+      });
+      return;
+    }
     executors->Submit([this, op] {
       auto r = cache->Reserve(op->req.key, op->req.size, op->req.tensor);
       if (!r.ok()) {
@@ -158,26 +181,36 @@ struct Server::Impl {
           kind = MemoryKind::kHost;
         }
         transport->Receive(std::move(op->msg), dst, kind, [this, op](Status rs) {
-          executors->Submit([this, op, rs] {
-            Status s = rs;
-            if (s.ok() && !op->staging.empty()) {
-              s = cache->CopyBytes(op->handle.data(), op->handle.memory_kind(),
-                                   op->staging.data(), MemoryKind::kHost, op->req.size);
-            }
-            uint64_t version = 0;
-            if (s.ok()) {
-              auto v = cache->Commit(std::move(op->handle),
-                                     (op->header.flags & w::kFlagDurable) != 0);
-              if (v.ok()) version = *v;
-              else s = v.status();
-            }
-            PostReply([this, op, s, version] {
-              Reply(op->conn, op->header.opcode, op->header.request_id, s,
-                    w::EncodePutReply(s, version), nullptr, 0, MemoryKind::kHost, nullptr);
+          if (!rs.ok()) {
+            return executors->Submit([this, op, rs] {
+              op->handle = WriteHandle();
+              PostReply([this, op, rs] {
+                ReplyStatus(op->conn, op->header.opcode, op->header.request_id, rs);
+              });
             });
-          });
+          }
+          executors->Submit([this, op] { CommitAndReply(op); });
         });
       });
+    });
+  }
+
+  // Executor thread: copy from staging if any, commit (write-through when durable), reply.
+  void CommitAndReply(const std::shared_ptr<PutOp>& op) {
+    Status s;
+    if (!op->staging.empty()) {
+      s = cache->CopyBytes(op->handle.data(), op->handle.memory_kind(), op->staging.data(),
+                           MemoryKind::kHost, op->req.size);
+    }
+    uint64_t version = 0;
+    if (s.ok()) {
+      auto v = cache->Commit(std::move(op->handle), (op->header.flags & w::kFlagDurable) != 0);
+      if (v.ok()) version = *v;
+      else s = v.status();
+    }
+    PostReply([this, op, s, version] {
+      Reply(op->conn, op->header.opcode, op->header.request_id, s, w::EncodePutReply(s, version),
+            nullptr, 0, MemoryKind::kHost, nullptr);
     });
   }
 
@@ -185,6 +218,24 @@ struct Server::Impl {
     std::string key;
     Status s = w::DecodeKeyRequest(body, &key);
     if (!s.ok()) return ReplyStatus(conn, h.opcode, h.request_id, s);
+    // Hot path: an object in host memory (or in GPU memory that UCX can send) is answered right
+    // here on the I/O thread; anything that may block goes to an executor.
+    {
+      ReadHandle fast;
+      auto fp = cache->TryAcquireFromMemory(key, &fast);
+      if (fp == TieredCache::FastPath::kMiss) {
+        Status nf = Status::NotFound("key not found");
+        return Reply(conn, h.opcode, h.request_id, nf, w::EncodeObjectReply(nf, {}), nullptr, 0,
+                     MemoryKind::kHost, nullptr);
+      }
+      if (fp == TieredCache::FastPath::kServed &&
+          (fast.memory_kind() == MemoryKind::kHost || transport->device_memory_supported())) {
+        auto handle = std::make_shared<ReadHandle>(std::move(fast));
+        return Reply(conn, h.opcode, h.request_id, Status::OK(),
+                     w::EncodeObjectReply(Status::OK(), ToWire(handle->info())), handle->data(),
+                     handle->size(), handle->memory_kind(), [handle] {});
+      }
+    }
     executors->Submit([this, conn, h, key = std::move(key)] {
       auto r = cache->Acquire(key);
       if (!r.ok()) {

@@ -306,29 +306,39 @@ struct UcxTransport::Impl {
     }
   }
 
-  void RunPosted() {
+  bool RunPosted() {
     std::vector<std::function<void()>> batch;
     {
       std::lock_guard<std::mutex> lock(post_mu);
       batch.swap(posted);
     }
     for (auto& fn : batch) fn();
+    return !batch.empty();
   }
 
-  void ProgressAll() {
-    while (ucp_worker_progress(worker) != 0) {
-    }
+  // Returns true if anything happened.
+  bool ProgressAll() {
+    bool any = false;
+    while (ucp_worker_progress(worker) != 0) any = true;
+    any |= !deferred.empty();
     RunDeferred();
+    return any;
   }
 
   void Loop() {
     thread_id = std::this_thread::get_id();
     epoll_event events[4];
+    auto last_activity = std::chrono::steady_clock::now();
     while (!stopping.load(std::memory_order_acquire)) {
-      ProgressAll();
-      RunPosted();
+      bool active = ProgressAll();
+      active |= RunPosted();
       RunDeferred();
       if (handlers.on_tick) handlers.on_tick();
+      // Busy-poll briefly after activity: a request/reply exchange usually continues within
+      // microseconds, and sleeping in epoll would add a wakeup to every hop.
+      const auto now = std::chrono::steady_clock::now();
+      if (active) last_activity = now;
+      if (now - last_activity < options.busy_poll) continue;
       ucs_status_t st = ucp_worker_arm(worker);
       if (st == UCS_ERR_BUSY) continue;
       {

@@ -167,6 +167,9 @@ class TieredCache {
   TieredCache(const TieredCache&) = delete;
   TieredCache& operator=(const TieredCache&) = delete;
 
+  // Outcome of the non-blocking fast paths below.
+  enum class FastPath { kServed, kMiss, kNeedsSlowPath };
+
   // Reserves room for `size` bytes under `key`, evicting as needed. InvalidArgument for a bad
   // key or tensor metadata, NoSpace when the object fits no tier or every candidate is pinned.
   Result<WriteHandle> Reserve(std::string_view key, uint64_t size, const TensorMeta& tensor);
@@ -175,6 +178,14 @@ class TieredCache {
   // there is no disk tier.
   Result<uint64_t> Commit(WriteHandle handle, bool durable);
 
+  // Non-blocking forms of Reserve and Commit for I/O threads. TryReserveInMemory succeeds only
+  // when a memory tier has a free block without evicting anything; TryCommitInMemory only for a
+  // non-durable commit of a memory reservation that needs no disk I/O (no older copy of the key
+  // on disk). kNeedsSlowPath leaves `handle` untouched: use Reserve / Commit then.
+  FastPath TryReserveInMemory(std::string_view key, uint64_t size, const TensorMeta& tensor,
+                              WriteHandle* out);
+  FastPath TryCommitInMemory(WriteHandle* handle, uint64_t* version);
+
   // Reserve + copy (from host or device memory) + Commit.
   Result<uint64_t> Put(std::string_view key, const void* data, uint64_t size,
                        const TensorMeta& tensor = {}, bool durable = false,
@@ -182,6 +193,11 @@ class TieredCache {
 
   // A pinned view of the newest version; may promote the object (see the admission rule).
   Result<ReadHandle> Acquire(std::string_view key);
+  // The non-blocking subset of Acquire, for I/O threads that must not wait on disk or on
+  // eviction: kServed (and *out set) when the object is in a memory tier and this read would not
+  // promote it; kMiss when the key is absent; kNeedsSlowPath otherwise (call Acquire).
+  FastPath TryAcquireFromMemory(std::string_view key, ReadHandle* out);
+
   // Copies the object into `dst` (host or device memory). InvalidArgument if dst_size is
   // smaller than the object.
   Result<ObjectInfo> GetInto(std::string_view key, void* dst, uint64_t dst_size,

@@ -7,7 +7,8 @@
 // executor and Post the result back.
 //
 // Progress loop: progress until idle -> run posted tasks and deferred callbacks -> on_tick ->
-// ucp_worker_arm -> epoll_wait(worker fd + eventfd, poll interval). The short poll interval
+// (busy-poll for a short window after activity) -> ucp_worker_arm -> epoll_wait(worker fd +
+// eventfd, poll interval). The short poll interval
 // covers missed wakeups (reported in several UCX versions) and drives request deadlines.
 //
 // Endpoints use PEER error handling: a dead peer fails its outstanding operations and reports
@@ -71,6 +72,8 @@ class UcxTransport {
     std::string listen_host = "0.0.0.0";
     uint16_t listen_port = 0;  // 0: any free port (see listen_port())
     std::chrono::milliseconds poll_interval{2};
+    // After any activity, keep polling without sleeping for this long (0: always sleep).
+    std::chrono::microseconds busy_poll{50};
   };
   struct Handlers {
     // A message on AM id wire::kAmRequest or wire::kAmReply. Worker thread.
