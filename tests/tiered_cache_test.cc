@@ -435,3 +435,54 @@ TEST(TieredCacheTest, GpuTierIsOffWithAReasonWithoutAGpu) {
 
 }  // namespace
 }  // namespace gkv
+
+namespace gkv {
+namespace {
+
+TEST(TieredCacheFastPathTest, AcquireServesMemoryAndDefersDiskAndPromotion) {
+  testing::TempDir dir;
+  auto c = MustOpen(SmallOptions(dir.path(), 0, 64 * kKiB, 8 << 20));
+  ASSERT_TRUE(c);
+  std::string v(16 * kKiB, 'f');
+  for (int i = 0; i < 5; ++i) ASSERT_TRUE(c->Put("k" + std::to_string(i), v.data(), v.size()).ok());
+  ReadHandle h;
+  EXPECT_EQ(c->TryAcquireFromMemory("k4", &h), TieredCache::FastPath::kServed);
+  EXPECT_EQ(std::memcmp(h.data(), v.data(), v.size()), 0);
+  h = ReadHandle();
+  EXPECT_EQ(c->TryAcquireFromMemory("nope", &h), TieredCache::FastPath::kMiss);
+  ASSERT_EQ(TierOf(*c, "k0"), Tier::kDisk);
+  EXPECT_EQ(c->TryAcquireFromMemory("k0", &h), TieredCache::FastPath::kNeedsSlowPath);
+}
+
+TEST(TieredCacheFastPathTest, ReserveAndCommitOnlyWithoutEvictionOrDiskIo) {
+  testing::TempDir dir;
+  auto c = MustOpen(SmallOptions(dir.path(), 0, 32 * kKiB, 8 << 20));
+  ASSERT_TRUE(c);
+  std::string v(16 * kKiB, 'r');
+  WriteHandle w;
+  ASSERT_EQ(c->TryReserveInMemory("a", v.size(), {}, &w), TieredCache::FastPath::kServed);
+  std::memcpy(w.data(), v.data(), v.size());
+  uint64_t version = 0;
+  ASSERT_EQ(c->TryCommitInMemory(&w, &version), TieredCache::FastPath::kServed);
+  EXPECT_GT(version, 0u);
+  std::string out;
+  ASSERT_TRUE(c->Get("a", &out).ok());
+  EXPECT_EQ(out, v);
+  ASSERT_TRUE(c->Put("b", v.data(), v.size()).ok());
+  // Full: the fast reserve would have to evict.
+  WriteHandle w2;
+  EXPECT_EQ(c->TryReserveInMemory("c", v.size(), {}, &w2), TieredCache::FastPath::kNeedsSlowPath);
+  // An older durable copy on disk needs a disk delete: not for the fast commit.
+  ASSERT_TRUE(c->Delete("b").ok());
+  ASSERT_TRUE(c->Put("d", "x", 1, {}, true).ok());
+  WriteHandle w3;
+  ASSERT_EQ(c->TryReserveInMemory("d", 1, {}, &w3), TieredCache::FastPath::kServed);
+  EXPECT_EQ(c->TryCommitInMemory(&w3, &version), TieredCache::FastPath::kNeedsSlowPath);
+  ASSERT_TRUE(c->Commit(std::move(w3), false).ok());
+  // Invalid input is left to the slow path, which explains it.
+  WriteHandle w4;
+  EXPECT_EQ(c->TryReserveInMemory("", 1, {}, &w4), TieredCache::FastPath::kNeedsSlowPath);
+}
+
+}  // namespace
+}  // namespace gkv

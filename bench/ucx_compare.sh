@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# gkv's data path next to its ceiling, measured in the same run on the same transport:
+#   - get and put bandwidth for 1 MiB and 16 MiB values (one client thread, one node)
+#     vs ucx_perftest ucp_am_bw at the same size
+#   - get latency p50/p99 for 4 KiB values vs ucx_perftest ucp_am_lat round trip (2 x one-way)
+# Both sides run with UCX_TLS=tcp (gkv's endpoints use PEER error handling, which on UCX 1.13
+# keeps same-host traffic on tcp anyway). Needs build/ (scripts/build.sh) and ucx-utils.
+#   bench/ucx_compare.sh [SECONDS_PER_POINT]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SECS=${1:-5}
+export UCX_TLS=${UCX_TLS:-tcp}
+DIR=$(mktemp -d /tmp/gkv-ucxcmp-XXXXXX)
+trap 'scripts/cluster.sh stop "$DIR" >/dev/null 2>&1 || true; pkill -f "ucx_perftest -p $PORT" 2>/dev/null || true; rm -rf "$DIR"' EXIT
+PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+
+perftest() {  # test size iterations -> prints the "Final:" line
+  ucx_perftest -p "$PORT" > "$DIR/perf-server.log" 2>&1 &
+  local spid=$!
+  sleep 0.5
+  ucx_perftest 127.0.0.1 -p "$PORT" -t "$1" -s "$2" -n "$3" -w 50 2>&1 | grep '^Final' || true
+  wait "$spid" 2>/dev/null || true
+}
+# Final: iterations 50% avg overall avg_bw overall_bw avg_mr overall_mr (latency in us, MB/s)
+perf_bw() { perftest ucp_am_bw "$1" "$2" | awk '{print $7}'; }          # MB/s
+perf_tag_bw() { perftest tag_bw "$1" "$2" | awk '{print $7}'; }         # MB/s
+perf_lat() { perftest ucp_am_lat "$1" "$2" | awk '{print $3}'; }        # one-way us, median
+
+scripts/cluster.sh start "$DIR" 1 --host-mem 2GiB --disk-capacity 8GiB --threads 2 > /dev/null
+bench() {  # size ratio keys -> json file
+  local out="$DIR/b-$1-$2.json"
+  build/bin/gkv-bench --cluster "$DIR/cluster.yaml" --threads 1 --keys "$3" --value-size "$1" \
+    --ratio "$2" --duration "$SECS" --warmup 1 --json "$out" > /dev/null
+  echo "$out"
+}
+json() { python3 -c "import json,sys; d=json.load(open('$1')); print($2)"; }
+
+printf '%-26s %14s %18s %8s %18s %8s\n' "metric" "gkv" "perftest ucp_am" "ratio" "perftest tag_bw" "ratio"
+for size in 1MiB 16MiB; do
+  bytes=$(python3 -c "print({'1MiB':1<<20,'16MiB':16<<20}['$size'])")
+  [ "$size" = 1MiB ] && iters=4000 || iters=400
+  ref=$(perf_bw "$bytes" "$iters")
+  tag=$(perf_tag_bw "$bytes" "$iters")
+  for op in get put; do
+    ratio=$([ "$op" = get ] && echo 1:0 || echo 0:1)
+    f=$(bench "$size" "$ratio" 32)
+    gbs=$(json "$f" "d['gb_per_s']")
+    python3 - "$op" "$size" "$gbs" "$ref" "$tag" <<'PY'
+import sys
+op, size, gbs = sys.argv[1], sys.argv[2], float(sys.argv[3])
+ref, tag = (float(x) * 1.048576e6 / 1e9 for x in sys.argv[4:6])
+print(f"{op+' bandwidth '+size:26s} {gbs:9.3f} GB/s {ref:13.3f} GB/s {gbs/ref:8.2f} {tag:13.3f} GB/s {gbs/tag:8.2f}")
+PY
+  done
+done
+lat=$(perf_lat 4096 20000)
+f=$(bench 4KiB 1:0 1000)
+python3 - "$f" "$lat" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))["latency_us"]["get"]
+rtt = 2 * float(sys.argv[2])
+print(f"{'get latency 4KiB p50':26s} {d['p50']:9.1f} us   {rtt:13.1f} us   {d['p50']/rtt:8.2f}")
+print(f"{'get latency 4KiB p99':26s} {d['p99']:9.1f} us   {rtt:13.1f} us   {d['p99']/rtt:8.2f}")
+PY
+echo "(reference latency: ucx_perftest ucp_am_lat 4 KiB, median one-way x 2 = round trip)"
