@@ -21,6 +21,7 @@
 #include "gkv/random.h"
 #include "gkv/size.h"
 #include "histogram.h"
+#include "peer_clients.h"
 
 namespace gkv::bench {
 namespace {
@@ -33,6 +34,8 @@ constexpr const char* kOpNames[kOpCount] = {"get", "put", "mget"};
 
 struct Config {
   std::string cluster_file;
+  std::string protocol = "gkv";  // gkv | redis | memcached
+  std::string server;            // host:port of a redis or memcached server
   std::string workload;  // preset name or ""
   int threads = 2;
   int connections = 1;
@@ -272,6 +275,7 @@ class Bench {
   explicit Bench(Config c) : c_(std::move(c)), chooser_(c_), key_state_(c_.keys) {}
 
   int Run() {
+    if (c_.protocol != "gkv") return RunPeer();
     ClientOptions o;
     o.cluster_file = c_.cluster_file;
     o.default_timeout = std::chrono::milliseconds(c_.timeout_ms);
@@ -321,6 +325,64 @@ class Bench {
   }
 
  private:
+  // Redis or memcached: the same workers, histograms and report over the peer's protocol.
+  int RunPeer() {
+    std::string host;
+    uint16_t port = 0;
+    Status as = ParseAddress(c_.server, &host, &port);
+    if (!as.ok()) {
+      std::fprintf(stderr, "gkv-bench: --server: %s\n", as.ToString().c_str());
+      return 2;
+    }
+    const auto proto = c_.protocol == "redis" ? PeerConnection::Protocol::kRedis
+                                              : PeerConnection::Protocol::kMemcached;
+    const int nworkers = c_.threads * c_.connections;
+    for (int i = 0; i < nworkers; ++i) {
+      auto conn = PeerConnection::Connect(proto, host, port);
+      if (!conn.ok()) {
+        std::fprintf(stderr, "gkv-bench: %s\n", conn.status().ToString().c_str());
+        return 1;
+      }
+      peers_.push_back(std::move(*conn));
+    }
+    if (c_.load && c_.ratio_get > 0) {
+      const auto t0 = Clock::now();
+      std::vector<std::thread> loaders;
+      std::atomic<uint64_t> next{0}, failed{0};
+      for (int t = 0; t < nworkers; ++t) {
+        loaders.emplace_back([&, t] {
+          Random r(c_.seed + 1000 + t);
+          std::string v;
+          for (uint64_t k; (k = next.fetch_add(1)) < c_.keys;) {
+            std::string key = KeyName(c_, k);
+            v.resize(ValueSize(r));
+            uint64_t seq = key_state_[k].next_seq.fetch_add(1) + 1;
+            FillValue(v.data(), v.size(), HashKey(key), seq);
+            if (peers_[t]->Set(key, v).ok()) AckSeq(k, seq);
+            else failed++;
+          }
+        });
+      }
+      for (auto& t : loaders) t.join();
+      std::printf("load: %llu keys in %.1f s (%llu failed)\n", (unsigned long long)c_.keys,
+                  std::chrono::duration<double>(Clock::now() - t0).count(),
+                  (unsigned long long)failed.load());
+    }
+    workers_.resize(nworkers);
+    for (auto& w : workers_) w = std::make_unique<Worker>();
+    std::vector<std::thread> threads;
+    start_ = Clock::now();
+    measure_from_ = start_ + std::chrono::duration_cast<Clock::duration>(
+                                 std::chrono::duration<double>(c_.warmup));
+    for (int i = 0; i < nworkers; ++i) threads.emplace_back([this, i] { WorkerLoop(i); });
+    ProgressLoop();
+    for (auto& t : threads) t.join();
+    Stats all;
+    for (auto& w : workers_) all.Merge(w->total);
+    Report(all, {0, 0, 0});
+    return all.validation_failures == 0 ? 0 : 1;
+  }
+
   uint64_t ValueSize(Random& rng) const {
     return c_.value_min == c_.value_max ? c_.value_min : rng.Uniform(c_.value_min, c_.value_max);
   }
@@ -388,7 +450,8 @@ class Bench {
 
   void WorkerLoop(int idx) {
     Worker& w = *workers_[idx];
-    Client& client = *clients_[idx % c_.threads];
+    Client* gkv_client = clients_.empty() ? nullptr : clients_[idx % c_.threads].get();
+    PeerConnection* peer = peers_.empty() ? nullptr : peers_[idx].get();
     Random rng(c_.seed * 7919 + idx);
     uint64_t cursor = static_cast<uint64_t>(idx) * (c_.keys / std::max(1, (int)workers_.size()));
     std::vector<uint64_t> epoch;
@@ -438,13 +501,16 @@ class Bench {
         }
         const std::string_view value(buf.data(), size);
         Result<uint64_t> r = uint64_t{0};
-        if (device_buf) {
+        if (peer) {
+          Status ps = peer->Set(key, value);
+          if (!ps.ok()) r = ps;
+        } else if (device_buf) {
           CudaCopySync(device_buf, value.data(), value.size());
           PutOptions po;
           po.memory = BufferMemory::kDevice;
-          r = client.Put(key, device_buf, value.size(), po);
+          r = gkv_client->Put(key, device_buf, value.size(), po);
         } else {
-          r = client.Put(key, value.data(), value.size());
+          r = gkv_client->Put(key, value.data(), value.size());
         }
         if (r.ok()) {
           AckSeq(k, seq);
@@ -456,8 +522,22 @@ class Bench {
         uint64_t k = chooser_.Next(rng, cursor, epoch);
         std::string key = KeyName(c_, k);
         const uint64_t floor_seq = key_state_[k].acked_seq.load();
-        if (device_buf) {
-          auto info = client.GetInto(key, device_buf, c_.value_max, {});
+        if (peer) {
+          auto r = peer->Get(key, rbuf.data(), rbuf.size());
+          if (r.ok()) {
+            bytes = *r;
+            hits = 1;
+            if (c_.validate) {
+              uint64_t seq = CheckValue(rbuf.data(), *r, HashKey(key));
+              if (seq == ~0ULL || seq < floor_seq) bad = 1;
+            }
+          } else if (r.status().IsNotFound()) {
+            misses = 1;
+          } else {
+            error = StatusCodeName(r.status().code());
+          }
+        } else if (device_buf) {
+          auto info = gkv_client->GetInto(key, device_buf, c_.value_max, {});
           if (info.ok()) {
             bytes = info->size;
             hits = 1;
@@ -474,7 +554,7 @@ class Bench {
           }
         } else {
           // Into a buffer the worker reuses, as a training loop reuses its tensors.
-          auto r = client.GetInto(key, rbuf.data(), rbuf.size());
+          auto r = gkv_client->GetInto(key, rbuf.data(), rbuf.size());
           if (r.ok()) {
             bytes = r->size;
             hits = 1;
@@ -499,7 +579,7 @@ class Bench {
           keys.push_back(KeyName(c_, k));
           floors.push_back(key_state_[k].acked_seq.load());
         }
-        auto res = client.MultiGet(keys);
+        auto res = gkv_client->MultiGet(keys);
         for (size_t i = 0; i < res.size(); ++i) {
           if (res[i].ok()) {
             bytes += res[i]->size();
@@ -632,6 +712,7 @@ class Bench {
   KeyChooser chooser_;
   std::vector<KeyState> key_state_;
   std::vector<std::unique_ptr<Client>> clients_;
+  std::vector<std::unique_ptr<PeerConnection>> peers_;
   std::vector<std::unique_ptr<Worker>> workers_;
   std::atomic<uint64_t> issued_{0};
   std::atomic<bool> stop_{false};
@@ -664,7 +745,9 @@ int main(int argc, char** argv) {
   app.add_flag("!--no-load", c.load, "skip writing every key once before the run");
   app.add_option("--seed", c.seed, "random seed");
   app.add_option("--json", c.json_file, "write the report as JSON to this file");
-  app.add_option("--cluster", c.cluster_file, "cluster file")->required();
+  app.add_option("--cluster", c.cluster_file, "cluster file (gkv)");
+  app.add_option("--protocol", c.protocol, "gkv | redis | memcached (peers for comparison)");
+  app.add_option("--server", c.server, "HOST:PORT of the redis or memcached server");
   app.add_option("--workload", c.workload, "preset: embeddings | dataset | mixed");
   app.add_option("--timeout-ms", c.timeout_ms, "per-request deadline");
   try {
@@ -730,6 +813,19 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "gkv-bench: bad --key-dist '%s'\n", key_dist.c_str());
     return 2;
   }
+  if (c.protocol == "gkv" && c.cluster_file.empty()) {
+    std::fprintf(stderr, "gkv-bench: --cluster is required\n");
+    return 2;
+  }
+  if (c.protocol != "gkv" && c.protocol != "redis" && c.protocol != "memcached") {
+    std::fprintf(stderr, "gkv-bench: --protocol is gkv, redis or memcached\n");
+    return 2;
+  }
+  if (c.protocol != "gkv" && (c.batch_max > 1 || memory != "host" || c.server.empty())) {
+    std::fprintf(stderr, "gkv-bench: redis/memcached need --server and support neither"
+                         " --batch nor --memory cuda\n");
+    return 2;
+  }
   if (memory != "host" && memory != "cuda") {
     std::fprintf(stderr, "gkv-bench: --memory is host or cuda\n");
     return 2;
@@ -739,10 +835,11 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "gkv-bench: --keys, --threads and --connections must be positive\n");
     return 2;
   }
-  std::printf("gkv-bench: workload %s | threads %d x connections %d | %s %.0f s (+%.0f s warm-up)"
+  std::printf("gkv-bench: %s | workload %s | threads %d x connections %d | %s %.0f s (+%.0f s warm-up)"
               " | ratio %d:%d | keys %llu %s | value %s | batch %d-%d | memory %s | rate %s |"
               " validate %s | seed %llu\n",
-              c.workload.empty() ? "custom" : c.workload.c_str(), c.threads, c.connections,
+              c.protocol.c_str(), c.workload.empty() ? "custom" : c.workload.c_str(), c.threads,
+              c.connections,
               c.requests ? "requests" : "duration", c.requests ? double(c.requests) : c.duration,
               c.warmup, c.ratio_get, c.ratio_put, (unsigned long long)c.keys, key_dist.c_str(),
               value_size.c_str(), c.batch_min, c.batch_max, memory.c_str(),
