@@ -20,7 +20,7 @@
 #include "gkv/hash.h"
 #include "gkv/random.h"
 #include "gkv/size.h"
-#include "histogram.h"
+#include "gkv/histogram.h"
 #include "peer_clients.h"
 
 namespace gkv::bench {

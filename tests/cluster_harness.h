@@ -40,6 +40,8 @@ struct NodeSpec {
   std::string disk_capacity = "1GiB";
   bool disk = true;
   std::vector<std::string> extra_args;
+  std::string secret;    // written to the cluster file when set
+  bool metrics = false;  // give each node a free --metrics-port
 };
 
 class Cluster {
@@ -53,7 +55,9 @@ class Cluster {
     for (int i = 0; i < n; ++i) {
       f << "  - {id: n" << i << ", address: 127.0.0.1:" << ports_[i] << "}\n";
     }
+    if (!spec_.secret.empty()) f << "secret: \"" << spec_.secret << "\"\n";
     f.close();
+    for (int i = 0; i < n; ++i) metrics_ports_.push_back(spec_.metrics ? FreePort() : 0);
     pids_.assign(n, -1);
     for (int i = 0; i < n; ++i) StartNode(i);
     WaitReady();
@@ -76,6 +80,9 @@ class Cluster {
       args.insert(args.end(), {"--disk", disk_dir(i), "--disk-capacity", spec_.disk_capacity});
     }
     args.insert(args.end(), spec_.extra_args.begin(), spec_.extra_args.end());
+    if (metrics_ports_[i]) {
+      args.insert(args.end(), {"--metrics-port", std::to_string(metrics_ports_[i])});
+    }
     pid_t pid = fork();
     if (pid == 0) {
       std::string log = log_file(i);
@@ -109,6 +116,8 @@ class Cluster {
     ADD_FAILURE() << "node " << i << " did not stop within 20 s";
     return -SIGKILL;
   }
+
+  uint16_t metrics_port(int i) const { return metrics_ports_[i]; }
 
   void WaitReady() {
     ClientOptions o;
@@ -147,6 +156,7 @@ class Cluster {
   TempDir dir_;
   std::string cluster_file_;
   std::vector<uint16_t> ports_;
+  std::vector<uint16_t> metrics_ports_;
   std::vector<pid_t> pids_;
 };
 

@@ -163,7 +163,25 @@ struct Client::Impl {
     GKV_ASSIGN_OR_RETURN(ConnId conn, transport->Connect(n.host, n.port));
     node_conn[node] = conn;
     node_of_conn[conn] = node;
+    if (!cluster.secret.empty()) SendHello(node);
     return conn;
+  }
+
+  // First message on a connection to a cluster with a secret. Ordered before anything sent
+  // after it on the endpoint; a refusal fails everything pending on that node.
+  void SendHello(int node) {
+    auto on_reply = [this, node](const PendingPtr& p, std::unique_ptr<Incoming> msg) {
+      w::Header h;
+      std::string_view body;
+      w::ReplyStatus rs;
+      Status s = w::DecodeMessage(msg->header().data(), msg->header().size(), &h, &body);
+      if (s.ok()) s = w::DecodeStatusReply(body, &rs);
+      if (s.ok()) s = rs.ToStatus();
+      Complete(p, [] {});
+      if (!s.ok()) FailNode(node, s, false);
+    };
+    Issue(node, w::Opcode::kHello, 0, w::EncodeHello(cluster.secret), nullptr, 0,
+          MemoryKind::kHost, DeadlineFrom({}), on_reply, [](Status) {});
   }
 
   // Sends one request (worker thread). `payload` must stay valid until the pending completes.

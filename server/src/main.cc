@@ -1,6 +1,6 @@
 // gkv-server: one node of a gkv cluster.
 //   gkv-server --cluster FILE --node ID [--gpu-mem SIZE] [--host-mem SIZE] [--disk DIR]
-//              [--disk-capacity SIZE] [--threads N]
+//              [--disk-capacity SIZE] [--threads N] [--metrics-port N] [--log-level L]
 // SIGTERM or SIGINT: stop accepting, finish what is in flight, write back to disk, exit 0.
 // Exit codes: 0 clean stop, 1 could not start (message on stderr), 2 bad usage.
 #include <signal.h>
@@ -17,6 +17,7 @@ int main(int argc, char** argv) {
   std::string cluster_file, node_id, gpu_mem = "0", host_mem = "1GiB", disk_dir,
                                      disk_capacity = "16GiB", log_level = "info", listen;
   int threads = 4;
+  int metrics_port = 0;
   std::vector<int> gpus = {0};
   std::string promotion_window_ms = "10000";
   app.add_option("--cluster", cluster_file, "cluster file (YAML)")->required();
@@ -28,6 +29,8 @@ int main(int argc, char** argv) {
   app.add_option("--disk-capacity", disk_capacity, "disk tier capacity");
   app.add_option("--threads", threads, "executor threads for cache operations")->check(CLI::Range(1, 256));
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error");
+  app.add_option("--metrics-port", metrics_port, "serve Prometheus metrics on this port (/metrics)")
+      ->check(CLI::Range(0, 65535));
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -45,6 +48,7 @@ int main(int argc, char** argv) {
   options.cluster = *cluster;
   options.node_id = node_id;
   options.executor_threads = threads;
+  options.metrics_port = static_cast<uint16_t>(metrics_port);
   for (auto [text, out] : {std::pair{&gpu_mem, &options.cache.gpu_capacity},
                            std::pair{&host_mem, &options.cache.host_capacity},
                            std::pair{&disk_capacity, &options.cache.disk_capacity}}) {

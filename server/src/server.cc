@@ -1,14 +1,18 @@
 #include "server.h"
 
+#include <httplib.h>
+
 #include <chrono>
 #include <cstring>
 #include <mutex>
 #include <thread>
+#include <unordered_map>
 
 #include "gkv/log.h"
 #include "gkv/size.h"
 #include "gkv/transport/protocol.h"
 #include "gkv/transport/ucx_transport.h"
+#include "server_stats.h"
 #include "thread_pool.h"
 
 namespace gkv {
@@ -17,17 +21,25 @@ namespace w = wire;
 
 namespace {
 
+using Clock = std::chrono::steady_clock;
+
 w::ObjectMeta ToWire(const ObjectInfo& info) {
   return w::ObjectMeta{info.size, info.version, info.tensor, static_cast<uint8_t>(info.tier),
                        info.on_disk};
 }
 
-// Operation counters for the stats reply. Relaxed atomics: monotonic counts, no ordering needed.
-struct OpCounters {
-  std::atomic<uint64_t> ops[16] = {};
-  std::atomic<uint64_t> errors[16] = {};  // by StatusCode
-  std::atomic<uint64_t> bytes_in{0}, bytes_out{0};
-  std::atomic<uint64_t> protocol_errors{0};
+// Compares without an early exit, so timing does not reveal how much of the secret matched.
+bool SecretEquals(std::string_view a, std::string_view b) {
+  unsigned char diff = a.size() == b.size() ? 0 : 1;
+  for (size_t i = 0; i < a.size(); ++i) diff |= a[i] ^ b[i % (b.empty() ? 1 : b.size())];
+  return diff == 0 && !b.empty();
+}
+
+// One request as it travels between the I/O thread and the executors.
+struct Req {
+  ConnId conn = 0;
+  w::Header h;
+  Clock::time_point start;
 };
 
 }  // namespace
@@ -38,35 +50,52 @@ struct Server::Impl {
   std::unique_ptr<TieredCache> cache;
   std::unique_ptr<UcxTransport> transport;
   std::unique_ptr<ThreadPool> executors;
+  std::unique_ptr<httplib::Server> metrics_http;
+  std::thread metrics_thread;
+  int metrics_bound_port = 0;
   std::atomic<bool> stopping{false};
   std::atomic<int64_t> in_flight{0};
-  OpCounters counters;
+  ServerCounters counters;
   std::once_flag stop_once;
 
-  // --- replies (worker thread) ---
-  void Reply(ConnId conn, w::Opcode op, uint64_t id, const Status& status, std::string body,
-             const void* payload, size_t size, MemoryKind kind, std::function<void()> after) {
-    if (!status.ok()) counters.errors[static_cast<int>(status.code())].fetch_add(1, std::memory_order_relaxed);
+  // I/O-thread state.
+  std::unordered_map<ConnId, bool> authenticated;
+  Clock::time_point last_pressure_check = Clock::now();
+  uint64_t last_spills = 0, last_drops = 0;
+
+  // --- replies (I/O thread) ---
+  void Reply(const Req& r, const Status& status, std::string body, const void* payload,
+             size_t size, MemoryKind kind, std::function<void()> after) {
+    if (!status.ok()) {
+      counters.errors[static_cast<int>(status.code())].fetch_add(1, std::memory_order_relaxed);
+    }
     counters.bytes_out.fetch_add(size, std::memory_order_relaxed);
-    w::Header h{op, 0, id};
-    transport->Send(conn, w::kAmReply, w::EncodeMessage(h, body), payload, size, kind,
-                    [this, after = std::move(after)](Status s) {
+    transport->Send(r.conn, w::kAmReply, w::EncodeMessage({r.h.opcode, 0, r.h.request_id}, body),
+                    payload, size, kind, [this, r, after = std::move(after)](Status s) {
                       if (!s.ok()) GKV_LOG_DEBUG("reply send failed: {}", s.ToString());
                       if (after) after();
+                      counters.RecordLatency(
+                          r.h.opcode, std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                          Clock::now() - r.start).count());
                       in_flight.fetch_sub(1, std::memory_order_acq_rel);
                     });
   }
 
-  void ReplyStatus(ConnId conn, w::Opcode op, uint64_t id, const Status& s) {
-    Reply(conn, op, id, s, w::EncodeStatusReply(s), nullptr, 0, MemoryKind::kHost, nullptr);
+  void ReplyStatus(const Req& r, const Status& s) {
+    Reply(r, s, w::EncodeStatusReply(s), nullptr, 0, MemoryKind::kHost, nullptr);
   }
 
-  // From an executor thread: hand the reply to the worker thread.
+  // From an executor thread: hand the reply to the I/O thread.
   void PostReply(std::function<void()> fn) { transport->Post(std::move(fn)); }
 
-  // Reads a (small, metadata) payload fully into a string, then continues on an executor.
-  void ReadPayloadThen(std::unique_ptr<Incoming> msg,
+  // Reads a batch payload fully into a buffer, then continues on an executor.
+  void ReadPayloadThen(const Req& r, std::unique_ptr<Incoming> msg,
                        std::function<void(Status, std::shared_ptr<std::string>)> next) {
+    if (msg->payload_size() > options.max_batch_bytes) {
+      return ReplyStatus(r, Status::NoSpace("batch of " + FormatSize(msg->payload_size()) +
+                                            " exceeds the node's limit of " +
+                                            FormatSize(options.max_batch_bytes) + "; split it"));
+    }
     auto buf = std::make_shared<std::string>(msg->payload_size(), '\0');
     transport->Receive(std::move(msg), buf->data(), MemoryKind::kHost,
                        [this, buf, next = std::move(next)](Status s) {
@@ -74,72 +103,86 @@ struct Server::Impl {
                        });
   }
 
-  // --- dispatch (worker thread) ---
+  // --- dispatch (I/O thread) ---
   void OnMessage(std::unique_ptr<Incoming> msg) {
     if (msg->am_id() != w::kAmRequest) return;  // a server never expects replies
-    w::Header h;
+    Req r;
+    r.conn = msg->conn();
+    r.start = Clock::now();
     std::string_view body;
-    Status s = w::DecodeMessage(msg->header().data(), msg->header().size(), &h, &body);
-    const ConnId conn = msg->conn();
-    if (conn == 0) {
+    Status s = w::DecodeMessage(msg->header().data(), msg->header().size(), &r.h, &body);
+    if (r.conn == 0) {
       counters.protocol_errors.fetch_add(1, std::memory_order_relaxed);
       return;  // the sender gave no reply endpoint: nothing to answer on
     }
     in_flight.fetch_add(1, std::memory_order_acq_rel);
     if (!s.ok()) {
       counters.protocol_errors.fetch_add(1, std::memory_order_relaxed);
-      GKV_LOG_DEBUG("malformed request: {}", s.ToString());
-      ReplyStatus(conn, w::Opcode::kPing, h.request_id, s);
-      return;
+      GKV_LOG_DEBUG("malformed request on connection {}: {}", r.conn, s.ToString());
+      r.h.opcode = w::Opcode::kPing;
+      return ReplyStatus(r, s);
     }
-    counters.ops[static_cast<int>(h.opcode)].fetch_add(1, std::memory_order_relaxed);
+    counters.ops[static_cast<int>(r.h.opcode)].fetch_add(1, std::memory_order_relaxed);
     counters.bytes_in.fetch_add(msg->payload_size(), std::memory_order_relaxed);
+    if (!options.cluster.secret.empty() && !authenticated[r.conn]) return Authenticate(r, body);
     if (stopping.load(std::memory_order_acquire)) {
-      ReplyStatus(conn, h.opcode, h.request_id, Status::Unavailable("node is shutting down"));
-      return;
+      return ReplyStatus(r, Status::Unavailable("node is shutting down"));
     }
-    switch (h.opcode) {
+    switch (r.h.opcode) {
       case w::Opcode::kPing:
-        Reply(conn, h.opcode, h.request_id, Status::OK(), w::EncodePingReply(Status::OK(), self.id),
-              nullptr, 0, MemoryKind::kHost, nullptr);
-        return;
-      case w::Opcode::kHello:
-        ReplyStatus(conn, h.opcode, h.request_id, Status::OK());
-        return;
-      case w::Opcode::kPut: return HandlePut(conn, h, body, std::move(msg));
-      case w::Opcode::kGet: return HandleGet(conn, h, body);
+        return Reply(r, Status::OK(), w::EncodePingReply(Status::OK(), self.id), nullptr, 0,
+                     MemoryKind::kHost, nullptr);
+      case w::Opcode::kHello: return ReplyStatus(r, Status::OK());
+      case w::Opcode::kPut: return HandlePut(r, body, std::move(msg));
+      case w::Opcode::kGet: return HandleGet(r, body);
       case w::Opcode::kDelete:
-      case w::Opcode::kStat: return HandleKeyOp(conn, h, body);
-      case w::Opcode::kMultiGet: return HandleMultiGet(conn, h, std::move(msg));
-      case w::Opcode::kMultiPut: return HandleMultiPut(conn, h, std::move(msg));
-      case w::Opcode::kStats: return HandleStats(conn, h);
+      case w::Opcode::kStat: return HandleKeyOp(r, body);
+      case w::Opcode::kMultiGet: return HandleMultiGet(r, std::move(msg));
+      case w::Opcode::kMultiPut: return HandleMultiPut(r, std::move(msg));
+      case w::Opcode::kStats: return HandleStats(r);
     }
   }
 
+  void Authenticate(const Req& r, std::string_view body) {
+    std::string secret;
+    if (r.h.opcode == w::Opcode::kHello && w::DecodeHello(body, &secret).ok() &&
+        SecretEquals(secret, options.cluster.secret)) {
+      authenticated[r.conn] = true;
+      return ReplyStatus(r, Status::OK());
+    }
+    counters.auth_failures.fetch_add(1, std::memory_order_relaxed);
+    GKV_LOG_WARN("refused connection {}: {}", r.conn,
+                 r.h.opcode == w::Opcode::kHello ? "wrong secret" : "no secret presented");
+    const ConnId conn = r.conn;
+    Reply(r, Status::PermissionDenied("this cluster requires its secret (HELLO) first"),
+          w::EncodeStatusReply(Status::PermissionDenied("this cluster requires its secret")),
+          nullptr, 0, MemoryKind::kHost, [this, conn] {
+            authenticated.erase(conn);
+            transport->Close(conn, /*force=*/false);
+          });
+  }
+
   struct PutOp {
-    ConnId conn;
-    w::Header header;
-    w::PutRequest req;
+    Req req;
+    w::PutRequest put;
     std::unique_ptr<Incoming> msg;
     WriteHandle handle;
     std::string staging;  // device-tier target without device-capable UCX
   };
 
-  void HandlePut(ConnId conn, const w::Header& h, std::string_view body,
-                 std::unique_ptr<Incoming> msg) {
+  void HandlePut(const Req& r, std::string_view body, std::unique_ptr<Incoming> msg) {
     auto op = std::make_shared<PutOp>();
-    op->conn = conn;
-    op->header = h;
-    Status s = w::DecodePutRequest(body, &op->req);
-    if (s.ok() && op->req.size != msg->payload_size()) {
-      s = Status::ProtocolError("put declares " + std::to_string(op->req.size) +
+    op->req = r;
+    Status s = w::DecodePutRequest(body, &op->put);
+    if (s.ok() && op->put.size != msg->payload_size()) {
+      s = Status::ProtocolError("put declares " + std::to_string(op->put.size) +
                                 " bytes but carries " + std::to_string(msg->payload_size()));
     }
-    if (!s.ok()) return ReplyStatus(conn, h.opcode, h.request_id, s);  // msg dropped: released
+    if (!s.ok()) return ReplyStatus(r, s);  // msg dropped: an unreceived payload is released
     op->msg = std::move(msg);
     // Hot path, all on the I/O thread: free room in a memory tier, receive straight into it,
     // publish. Anything that would evict or touch the disk goes through the executors.
-    if (cache->TryReserveInMemory(op->req.key, op->req.size, op->req.tensor, &op->handle) ==
+    if (cache->TryReserveInMemory(op->put.key, op->put.size, op->put.tensor, &op->handle) ==
             TieredCache::FastPath::kServed &&
         (op->handle.memory_kind() == MemoryKind::kHost || transport->device_memory_supported())) {
       void* dst = op->handle.data();
@@ -147,36 +190,35 @@ struct Server::Impl {
       transport->Receive(std::move(op->msg), dst, kind, [this, op](Status rs) {
         if (!rs.ok()) {
           op->handle = WriteHandle();
-          return ReplyStatus(op->conn, op->header.opcode, op->header.request_id, rs);
+          return ReplyStatus(op->req, rs);
         }
         uint64_t version = 0;
-        if ((op->header.flags & w::kFlagDurable) == 0 &&
+        if ((op->req.h.flags & w::kFlagDurable) == 0 &&
             cache->TryCommitInMemory(&op->handle, &version) == TieredCache::FastPath::kServed) {
-          return Reply(op->conn, op->header.opcode, op->header.request_id, Status::OK(),
-                       w::EncodePutReply(Status::OK(), version), nullptr, 0, MemoryKind::kHost,
-                       nullptr);
+          return Reply(op->req, Status::OK(), w::EncodePutReply(Status::OK(), version), nullptr,
+                       0, MemoryKind::kHost, nullptr);
         }
         executors->Submit([this, op] { CommitAndReply(op); });
       });
       return;
     }
     executors->Submit([this, op] {
-      auto r = cache->Reserve(op->req.key, op->req.size, op->req.tensor);
-      if (!r.ok()) {
-        Status err = r.status();
+      auto reserved = cache->Reserve(op->put.key, op->put.size, op->put.tensor);
+      if (!reserved.ok()) {
+        Status err = reserved.status();
         // Dropping the message releases an unreceived rendezvous payload (the sender's send is
         // cancelled); the reply carries the reason.
         return PostReply([this, op, err] {
           op->msg.reset();
-          ReplyStatus(op->conn, op->header.opcode, op->header.request_id, err);
+          ReplyStatus(op->req, err);
         });
       }
-      op->handle = std::move(*r);
+      op->handle = std::move(*reserved);
       PostReply([this, op] {
         void* dst = op->handle.data();
         MemoryKind kind = op->handle.memory_kind();
         if (kind == MemoryKind::kDevice && !transport->device_memory_supported()) {
-          op->staging.resize(op->req.size);
+          op->staging.resize(op->put.size);
           dst = op->staging.data();
           kind = MemoryKind::kHost;
         }
@@ -184,9 +226,7 @@ struct Server::Impl {
           if (!rs.ok()) {
             return executors->Submit([this, op, rs] {
               op->handle = WriteHandle();
-              PostReply([this, op, rs] {
-                ReplyStatus(op->conn, op->header.opcode, op->header.request_id, rs);
-              });
+              PostReply([this, op, rs] { ReplyStatus(op->req, rs); });
             });
           }
           executors->Submit([this, op] { CommitAndReply(op); });
@@ -200,24 +240,30 @@ struct Server::Impl {
     Status s;
     if (!op->staging.empty()) {
       s = cache->CopyBytes(op->handle.data(), op->handle.memory_kind(), op->staging.data(),
-                           MemoryKind::kHost, op->req.size);
+                           MemoryKind::kHost, op->put.size);
     }
     uint64_t version = 0;
     if (s.ok()) {
-      auto v = cache->Commit(std::move(op->handle), (op->header.flags & w::kFlagDurable) != 0);
+      auto v = cache->Commit(std::move(op->handle), (op->req.h.flags & w::kFlagDurable) != 0);
       if (v.ok()) version = *v;
       else s = v.status();
     }
     PostReply([this, op, s, version] {
-      Reply(op->conn, op->header.opcode, op->header.request_id, s, w::EncodePutReply(s, version),
-            nullptr, 0, MemoryKind::kHost, nullptr);
+      Reply(op->req, s, w::EncodePutReply(s, version), nullptr, 0, MemoryKind::kHost, nullptr);
     });
   }
 
-  void HandleGet(ConnId conn, const w::Header& h, std::string_view body) {
+  void SendObject(const Req& r, std::shared_ptr<ReadHandle> handle, const void* data,
+                  MemoryKind kind, std::shared_ptr<std::string> staging) {
+    // The handle keeps the entry pinned until UCX is done with its bytes.
+    Reply(r, Status::OK(), w::EncodeObjectReply(Status::OK(), ToWire(handle->info())), data,
+          handle->size(), kind, [handle, staging] {});
+  }
+
+  void HandleGet(const Req& r, std::string_view body) {
     std::string key;
     Status s = w::DecodeKeyRequest(body, &key);
-    if (!s.ok()) return ReplyStatus(conn, h.opcode, h.request_id, s);
+    if (!s.ok()) return ReplyStatus(r, s);
     // Hot path: an object in host memory (or in GPU memory that UCX can send) is answered right
     // here on the I/O thread; anything that may block goes to an executor.
     {
@@ -225,86 +271,80 @@ struct Server::Impl {
       auto fp = cache->TryAcquireFromMemory(key, &fast);
       if (fp == TieredCache::FastPath::kMiss) {
         Status nf = Status::NotFound("key not found");
-        return Reply(conn, h.opcode, h.request_id, nf, w::EncodeObjectReply(nf, {}), nullptr, 0,
-                     MemoryKind::kHost, nullptr);
+        return Reply(r, nf, w::EncodeObjectReply(nf, {}), nullptr, 0, MemoryKind::kHost, nullptr);
       }
       if (fp == TieredCache::FastPath::kServed &&
           (fast.memory_kind() == MemoryKind::kHost || transport->device_memory_supported())) {
         auto handle = std::make_shared<ReadHandle>(std::move(fast));
-        return Reply(conn, h.opcode, h.request_id, Status::OK(),
-                     w::EncodeObjectReply(Status::OK(), ToWire(handle->info())), handle->data(),
-                     handle->size(), handle->memory_kind(), [handle] {});
+        return SendObject(r, handle, handle->data(), handle->memory_kind(), nullptr);
       }
     }
-    executors->Submit([this, conn, h, key = std::move(key)] {
-      auto r = cache->Acquire(key);
-      if (!r.ok()) {
-        Status err = r.status();
-        return PostReply([this, conn, h, err] {
-          Reply(conn, h.opcode, h.request_id, err, w::EncodeObjectReply(err, {}), nullptr, 0,
-                MemoryKind::kHost, nullptr);
+    executors->Submit([this, r, key = std::move(key)] {
+      auto acquired = cache->Acquire(key);
+      if (!acquired.ok()) {
+        Status err = acquired.status();
+        return PostReply([this, r, err] {
+          Reply(r, err, w::EncodeObjectReply(err, {}), nullptr, 0, MemoryKind::kHost, nullptr);
         });
       }
-      // The handle keeps the entry pinned until the send completes.
-      auto handle = std::make_shared<ReadHandle>(std::move(*r));
-      auto staging = std::make_shared<std::string>();
+      auto handle = std::make_shared<ReadHandle>(std::move(*acquired));
+      std::shared_ptr<std::string> staging;
       const void* data = handle->data();
       MemoryKind kind = handle->memory_kind();
       if (kind == MemoryKind::kDevice && !transport->device_memory_supported()) {
-        staging->resize(handle->size());
+        staging = std::make_shared<std::string>(handle->size(), '\0');
         Status cs = cache->CopyBytes(staging->data(), MemoryKind::kHost, data, kind, handle->size());
-        if (!cs.ok()) {
-          return PostReply([this, conn, h, cs] { ReplyStatus(conn, h.opcode, h.request_id, cs); });
-        }
+        if (!cs.ok()) return PostReply([this, r, cs] { ReplyStatus(r, cs); });
         data = staging->data();
         kind = MemoryKind::kHost;
       }
-      PostReply([this, conn, h, handle, staging, data, kind] {
-        Reply(conn, h.opcode, h.request_id, Status::OK(),
-              w::EncodeObjectReply(Status::OK(), ToWire(handle->info())), data, handle->size(),
-              kind, [handle, staging] {});
-      });
+      PostReply([this, r, handle, staging, data, kind] { SendObject(r, handle, data, kind, staging); });
     });
   }
 
-  void HandleKeyOp(ConnId conn, const w::Header& h, std::string_view body) {
+  void HandleKeyOp(const Req& r, std::string_view body) {
     std::string key;
     Status s = w::DecodeKeyRequest(body, &key);
-    if (!s.ok()) return ReplyStatus(conn, h.opcode, h.request_id, s);
-    executors->Submit([this, conn, h, key = std::move(key)] {
-      if (h.opcode == w::Opcode::kDelete) {
+    if (!s.ok()) return ReplyStatus(r, s);
+    executors->Submit([this, r, key = std::move(key)] {
+      if (r.h.opcode == w::Opcode::kDelete) {
         Status ds = cache->Delete(key);
-        return PostReply([this, conn, h, ds] { ReplyStatus(conn, h.opcode, h.request_id, ds); });
+        return PostReply([this, r, ds] { ReplyStatus(r, ds); });
       }
-      auto r = cache->Stat(key);
-      Status st = r.status();
-      w::ObjectMeta meta = r.ok() ? ToWire(*r) : w::ObjectMeta{};
-      PostReply([this, conn, h, st, meta] {
-        Reply(conn, h.opcode, h.request_id, st, w::EncodeObjectReply(st, meta), nullptr, 0,
-              MemoryKind::kHost, nullptr);
+      auto st = cache->Stat(key);
+      Status status = st.status();
+      w::ObjectMeta meta = st.ok() ? ToWire(*st) : w::ObjectMeta{};
+      PostReply([this, r, status, meta] {
+        Reply(r, status, w::EncodeObjectReply(status, meta), nullptr, 0, MemoryKind::kHost, nullptr);
       });
     });
   }
 
-  void HandleMultiGet(ConnId conn, const w::Header& h, std::unique_ptr<Incoming> msg) {
-    ReadPayloadThen(std::move(msg), [this, conn, h](Status s, std::shared_ptr<std::string> buf) {
+  void ReplyPayload(const Req& r, std::shared_ptr<std::string> payload) {
+    Reply(r, Status::OK(), w::EncodeStatusReply(Status::OK()), payload->data(), payload->size(),
+          MemoryKind::kHost, [payload] {});
+  }
+
+  void HandleMultiGet(const Req& r, std::unique_ptr<Incoming> msg) {
+    ReadPayloadThen(r, std::move(msg), [this, r](Status s, std::shared_ptr<std::string> buf) {
       std::vector<std::string> keys;
       if (s.ok()) s = w::DecodeKeyList(*buf, &keys);
-      if (!s.ok()) {
-        return PostReply([this, conn, h, s] { ReplyStatus(conn, h.opcode, h.request_id, s); });
-      }
+      if (!s.ok()) return PostReply([this, r, s] { ReplyStatus(r, s); });
       std::vector<w::BatchGetResult> results(keys.size());
       std::vector<ReadHandle> handles;
       handles.reserve(keys.size());
       uint64_t total = 0;
       for (size_t i = 0; i < keys.size(); ++i) {
-        auto r = cache->Acquire(keys[i]);
-        results[i].code = r.status().code();
-        if (r.ok()) {
-          results[i].meta = ToWire(r->info());
-          total += r->size();
-          handles.push_back(std::move(*r));
+        auto got = cache->Acquire(keys[i]);
+        results[i].code = got.status().code();
+        if (!got.ok()) continue;
+        if (total + got->size() > options.max_batch_bytes) {
+          results[i].code = StatusCode::kNoSpace;  // the reply would be too large: ask again
+          continue;
         }
+        results[i].meta = ToWire(got->info());
+        total += got->size();
+        handles.push_back(std::move(*got));
       }
       // One reply: the result block, then every found value in order (gathered here).
       auto payload = std::make_shared<std::string>(w::EncodeBatchGetBlock(results));
@@ -320,107 +360,78 @@ struct Server::Impl {
         off += hd.size();
       }
       handles.clear();
-      if (!cs.ok()) {
-        return PostReply([this, conn, h, cs] { ReplyStatus(conn, h.opcode, h.request_id, cs); });
-      }
-      PostReply([this, conn, h, payload] {
-        Reply(conn, h.opcode, h.request_id, Status::OK(), w::EncodeStatusReply(Status::OK()),
-              payload->data(), payload->size(), MemoryKind::kHost, [payload] {});
-      });
+      if (!cs.ok()) return PostReply([this, r, cs] { ReplyStatus(r, cs); });
+      PostReply([this, r, payload] { ReplyPayload(r, payload); });
     });
   }
 
-  void HandleMultiPut(ConnId conn, const w::Header& h, std::unique_ptr<Incoming> msg) {
-    ReadPayloadThen(std::move(msg), [this, conn, h](Status s, std::shared_ptr<std::string> buf) {
+  void HandleMultiPut(const Req& r, std::unique_ptr<Incoming> msg) {
+    ReadPayloadThen(r, std::move(msg), [this, r](Status s, std::shared_ptr<std::string> buf) {
       std::vector<w::BatchPutItem> items;
       size_t block = 0;
       if (s.ok()) s = w::DecodeBatchPutBlock(*buf, &items, &block);
-      if (!s.ok()) {
-        return PostReply([this, conn, h, s] { ReplyStatus(conn, h.opcode, h.request_id, s); });
-      }
+      if (!s.ok()) return PostReply([this, r, s] { ReplyStatus(r, s); });
       std::vector<w::BatchPutResult> results(items.size());
       size_t off = block;
-      const bool durable = (h.flags & w::kFlagDurable) != 0;
+      const bool durable = (r.h.flags & w::kFlagDurable) != 0;
       for (size_t i = 0; i < items.size(); ++i) {
-        auto r = cache->Put(items[i].key, buf->data() + off, items[i].size, items[i].tensor,
-                            durable);
-        results[i].code = r.status().code();
-        if (r.ok()) results[i].version = *r;
+        auto put = cache->Put(items[i].key, buf->data() + off, items[i].size, items[i].tensor,
+                              durable);
+        results[i].code = put.status().code();
+        if (put.ok()) results[i].version = *put;
         off += items[i].size;
       }
       auto payload = std::make_shared<std::string>(w::EncodeBatchPutResults(results));
-      PostReply([this, conn, h, payload] {
-        Reply(conn, h.opcode, h.request_id, Status::OK(), w::EncodeStatusReply(Status::OK()),
-              payload->data(), payload->size(), MemoryKind::kHost, [payload] {});
-      });
+      PostReply([this, r, payload] { ReplyPayload(r, payload); });
     });
   }
 
-  std::string StatsJson() const;
-
-  void HandleStats(ConnId conn, const w::Header& h) {
-    executors->Submit([this, conn, h] {
-      auto payload = std::make_shared<std::string>(StatsJson());
-      PostReply([this, conn, h, payload] {
-        Reply(conn, h.opcode, h.request_id, Status::OK(), w::EncodeStatusReply(Status::OK()),
-              payload->data(), payload->size(), MemoryKind::kHost, [payload] {});
-      });
+  void HandleStats(const Req& r) {
+    executors->Submit([this, r] {
+      auto payload =
+          std::make_shared<std::string>(RenderStatsJson(self.id, cache->GetStats(), counters));
+      PostReply([this, r, payload] { ReplyPayload(r, payload); });
     });
+  }
+
+  // I/O thread, every loop: one log line when the node is under eviction pressure.
+  void OnTick() {
+    const auto now = Clock::now();
+    if (now - last_pressure_check < std::chrono::seconds(10)) return;
+    last_pressure_check = now;
+    executors->Submit([this] {
+      CacheStats st = cache->GetStats();
+      uint64_t spills = 0;
+      for (int a = 0; a < kTierCount; ++a) {
+        for (int b = a + 1; b < kTierCount; ++b) spills += st.moves[a][b];
+      }
+      const uint64_t new_spills = spills - last_spills, new_drops = st.dropped - last_drops;
+      last_spills = spills;
+      last_drops = st.dropped;
+      if (new_spills > 0 || new_drops > 0) {
+        GKV_LOG_INFO("eviction pressure: {} objects spilled to a lower tier and {} dropped in the "
+                     "last 10 s (host {} of {} used)",
+                     new_spills, new_drops, FormatSize(st.tiers[1].used_bytes),
+                     FormatSize(st.tiers[1].capacity));
+      }
+    });
+  }
+
+  Status StartMetrics() {
+    metrics_http = std::make_unique<httplib::Server>();
+    metrics_http->Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
+      res.set_content(RenderPrometheus(self.id, cache->GetStats(), counters),
+                      "text/plain; version=0.0.4");
+    });
+    metrics_bound_port = options.metrics_port;
+    if (!metrics_http->bind_to_port("0.0.0.0", options.metrics_port)) {
+      return Status::Unavailable("cannot listen for metrics on port " +
+                                 std::to_string(options.metrics_port));
+    }
+    metrics_thread = std::thread([this] { metrics_http->listen_after_bind(); });
+    return Status::OK();
   }
 };
-
-std::string Server::Impl::StatsJson() const {
-  CacheStats st = cache->GetStats();
-  std::string j = "{\"node\":\"" + self.id + "\",\"tiers\":{";
-  for (int t = 0; t < kTierCount; ++t) {
-    const TierStats& ts = st.tiers[t];
-    if (t) j += ",";
-    j += "\"" + std::string(TierName(static_cast<Tier>(t))) + "\":{";
-    j += "\"enabled\":" + std::string(ts.enabled ? "true" : "false");
-    j += ",\"capacity_bytes\":" + std::to_string(ts.capacity);
-    j += ",\"used_bytes\":" + std::to_string(ts.used_bytes);
-    j += ",\"objects\":" + std::to_string(ts.objects);
-    j += ",\"hits\":" + std::to_string(ts.hits) + "}";
-  }
-  j += "},\"misses\":" + std::to_string(st.misses);
-  j += ",\"moves\":{";
-  bool first = true;
-  for (int a = 0; a < kTierCount; ++a) {
-    for (int b = 0; b < kTierCount; ++b) {
-      if (a == b) continue;
-      if (!first) j += ",";
-      first = false;
-      j += "\"" + std::string(TierName(static_cast<Tier>(a))) + "_to_" +
-           std::string(TierName(static_cast<Tier>(b))) + "\":{\"objects\":" +
-           std::to_string(st.moves[a][b]) + ",\"bytes\":" + std::to_string(st.moved_bytes[a][b]) +
-           "}";
-    }
-  }
-  j += "},\"disk_evictions\":" + std::to_string(st.disk_evictions);
-  j += ",\"dropped\":" + std::to_string(st.dropped);
-  j += ",\"durable_writes\":" + std::to_string(st.durable_writes);
-  j += ",\"bytes_in\":" + std::to_string(counters.bytes_in.load());
-  j += ",\"bytes_out\":" + std::to_string(counters.bytes_out.load());
-  j += ",\"protocol_errors\":" + std::to_string(counters.protocol_errors.load());
-  j += ",\"ops\":{";
-  first = true;
-  for (int op = 1; op <= static_cast<int>(w::Opcode::kHello); ++op) {
-    if (!first) j += ",";
-    first = false;
-    j += "\"" + std::string(w::OpcodeName(static_cast<w::Opcode>(op))) +
-         "\":" + std::to_string(counters.ops[op].load());
-  }
-  j += "},\"errors\":{";
-  first = true;
-  for (int c = 1; c <= static_cast<int>(StatusCode::kInternal); ++c) {
-    if (!first) j += ",";
-    first = false;
-    j += "\"" + std::string(StatusCodeName(static_cast<StatusCode>(c))) +
-         "\":" + std::to_string(counters.errors[c].load());
-  }
-  j += "}}";
-  return j;
-}
 
 Server::Server(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
@@ -446,19 +457,26 @@ Result<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
   Impl* raw = impl.get();
   UcxTransport::Handlers handlers;
   handlers.on_message = [raw](std::unique_ptr<Incoming> m) { raw->OnMessage(std::move(m)); };
-  handlers.on_disconnect = [raw](ConnId id, const Status& s) {
-    GKV_LOG_DEBUG("peer connection {} lost: {}", id, s.ToString());
+  handlers.on_accept = [raw](ConnId) {
+    raw->counters.connections_accepted.fetch_add(1, std::memory_order_relaxed);
   };
+  handlers.on_disconnect = [raw](ConnId id, const Status& s) {
+    raw->authenticated.erase(id);
+    GKV_LOG_DEBUG("client connection {} closed: {}", id, s.ToString());
+  };
+  handlers.on_tick = [raw] { raw->OnTick(); };
   auto transport = UcxTransport::Create(topts, std::move(handlers));
   if (!transport.ok()) return transport.status();
   impl->transport = std::move(*transport);
+  if (options.metrics_port) GKV_RETURN_IF_ERROR(impl->StartMetrics());
   const Impl& I = *impl;
-  GKV_LOG_INFO("node {} up on {}:{} (gpu {}, host {}, disk {}){}", I.self.id, topts.listen_host,
-               I.transport->listen_port(),
-               I.cache->tier_enabled(Tier::kGpu) ? FormatSize(I.cache->tier_capacity(Tier::kGpu)) : "off",
-               I.cache->tier_enabled(Tier::kHost) ? FormatSize(I.cache->tier_capacity(Tier::kHost)) : "off",
-               I.cache->tier_enabled(Tier::kDisk) ? FormatSize(I.cache->tier_capacity(Tier::kDisk)) : "off",
-               I.transport->device_memory_supported() ? "; UCX moves device memory" : "");
+  auto tier = [&](Tier t) {
+    return I.cache->tier_enabled(t) ? FormatSize(I.cache->tier_capacity(t)) : std::string("off");
+  };
+  GKV_LOG_INFO("node {} up on {}:{} (gpu {}, host {}, disk {}){}{}", I.self.id, topts.listen_host,
+               I.transport->listen_port(), tier(Tier::kGpu), tier(Tier::kHost), tier(Tier::kDisk),
+               I.transport->device_memory_supported() ? "; UCX moves device memory" : "",
+               options.cluster.secret.empty() ? "" : "; clients must present the cluster secret");
   return std::unique_ptr<Server>(new Server(std::move(impl)));
 }
 
@@ -467,10 +485,13 @@ void Server::Stop() {
   std::call_once(I->stop_once, [I] {
     I->stopping.store(true, std::memory_order_release);
     // Let what is in flight finish (bounded: a stuck peer must not block shutdown forever).
-    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-    while (I->in_flight.load(std::memory_order_acquire) > 0 &&
-           std::chrono::steady_clock::now() < deadline) {
+    auto deadline = Clock::now() + std::chrono::seconds(10);
+    while (I->in_flight.load(std::memory_order_acquire) > 0 && Clock::now() < deadline) {
       std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    if (I->metrics_http) {
+      I->metrics_http->stop();
+      if (I->metrics_thread.joinable()) I->metrics_thread.join();
     }
     I->executors.reset();  // runs what is queued
     I->transport.reset();  // closes endpoints, listener, worker
@@ -481,6 +502,7 @@ void Server::Stop() {
 }
 
 uint16_t Server::port() const { return impl_->transport ? impl_->transport->listen_port() : 0; }
+uint16_t Server::metrics_port() const { return static_cast<uint16_t>(impl_->metrics_bound_port); }
 
 TieredCache& Server::cache() { return *impl_->cache; }
 

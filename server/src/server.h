@@ -10,6 +10,9 @@
 // -> worker: reply with the new version.
 // Shutdown (Stop): new requests get Unavailable, in-flight ones finish, the cache writes back
 // memory entries to disk (Flush), then the transport and the cache close.
+// Access control: when the cluster file has a secret, a connection's first message must be a
+// HELLO carrying it; anything else (or a wrong secret) gets PermissionDenied, is counted, and the
+// connection is closed. The secret is never logged.
 // Thread-safety: Start/Stop from one controlling thread; everything else is internal.
 #pragma once
 
@@ -30,6 +33,11 @@ struct ServerOptions {
   int executor_threads = 4;
   std::string listen_host;  // default: the node's host from the cluster file
   uint16_t listen_port = 0; // default: the node's port from the cluster file
+  // Prometheus text exposition on http://0.0.0.0:PORT/metrics; 0 = off.
+  uint16_t metrics_port = 0;
+  // Largest batch request or batch reply payload the node buffers (MGET/MPUT); larger ones are
+  // refused with NoSpace so a client can't make the node allocate without bound.
+  uint64_t max_batch_bytes = 256ull << 20;
 };
 
 class Server {
@@ -42,6 +50,7 @@ class Server {
   // Graceful stop; idempotent.
   void Stop();
   uint16_t port() const;
+  uint16_t metrics_port() const;
   TieredCache& cache();
 
  private:

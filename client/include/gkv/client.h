@@ -32,7 +32,7 @@ namespace gkv {
 
 struct ClientOptions {
   std::string cluster_file;  // or fill `cluster` directly
-  ClusterConfig cluster;
+  ClusterConfig cluster;      // its `secret`, when set, is presented on every connection
   std::chrono::milliseconds default_timeout{2000};
 };
 

@@ -1,13 +1,13 @@
-// Latency histogram for gkv-bench: log-linear buckets (32 per power of two, so a recorded value
-// is reported within ~3% of itself), nanoseconds from 1 ns to ~1 hour. Not thread-safe: one per
-// thread, merged at the end.
+// Latency histogram (gkv-bench, server statistics): log-linear buckets, 32 per power of two, so
+// a recorded value is reported within ~3% of itself; nanoseconds from 1 ns to centuries.
+// Not thread-safe: one per thread (merge them), or guard it.
 #pragma once
 
 #include <algorithm>
 #include <array>
 #include <cstdint>
 
-namespace gkv::bench {
+namespace gkv {
 
 class Histogram {
  public:
@@ -28,6 +28,14 @@ class Histogram {
     sum_ += o.sum_;
   }
   void Reset() { *this = Histogram(); }
+  // Number of recorded values <= `ns` (bucket resolution: a bucket counts when its upper edge
+  // is <= ns). For Prometheus cumulative buckets.
+  uint64_t CountAtOrBelow(uint64_t ns) const {
+    uint64_t n = 0;
+    for (int i = 0; i < kBuckets && UpperEdge(i) <= ns; ++i) n += counts_[i];
+    return n;
+  }
+  uint64_t sum() const { return sum_; }
   uint64_t count() const { return count_; }
   uint64_t max() const { return max_; }
   double mean() const { return count_ ? double(sum_) / count_ : 0; }
@@ -60,4 +68,4 @@ class Histogram {
   uint64_t count_ = 0, max_ = 0, sum_ = 0;
 };
 
-}  // namespace gkv::bench
+}  // namespace gkv

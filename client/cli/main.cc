@@ -1,0 +1,244 @@
+// gkv: command-line tool for a gkv cluster.
+//   gkv --cluster FILE put KEY (--file F | --value TEXT) [--dtype T --shape 2,3] [--durable]
+//   gkv --cluster FILE get KEY [--output F]
+//   gkv --cluster FILE del KEY | stat KEY | stats [--json] | ring | ping
+// Exit codes: 0 success, 1 not found, 2 usage, 3 the cluster could not be reached, 4 any other
+// error. Errors are one line on stderr.
+#include <CLI/CLI.hpp>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+#include "gkv/client.h"
+#include "gkv/log.h"
+#include "gkv/size.h"
+
+namespace {
+
+constexpr int kOk = 0, kNotFound = 1, kUsage = 2, kUnreachable = 3, kFailed = 4;
+
+int ExitFor(const gkv::Status& s, const std::string& what) {
+  std::fprintf(stderr, "gkv: %s: %s\n", what.c_str(), s.ToString().c_str());
+  switch (s.code()) {
+    case gkv::StatusCode::kNotFound: return kNotFound;
+    case gkv::StatusCode::kUnavailable:
+    case gkv::StatusCode::kTimeout: return kUnreachable;
+    case gkv::StatusCode::kInvalidArgument: return kUsage;
+    default: return kFailed;
+  }
+}
+
+std::string Describe(const gkv::ValueInfo& i) {
+  std::string out = "size " + std::to_string(i.size) + " version " + std::to_string(i.version) +
+                    " tier " + i.tier + (i.on_disk ? " (on disk)" : "");
+  if (i.tensor.is_tensor()) out = "tensor " + i.tensor.ToString() + " " + out;
+  return out;
+}
+
+// "n0" -> {...}; a tiny reader for the fixed-order stats JSON.
+uint64_t Num(const std::string& j, std::initializer_list<const char*> path) {
+  size_t at = 0;
+  for (const char* p : path) {
+    at = j.find(p, at);
+    if (at == std::string::npos) return 0;
+    at += std::strlen(p);
+  }
+  return std::strtoull(j.c_str() + at, nullptr, 10);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"gkv: talk to a gkv cluster"};
+  app.require_subcommand(1);
+  app.fallthrough();  // --cluster and --timeout-ms may come after the subcommand too
+  std::string cluster_file;
+  int timeout_ms = 2000;
+  app.add_option("--cluster", cluster_file, "cluster file")->required();
+  app.add_option("--timeout-ms", timeout_ms, "deadline per request");
+
+  std::string key, file, value, dtype, shape, output;
+  bool durable = false, json = false;
+  auto* put = app.add_subcommand("put", "store a value");
+  put->add_option("key", key)->required();
+  auto* src = put->add_option_group("source")->require_option(1);
+  src->add_option("--file", file, "read the value from a file");
+  src->add_option("--value", value, "the value as text");
+  put->add_option("--dtype", dtype, "tensor dtype (f32, bf16, i64, ...)");
+  put->add_option("--shape", shape, "tensor shape, e.g. 2,3");
+  put->add_flag("--durable", durable, "write through to disk before acknowledging");
+  auto* get = app.add_subcommand("get", "fetch a value");
+  get->add_option("key", key)->required();
+  get->add_option("--output", output, "write the value to this file (else to stdout)");
+  auto* del = app.add_subcommand("del", "delete a key");
+  del->add_option("key", key)->required();
+  auto* stat = app.add_subcommand("stat", "metadata of a key");
+  stat->add_option("key", key)->required();
+  auto* stats = app.add_subcommand("stats", "per-node statistics");
+  stats->add_flag("--json", json, "one JSON document per node, as a JSON array");
+  auto* ring = app.add_subcommand("ring", "nodes, weights and share of the key space");
+  auto* ping = app.add_subcommand("ping", "round trip to every node");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    app.exit(e);
+    return e.get_exit_code() == 0 ? kOk : kUsage;
+  }
+
+  gkv::SetLogLevel("error");  // failures are reported once, as the one line below
+  gkv::ClientOptions options;
+  options.cluster_file = cluster_file;
+  options.default_timeout = std::chrono::milliseconds(timeout_ms);
+  if (*ring) {
+    auto cluster = gkv::LoadClusterFile(cluster_file);
+    if (!cluster.ok()) return ExitFor(cluster.status(), "cluster file");
+    gkv::HashRing r(cluster->nodes);
+    auto shares = r.Shares();
+    std::printf("%-10s %-24s %8s %8s\n", "node", "address", "weight", "share");
+    for (size_t i = 0; i < cluster->nodes.size(); ++i) {
+      const auto& n = cluster->nodes[i];
+      std::printf("%-10s %-24s %8.2f %7.2f%%\n", n.id.c_str(), n.address().c_str(), n.weight,
+                  shares[i] * 100);
+    }
+    return kOk;
+  }
+  auto client = gkv::Client::Open(options);
+  if (!client.ok()) return ExitFor(client.status(), "opening the cluster");
+  gkv::Client& c = **client;
+
+  if (*put) {
+    std::string data = value;
+    if (!file.empty()) {
+      std::ifstream in(file, std::ios::binary);
+      if (!in) {
+        std::fprintf(stderr, "gkv: cannot read '%s'\n", file.c_str());
+        return kUsage;
+      }
+      std::stringstream ss;
+      ss << in.rdbuf();
+      data = ss.str();
+    }
+    gkv::PutOptions po;
+    po.durable = durable;
+    po.memory = gkv::BufferMemory::kHost;
+    if (!dtype.empty() || !shape.empty()) {
+      auto dt = gkv::ParseDType(dtype.empty() ? "u8" : dtype);
+      if (!dt.ok()) return ExitFor(dt.status(), "--dtype");
+      auto sh = gkv::ParseShape(shape);
+      if (!sh.ok()) return ExitFor(sh.status(), "--shape");
+      po.tensor = {*dt, *sh};
+    }
+    auto r = c.Put(key, data.data(), data.size(), po);
+    if (!r.ok()) return ExitFor(r.status(), "put " + key);
+    std::printf("stored %s: %zu bytes, version %llu\n", key.c_str(), data.size(),
+                (unsigned long long)*r);
+    return kOk;
+  }
+  if (*get) {
+    auto r = c.Get(key);
+    if (!r.ok()) return ExitFor(r.status(), "get " + key);
+    if (!output.empty()) {
+      std::ofstream out(output, std::ios::binary);
+      out.write(reinterpret_cast<const char*>(r->data()), r->size());
+      if (!out) {
+        std::fprintf(stderr, "gkv: cannot write '%s'\n", output.c_str());
+        return kFailed;
+      }
+      std::printf("%s\n", Describe(r->info()).c_str());
+    } else {
+      if (r->info().tensor.is_tensor()) std::fprintf(stderr, "%s\n", Describe(r->info()).c_str());
+      std::fwrite(r->data(), 1, r->size(), stdout);
+    }
+    return kOk;
+  }
+  if (*del) {
+    gkv::Status s = c.Delete(key);
+    if (!s.ok()) return ExitFor(s, "del " + key);
+    std::printf("deleted %s\n", key.c_str());
+    return kOk;
+  }
+  if (*stat) {
+    auto r = c.Stat(key);
+    if (!r.ok()) return ExitFor(r.status(), "stat " + key);
+    std::printf("%s: %s (node %s)\n", key.c_str(), Describe(*r).c_str(),
+                c.cluster().nodes[c.NodeFor(key)].id.c_str());
+    return kOk;
+  }
+  if (*ping) {
+    int rc = kOk;
+    for (size_t i = 0; i < c.cluster().nodes.size(); ++i) {
+      // The first ping also connects; report the best of three round trips.
+      gkv::Result<std::string> r = gkv::Status::Unavailable("not tried");
+      double us = 1e18;
+      for (int attempt = 0; attempt < 3; ++attempt) {
+        auto t0 = std::chrono::steady_clock::now();
+        r = c.Ping(static_cast<int>(i));
+        if (!r.ok()) break;
+        us = std::min(us, std::chrono::duration<double, std::micro>(
+                              std::chrono::steady_clock::now() - t0).count());
+      }
+      const auto& n = c.cluster().nodes[i];
+      if (r.ok()) {
+        std::printf("%-10s %-24s ok %.0f us\n", n.id.c_str(), n.address().c_str(), us);
+      } else {
+        std::printf("%-10s %-24s %s\n", n.id.c_str(), n.address().c_str(),
+                    r.status().ToString().c_str());
+        rc = kUnreachable;
+      }
+    }
+    return rc;
+  }
+  if (*stats) {
+    std::vector<std::string> docs;
+    int rc = kOk;
+    for (size_t i = 0; i < c.cluster().nodes.size(); ++i) {
+      auto r = c.NodeStats(static_cast<int>(i));
+      if (!r.ok()) {
+        std::fprintf(stderr, "gkv: stats %s: %s\n", c.cluster().nodes[i].id.c_str(),
+                     r.status().ToString().c_str());
+        rc = kUnreachable;
+        docs.push_back("{\"node\":\"" + c.cluster().nodes[i].id + "\",\"error\":\"" +
+                       std::string(gkv::StatusCodeName(r.status().code())) + "\"}");
+        continue;
+      }
+      docs.push_back(*r);
+    }
+    if (json) {
+      std::printf("[");
+      for (size_t i = 0; i < docs.size(); ++i) std::printf("%s%s", i ? ",\n " : "", docs[i].c_str());
+      std::printf("]\n");
+      return rc;
+    }
+    for (const auto& j : docs) {
+      if (j.find("\"error\"") != std::string::npos) continue;
+      std::printf("node %s\n", c.cluster().nodes[&j - &docs[0]].id.c_str());
+      std::printf("  %-5s %22s %10s %12s\n", "tier", "used / capacity", "objects", "hits");
+      for (const char* t : {"gpu", "host", "disk"}) {
+        std::string anchor = std::string("\"") + t + "\":{";
+        if (Num(j, {"\"tiers\"", anchor.c_str(), "\"capacity_bytes\":"}) == 0) continue;
+        std::string used = gkv::FormatSize(Num(j, {"\"tiers\"", anchor.c_str(), "\"used_bytes\":"})) +
+                           " / " +
+                           gkv::FormatSize(Num(j, {"\"tiers\"", anchor.c_str(), "\"capacity_bytes\":"}));
+        std::printf("  %-5s %22s %10llu %12llu\n", t, used.c_str(),
+                    (unsigned long long)Num(j, {"\"tiers\"", anchor.c_str(), "\"objects\":"}),
+                    (unsigned long long)Num(j, {"\"tiers\"", anchor.c_str(), "\"hits\":"}));
+      }
+      std::printf("  misses %llu, spills host->disk %llu, gpu->host %llu, promotions %llu,"
+                  " disk evictions %llu\n",
+                  (unsigned long long)Num(j, {"\"misses\":"}),
+                  (unsigned long long)Num(j, {"\"host_to_disk\":{\"objects\":"}),
+                  (unsigned long long)Num(j, {"\"gpu_to_host\":{\"objects\":"}),
+                  (unsigned long long)(Num(j, {"\"disk_to_host\":{\"objects\":"}) +
+                                       Num(j, {"\"disk_to_gpu\":{\"objects\":"}) +
+                                       Num(j, {"\"host_to_gpu\":{\"objects\":"})),
+                  (unsigned long long)Num(j, {"\"disk_evictions\":"}));
+      std::printf("  bytes in %s, out %s\n", gkv::FormatSize(Num(j, {"\"bytes_in\":"})).c_str(),
+                  gkv::FormatSize(Num(j, {"\"bytes_out\":"})).c_str());
+    }
+    return rc;
+  }
+  return kUsage;
+}

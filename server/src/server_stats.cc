@@ -1,0 +1,193 @@
+#include "server_stats.h"
+
+#include <cstdio>
+
+namespace gkv {
+
+namespace w = wire;
+
+namespace {
+
+constexpr int kFirstOp = static_cast<int>(w::Opcode::kPing);
+constexpr int kLastOp = static_cast<int>(w::Opcode::kHello);
+
+std::string TierLabel(int t) { return std::string(TierName(static_cast<gkv::Tier>(t))); }
+
+std::string Num(double v) {
+  char b[64];
+  std::snprintf(b, sizeof b, "%.9g", v);
+  return b;
+}
+
+// Reads that looked in tier t and had to go further down (served by a lower tier).
+uint64_t TierMisses(const CacheStats& c, int t) {
+  if (!c.tiers[t].enabled) return 0;
+  uint64_t below = 0;
+  for (int u = t + 1; u < kTierCount; ++u) below += c.tiers[u].hits;
+  return below + c.misses;
+}
+
+}  // namespace
+
+std::string RenderStatsJson(const std::string& node_id, const CacheStats& st,
+                            const ServerCounters& counters) {
+  std::string j = "{\"node\":\"" + node_id + "\",\"tiers\":{";
+  for (int t = 0; t < kTierCount; ++t) {
+    const TierStats& ts = st.tiers[t];
+    if (t) j += ",";
+    j += "\"" + TierLabel(t) + "\":{";
+    j += "\"enabled\":" + std::string(ts.enabled ? "true" : "false");
+    j += ",\"capacity_bytes\":" + std::to_string(ts.capacity);
+    j += ",\"used_bytes\":" + std::to_string(ts.used_bytes);
+    j += ",\"objects\":" + std::to_string(ts.objects);
+    j += ",\"hits\":" + std::to_string(ts.hits);
+    j += ",\"misses\":" + std::to_string(TierMisses(st, t)) + "}";
+  }
+  j += "},\"misses\":" + std::to_string(st.misses);
+  j += ",\"moves\":{";
+  bool first = true;
+  for (int a = 0; a < kTierCount; ++a) {
+    for (int b = 0; b < kTierCount; ++b) {
+      if (a == b) continue;
+      if (!first) j += ",";
+      first = false;
+      j += "\"" + TierLabel(a) + "_to_" + TierLabel(b) + "\":{\"objects\":" + std::to_string(st.moves[a][b]) +
+           ",\"bytes\":" + std::to_string(st.moved_bytes[a][b]) + "}";
+    }
+  }
+  j += "},\"disk_evictions\":" + std::to_string(st.disk_evictions);
+  j += ",\"dropped\":" + std::to_string(st.dropped);
+  j += ",\"durable_writes\":" + std::to_string(st.durable_writes);
+  j += ",\"bytes_in\":" + std::to_string(counters.bytes_in.load());
+  j += ",\"bytes_out\":" + std::to_string(counters.bytes_out.load());
+  j += ",\"protocol_errors\":" + std::to_string(counters.protocol_errors.load());
+  j += ",\"auth_failures\":" + std::to_string(counters.auth_failures.load());
+  j += ",\"connections_accepted\":" + std::to_string(counters.connections_accepted.load());
+  j += ",\"ops\":{";
+  for (int op = kFirstOp; op <= kLastOp; ++op) {
+    if (op != kFirstOp) j += ",";
+    j += "\"" + std::string(w::OpcodeName(static_cast<w::Opcode>(op))) +
+         "\":" + std::to_string(counters.ops[op].load());
+  }
+  j += "},\"errors\":{";
+  for (int c = 1; c <= static_cast<int>(StatusCode::kInternal); ++c) {
+    if (c != 1) j += ",";
+    j += "\"" + std::string(StatusCodeName(static_cast<StatusCode>(c))) +
+         "\":" + std::to_string(counters.errors[c].load());
+  }
+  j += "},\"latency_us\":{";
+  first = true;
+  for (int op = kFirstOp; op <= kLastOp; ++op) {
+    Histogram h = counters.LatencyOf(op);
+    if (h.count() == 0) continue;
+    if (!first) j += ",";
+    first = false;
+    j += "\"" + std::string(w::OpcodeName(static_cast<w::Opcode>(op))) +
+         "\":{\"count\":" + std::to_string(h.count()) +
+         ",\"p50\":" + Num(h.Percentile(0.5) / 1e3) + ",\"p90\":" + Num(h.Percentile(0.9) / 1e3) +
+         ",\"p99\":" + Num(h.Percentile(0.99) / 1e3) +
+         ",\"p999\":" + Num(h.Percentile(0.999) / 1e3) + ",\"max\":" + Num(h.max() / 1e3) + "}";
+  }
+  j += "}}";
+  return j;
+}
+
+std::string RenderPrometheus(const std::string& node_id, const CacheStats& st,
+                             const ServerCounters& counters) {
+  std::string o;
+  const std::string node = "node=\"" + node_id + "\"";
+  auto family = [&](const char* name, const char* type, const char* help) {
+    o += "# HELP ";
+    o += name;
+    o += " ";
+    o += help;
+    o += "\n# TYPE ";
+    o += name;
+    o += " ";
+    o += type;
+    o += "\n";
+  };
+  auto sample = [&](const std::string& name, const std::string& labels, double v) {
+    o += name + "{" + node + (labels.empty() ? "" : "," + labels) + "} " + Num(v) + "\n";
+  };
+  family("gkv_tier_capacity_bytes", "gauge", "Configured capacity of a cache tier.");
+  for (int t = 0; t < kTierCount; ++t) {
+    if (st.tiers[t].enabled) sample("gkv_tier_capacity_bytes", "tier=\"" + TierLabel(t) + "\"", st.tiers[t].capacity);
+  }
+  family("gkv_tier_used_bytes", "gauge", "Bytes allocated in a cache tier.");
+  for (int t = 0; t < kTierCount; ++t) {
+    if (st.tiers[t].enabled) sample("gkv_tier_used_bytes", "tier=\"" + TierLabel(t) + "\"", st.tiers[t].used_bytes);
+  }
+  family("gkv_tier_objects", "gauge", "Objects whose current home is a tier.");
+  for (int t = 0; t < kTierCount; ++t) {
+    if (st.tiers[t].enabled) sample("gkv_tier_objects", "tier=\"" + TierLabel(t) + "\"", st.tiers[t].objects);
+  }
+  family("gkv_tier_hits_total", "counter", "Reads served from a tier.");
+  for (int t = 0; t < kTierCount; ++t) {
+    if (st.tiers[t].enabled) sample("gkv_tier_hits_total", "tier=\"" + TierLabel(t) + "\"", st.tiers[t].hits);
+  }
+  family("gkv_tier_misses_total", "counter", "Reads that looked in a tier and were served below it or not at all.");
+  for (int t = 0; t < kTierCount; ++t) {
+    if (st.tiers[t].enabled) sample("gkv_tier_misses_total", "tier=\"" + TierLabel(t) + "\"", TierMisses(st, t));
+  }
+  family("gkv_misses_total", "counter", "Reads of keys the node does not hold.");
+  sample("gkv_misses_total", "", st.misses);
+  family("gkv_tier_moves_total", "counter", "Objects moved between tiers (spills and promotions).");
+  for (int a = 0; a < kTierCount; ++a) {
+    for (int b = 0; b < kTierCount; ++b) {
+      if (a != b) sample("gkv_tier_moves_total", "from=\"" + TierLabel(a) + "\",to=\"" + TierLabel(b) + "\"", st.moves[a][b]);
+    }
+  }
+  family("gkv_tier_moved_bytes_total", "counter", "Bytes moved between tiers.");
+  for (int a = 0; a < kTierCount; ++a) {
+    for (int b = 0; b < kTierCount; ++b) {
+      if (a != b) sample("gkv_tier_moved_bytes_total", "from=\"" + TierLabel(a) + "\",to=\"" + TierLabel(b) + "\"", st.moved_bytes[a][b]);
+    }
+  }
+  family("gkv_disk_evictions_total", "counter", "Objects the disk tier dropped past its capacity.");
+  sample("gkv_disk_evictions_total", "", st.disk_evictions);
+  family("gkv_dropped_total", "counter", "Objects evicted from memory with no lower tier to take them.");
+  sample("gkv_dropped_total", "", st.dropped);
+  family("gkv_durable_writes_total", "counter", "Puts written through to disk before acknowledgement.");
+  sample("gkv_durable_writes_total", "", st.durable_writes);
+  family("gkv_received_bytes_total", "counter", "Payload bytes received.");
+  sample("gkv_received_bytes_total", "", counters.bytes_in.load());
+  family("gkv_sent_bytes_total", "counter", "Payload bytes sent.");
+  sample("gkv_sent_bytes_total", "", counters.bytes_out.load());
+  family("gkv_protocol_errors_total", "counter", "Malformed requests.");
+  sample("gkv_protocol_errors_total", "", counters.protocol_errors.load());
+  family("gkv_auth_failures_total", "counter", "Connections refused for a missing or wrong secret.");
+  sample("gkv_auth_failures_total", "", counters.auth_failures.load());
+  family("gkv_connections_accepted_total", "counter", "Connections accepted.");
+  sample("gkv_connections_accepted_total", "", counters.connections_accepted.load());
+  family("gkv_requests_total", "counter", "Requests received, by operation.");
+  for (int op = kFirstOp; op <= kLastOp; ++op) {
+    sample("gkv_requests_total", "op=\"" + std::string(w::OpcodeName(static_cast<w::Opcode>(op))) + "\"",
+           counters.ops[op].load());
+  }
+  family("gkv_errors_total", "counter", "Error replies, by status code.");
+  for (int c = 1; c <= static_cast<int>(StatusCode::kInternal); ++c) {
+    sample("gkv_errors_total", "code=\"" + std::string(StatusCodeName(static_cast<StatusCode>(c))) + "\"",
+           counters.errors[c].load());
+  }
+  // Request latency from arrival to the reply's send completion.
+  static const double kBuckets[] = {25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3,
+                                    5e-3,  10e-3, 25e-3,  50e-3,  0.1,  0.25, 0.5,
+                                    1,     2.5,   5,      10};
+  family("gkv_request_duration_seconds", "histogram",
+         "Time from a request's arrival to its reply leaving, by operation.");
+  for (int op = kFirstOp; op <= kLastOp; ++op) {
+    Histogram h = counters.LatencyOf(op);
+    const std::string opl = "op=\"" + std::string(w::OpcodeName(static_cast<w::Opcode>(op))) + "\"";
+    for (double le : kBuckets) {
+      sample("gkv_request_duration_seconds_bucket", opl + ",le=\"" + Num(le) + "\"",
+             h.CountAtOrBelow(static_cast<uint64_t>(le * 1e9)));
+    }
+    sample("gkv_request_duration_seconds_bucket", opl + ",le=\"+Inf\"", h.count());
+    sample("gkv_request_duration_seconds_sum", opl, h.sum() / 1e9);
+    sample("gkv_request_duration_seconds_count", opl, h.count());
+  }
+  return o;
+}
+
+}  // namespace gkv

@@ -1,0 +1,47 @@
+// Counters and latency histograms of one node, and their two renderings: the JSON document of
+// the STATS reply (docs/STATS.md) and the Prometheus text exposition (docs/METRICS.md).
+// Thread-safety: counters are relaxed atomics (monotonic counts); the histograms are guarded by
+// a mutex (recorded on the I/O thread, read by the stats and metrics paths).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <mutex>
+#include <string>
+
+#include "gkv/cache/tiered_cache.h"
+#include "gkv/histogram.h"
+#include "gkv/transport/protocol.h"
+
+namespace gkv {
+
+inline constexpr int kOpSlots = 16;
+
+struct ServerCounters {
+  std::atomic<uint64_t> ops[kOpSlots] = {};
+  std::atomic<uint64_t> errors[kOpSlots] = {};  // by StatusCode
+  std::atomic<uint64_t> bytes_in{0}, bytes_out{0};
+  std::atomic<uint64_t> protocol_errors{0};
+  std::atomic<uint64_t> auth_failures{0};
+  std::atomic<uint64_t> connections_accepted{0};
+
+  void RecordLatency(wire::Opcode op, uint64_t ns) {
+    std::lock_guard<std::mutex> lock(latency_mu);
+    latency[static_cast<int>(op) % kOpSlots].Record(ns);
+  }
+  Histogram LatencyOf(int op) const {
+    std::lock_guard<std::mutex> lock(latency_mu);
+    return latency[op];
+  }
+
+ private:
+  mutable std::mutex latency_mu;
+  Histogram latency[kOpSlots];
+};
+
+std::string RenderStatsJson(const std::string& node_id, const CacheStats& cache,
+                            const ServerCounters& counters);
+std::string RenderPrometheus(const std::string& node_id, const CacheStats& cache,
+                             const ServerCounters& counters);
+
+}  // namespace gkv
