@@ -7,6 +7,7 @@ PACKAGES=(
   build-essential cmake ninja-build ccache pkg-config
   libucx-dev ucx-utils librocksdb-dev libxxhash-dev libfmt-dev libspdlog-dev
   libgtest-dev libgmock-dev libbenchmark-dev libcli11-dev libyaml-cpp-dev libcpp-httplib-dev
+  clang-14 libclang-rt-14-dev python3
 )
 
 missing=()

@@ -207,6 +207,10 @@ struct UcxTransport::Impl {
 
   static void OnConnRequest(ucp_conn_request_h request, void* arg) {
     auto* self = static_cast<Impl*>(arg);
+    if (self->stopping.load(std::memory_order_acquire)) {
+      ucp_listener_reject(self->listener, request);
+      return;
+    }
     const ConnId id = self->next_conn++;
     Conn& c = self->conns[id];
     c.err_arg.reset(new ErrorArg{self, id});
@@ -359,6 +363,18 @@ struct UcxTransport::Impl {
   }
 
   void Shutdown() {
+    // Stop accepting first: for a grace period, connection requests are rejected (stopping is
+    // set) while progress runs, then the listener goes. UCX 1.13's async thread has crashed
+    // handling a request that was still in flight when its listener or worker was destroyed.
+    if (listener) {
+      auto grace = std::chrono::steady_clock::now() + std::chrono::milliseconds(50);
+      while (std::chrono::steady_clock::now() < grace) {
+        ProgressAll();
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+      ucp_listener_destroy(listener);
+      listener = nullptr;
+    }
     // Finish what was posted, then close every endpoint (flush for a short grace period).
     RunPosted();
     ProgressAll();
