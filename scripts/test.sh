@@ -7,6 +7,8 @@
 #   4. the cache and transport concurrency tests under TSan (build-tsan/)
 # Options (environment): GKV_TEST_STEPS="normal fuzz asan tsan" picks steps;
 # GKV_FUZZ_SECONDS (default 30). scripts/gpu-check.sh runs the gpu tests on a GPU machine.
+# Under TSan, UCX's memory-event hooks (which patch malloc and mmap) fight TSan's own
+# interceptors and crash; UCX_MEM_EVENTS=no turns them off for that step (gkv does not use them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STEPS=${GKV_TEST_STEPS:-normal fuzz asan tsan}
@@ -42,6 +44,7 @@ asan() {
 tsan() {
   GKV_BUILD_DIR=build-tsan GKV_TARGETS="cache_test transport_test" scripts/build.sh \
     -DGKV_SANITIZE=thread -DGKV_BUILD_BENCH=OFF -DCMAKE_BUILD_TYPE=Debug &&
+    UCX_MEM_EVENTS=no \
     TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/tests/tsan.supp" \
     ctest --test-dir build-tsan --output-on-failure -j "$JOBS" --timeout 600 -R Concurrent
 }

@@ -308,7 +308,10 @@ struct TieredCache::Impl {
     }
     for (const PendingOp& op : work) {
       if (op.kind == PendingOp::kDeleteStaleDiskCopy) {
-        if (disk) disk->DeleteIfVersion(op.key, op.version);
+        if (disk) {
+          Status ds = disk->DeleteIfVersion(op.key, op.version);
+          if (!ds.ok()) GKV_LOG_WARN("deleting a stale disk copy of '{}': {}", op.key, ds.ToString());
+        }
         continue;
       }
       Shard& s = ShardFor(op.key);
@@ -615,7 +618,10 @@ Result<uint64_t> TieredCache::Commit(WriteHandle h, bool durable) {
   if (old && old->on_disk && !e->on_disk && I.disk) {
     GKV_RETURN_IF_ERROR(I.disk->DeleteIfVersion(old->key, old->version));
   }
-  if (superseded && e->on_disk) I.disk->DeleteIfVersion(e->key, e->version);
+  if (superseded && e->on_disk) {
+    Status ds = I.disk->DeleteIfVersion(e->key, e->version);
+    if (!ds.ok()) GKV_LOG_WARN("deleting a superseded disk copy of '{}': {}", e->key, ds.ToString());
+  }
   I.DrainEvictions();
   return e->version;
 }

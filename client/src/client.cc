@@ -61,6 +61,11 @@ struct Client::Impl {
   std::atomic<uint64_t> next_id{1};
 
   // Worker-thread state.
+  struct NodeHealth {
+    Clock::time_point down_until{};
+    std::chrono::milliseconds backoff{0};
+  };
+  std::vector<NodeHealth> health;
   std::vector<ConnId> node_conn;
   std::unordered_map<ConnId, int> node_of_conn;
   std::unordered_map<uint64_t, PendingPtr> pending;
@@ -99,7 +104,19 @@ struct Client::Impl {
     Complete(p, [on_error, s] { on_error(s); });
   }
 
+  bool IsDown(int node) const { return Clock::now() < health[node].down_until; }
+
+  void MarkDown(int node) {
+    NodeHealth& h = health[node];
+    h.backoff = h.backoff.count() == 0 ? options.reconnect_backoff_initial
+                                       : std::min(h.backoff * 2, options.reconnect_backoff_max);
+    h.down_until = Clock::now() + h.backoff;
+  }
+
+  void MarkUp(int node) { health[node] = NodeHealth{}; }
+
   void FailNode(int node, const Status& s, bool force_close) {
+    if (s.code() != StatusCode::kAborted) MarkDown(node);
     ConnId conn = node_conn[node];
     std::vector<PendingPtr> victims;
     for (auto& [id, p] : pending) {
@@ -154,6 +171,7 @@ struct Client::Impl {
     auto it = pending.find(h.request_id);
     if (it == pending.end()) return;  // timed out earlier; dropping releases its payload
     PendingPtr p = it->second;
+    MarkUp(p->node);
     if (p->on_reply) p->on_reply(p, std::move(msg));
   }
 
@@ -189,6 +207,13 @@ struct Client::Impl {
              size_t size, MemoryKind kind, Clock::time_point deadline,
              std::function<void(const PendingPtr&, std::unique_ptr<Incoming>)> on_reply,
              std::function<void(Status)> on_error) {
+    if (IsDown(node)) {
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(health[node].down_until -
+                                                                        Clock::now());
+      return on_error(Status::Unavailable("node " + cluster.nodes[node].id +
+                                          " is down; reconnecting in " +
+                                          std::to_string(left.count()) + " ms"));
+    }
     auto conn = EnsureConn(node);
     if (!conn.ok()) return on_error(conn.status());
     auto p = std::make_shared<Pending>();
@@ -224,9 +249,42 @@ struct Client::Impl {
 
   // --- operations (worker thread) ---
 
+  static bool NodeFailure(const Status& s) {
+    return s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kTimeout;
+  }
+
+  // Reads from the key's first live replica, moving on to the next one when a node fails.
   void DoGet(std::string key, void* user_dst, size_t capacity, MemoryKind dst_kind,
-             Clock::time_point deadline, std::function<void(Result<Value>)> done) {
-    const int node = ring->NodeFor(key);
+             Clock::time_point deadline, bool fail_open, std::function<void(Result<Value>)> done) {
+    auto nodes = std::make_shared<std::vector<int>>(ring->NodesFor(key, options.replicas));
+    GetFrom(std::move(key), nodes, 0, user_dst, capacity, dst_kind, deadline,
+            [fail_open, done](Result<Value> r) {
+              if (!r.ok() && fail_open && NodeFailure(r.status())) {
+                return done(Status::NotFound("no live node answered (fail-open): " +
+                                             r.status().ToString()));
+              }
+              done(std::move(r));
+            });
+  }
+
+  void GetFrom(std::string key, std::shared_ptr<std::vector<int>> nodes, size_t i,
+               void* user_dst, size_t capacity, MemoryKind dst_kind, Clock::time_point deadline,
+               std::function<void(Result<Value>)> done) {
+    const int node = (*nodes)[i];
+    const bool last = i + 1 == nodes->size();
+    auto next = [this, key, nodes, i, last, user_dst, capacity, dst_kind, deadline,
+                 done](Result<Value> r) {
+      if (r.ok() || last || !NodeFailure(r.status()) || Clock::now() >= deadline) {
+        return done(std::move(r));
+      }
+      GetFrom(key, nodes, i + 1, user_dst, capacity, dst_kind, deadline, done);
+    };
+    GetOnNode(node, key, user_dst, capacity, dst_kind, deadline, next);
+  }
+
+  void GetOnNode(int node, const std::string& key, void* user_dst, size_t capacity,
+                 MemoryKind dst_kind, Clock::time_point deadline,
+                 std::function<void(Result<Value>)> done) {
     auto on_reply = [this, user_dst, capacity, dst_kind, done](const PendingPtr& p,
                                                              std::unique_ptr<Incoming> msg) {
       w::Header h;
@@ -271,10 +329,37 @@ struct Client::Impl {
           deadline, on_reply, [done](Status s) { done(s); });
   }
 
+  // Writes to every replica of the key. Succeeds when at least one replica stored it (the
+  // version is the first successful replica's in ring order); replicas that were down miss the
+  // write (see docs/ARCHITECTURE.md, "Failures").
   void DoPut(std::string key, const void* data, size_t size, MemoryKind kind,
              std::shared_ptr<std::byte[]> keepalive, const PutOptions& o,
              Clock::time_point deadline, std::function<void(Result<uint64_t>)> done) {
-    const int node = ring->NodeFor(key);
+    auto nodes = ring->NodesFor(key, options.replicas);
+    if (nodes.size() == 1) return PutOnNode(nodes[0], key, data, size, kind, keepalive, o, deadline, done);
+    struct Fan {
+      std::vector<Result<uint64_t>> results;
+      size_t remaining;
+    };
+    auto fan = std::make_shared<Fan>();
+    fan->remaining = nodes.size();
+    for (size_t i = 0; i < nodes.size(); ++i) fan->results.emplace_back(Status::Aborted("pending"));
+    for (size_t i = 0; i < nodes.size(); ++i) {
+      PutOnNode(nodes[i], key, data, size, kind, keepalive, o, deadline,
+                [fan, i, done](Result<uint64_t> r) {
+                  fan->results[i] = std::move(r);
+                  if (--fan->remaining > 0) return;
+                  for (auto& res : fan->results) {
+                    if (res.ok()) return done(*res);
+                  }
+                  done(fan->results[0].status());
+                });
+    }
+  }
+
+  void PutOnNode(int node, const std::string& key, const void* data, size_t size, MemoryKind kind,
+                 std::shared_ptr<std::byte[]> keepalive, const PutOptions& o,
+                 Clock::time_point deadline, std::function<void(Result<uint64_t>)> done) {
     w::PutRequest req{key, o.tensor, size};
     auto on_reply = [this, done, keepalive](const PendingPtr& p, std::unique_ptr<Incoming> msg) {
       w::Header h;
@@ -346,6 +431,8 @@ Result<std::unique_ptr<Client>> Client::Open(const ClientOptions& options) {
   if (impl->cluster.nodes.empty()) return Status::InvalidArgument("the cluster has no nodes");
   impl->ring = std::make_unique<HashRing>(impl->cluster.nodes);
   impl->node_conn.assign(impl->cluster.nodes.size(), 0);
+  impl->health.assign(impl->cluster.nodes.size(), {});
+  if (options.replicas < 1) return Status::InvalidArgument("replicas must be at least 1");
   Impl* raw = impl.get();
   UcxTransport::Handlers handlers;
   handlers.on_message = [raw](std::unique_ptr<Incoming> m) { raw->OnMessage(std::move(m)); };
@@ -364,8 +451,10 @@ void Client::GetAsync(std::string_view key, const GetOptions& o,
                       std::function<void(Result<Value>)> callback) {
   Impl* I = impl_.get();
   auto deadline = I->DeadlineFrom(o.timeout);
-  I->transport->Post([I, key = std::string(key), deadline, cb = std::move(callback)]() mutable {
-    I->DoGet(std::move(key), nullptr, 0, MemoryKind::kHost, deadline, std::move(cb));
+  const bool fail_open = o.fail_open;
+  I->transport->Post([I, key = std::string(key), deadline, fail_open,
+                      cb = std::move(callback)]() mutable {
+    I->DoGet(std::move(key), nullptr, 0, MemoryKind::kHost, deadline, fail_open, std::move(cb));
   });
 }
 
@@ -388,7 +477,7 @@ Result<ValueInfo> Client::GetInto(std::string_view key, void* dst, size_t capaci
   std::promise<Result<ValueInfo>> promise;
   auto future = promise.get_future();
   I->transport->Post([&, key = std::string(key)]() mutable {
-    I->DoGet(std::move(key), dst, capacity, kind, deadline, [&promise](Result<Value> r) {
+    I->DoGet(std::move(key), dst, capacity, kind, deadline, o.fail_open, [&promise](Result<Value> r) {
       if (r.ok()) promise.set_value(r->info());
       else promise.set_value(r.status());
     });
@@ -432,22 +521,38 @@ Result<uint64_t> Client::Put(std::string_view key, const void* data, size_t size
 Status Client::Delete(std::string_view key, std::chrono::milliseconds timeout) {
   Impl* I = impl_.get();
   auto deadline = I->DeadlineFrom(timeout);
-  std::promise<Status> promise;
-  auto future = promise.get_future();
+  const auto nodes = I->ring->NodesFor(key, I->options.replicas);
+  // Every replica; OK if any deleted it, NotFound if none had it, else the first error.
+  std::vector<Status> results(nodes.size());
+  size_t remaining = nodes.size();
+  std::promise<void> all;
   I->transport->Post([&, key = std::string(key)] {
-    auto on_reply = [I, &promise](const Impl::PendingPtr& p, std::unique_ptr<Incoming> msg) {
-      w::Header h;
-      std::string_view body;
-      w::ReplyStatus rs;
-      Status s = w::DecodeMessage(msg->header().data(), msg->header().size(), &h, &body);
-      if (s.ok()) s = w::DecodeStatusReply(body, &rs);
-      if (s.ok()) s = rs.ToStatus();
-      I->Complete(p, [&promise, s] { promise.set_value(s); });
-    };
-    I->Issue(I->ring->NodeFor(key), w::Opcode::kDelete, 0, w::EncodeKeyRequest(key), nullptr, 0,
-             MemoryKind::kHost, deadline, on_reply, [&promise](Status s) { promise.set_value(s); });
+    for (size_t i = 0; i < nodes.size(); ++i) {
+      auto finish = [&, i](Status s) {
+        results[i] = s;
+        if (--remaining == 0) all.set_value();
+      };
+      auto on_reply = [I, finish](const Impl::PendingPtr& p, std::unique_ptr<Incoming> msg) {
+        w::Header h;
+        std::string_view body;
+        w::ReplyStatus rs;
+        Status s = w::DecodeMessage(msg->header().data(), msg->header().size(), &h, &body);
+        if (s.ok()) s = w::DecodeStatusReply(body, &rs);
+        if (s.ok()) s = rs.ToStatus();
+        I->Complete(p, [finish, s] { finish(s); });
+      };
+      I->Issue(nodes[i], w::Opcode::kDelete, 0, w::EncodeKeyRequest(key), nullptr, 0,
+               MemoryKind::kHost, deadline, on_reply, finish);
+    }
   });
-  return future.get();
+  all.get_future().wait();
+  for (const Status& s : results) {
+    if (s.ok()) return s;
+  }
+  for (const Status& s : results) {
+    if (!s.IsNotFound()) return s;
+  }
+  return results[0];
 }
 
 Result<ValueInfo> Client::Stat(std::string_view key, std::chrono::milliseconds timeout) {
@@ -528,6 +633,15 @@ std::vector<Result<Value>> Client::MultiGet(const std::vector<std::string>& keys
     }
   });
   all_done.get_future().wait();
+  // Keys whose node failed: one by one through Get, which tries the other replicas.
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (results[i].ok() || !Impl::NodeFailure(results[i].status())) continue;
+    if (I->options.replicas > 1) {
+      results[i] = Get(keys[i], o);
+    } else if (o.fail_open) {
+      results[i] = Status::NotFound("node unavailable (fail-open)");
+    }
+  }
   return results;
 }
 
@@ -536,8 +650,11 @@ std::vector<Result<uint64_t>> Client::MultiPut(const std::vector<PutItem>& items
   Impl* I = impl_.get();
   std::vector<Result<uint64_t>> results(items.size(), Status::Aborted("not sent"));
   if (items.empty()) return results;
+  // Every replica of every item: one message per node.
   std::vector<std::vector<size_t>> by_node(I->cluster.nodes.size());
-  for (size_t i = 0; i < items.size(); ++i) by_node[I->ring->NodeFor(items[i].key)].push_back(i);
+  for (size_t i = 0; i < items.size(); ++i) {
+    for (int n : I->ring->NodesFor(items[i].key, I->options.replicas)) by_node[n].push_back(i);
+  }
   // Each node's message: metadata block, then the values (gathered here, in the caller).
   std::vector<std::shared_ptr<std::string>> payloads(by_node.size());
   for (size_t n = 0; n < by_node.size(); ++n) {
@@ -581,6 +698,7 @@ std::vector<Result<uint64_t>> Client::MultiPut(const std::vector<PutItem>& items
             }
             for (size_t j = 0; j < idx->size(); ++j) {
               Result<uint64_t>& out = results[(*idx)[j]];
+              if (out.ok()) continue;  // another replica stored it already
               if (!s.ok()) out = s;
               else if (res[j].code != StatusCode::kOk) out = Status(res[j].code, "batch put failed");
               else out = res[j].version;

@@ -33,7 +33,16 @@ namespace gkv {
 struct ClientOptions {
   std::string cluster_file;  // or fill `cluster` directly
   ClusterConfig cluster;      // its `secret`, when set, is presented on every connection
+  // Deadline of a call that does not give its own. Long enough for a 64 MiB value on a loaded
+  // loopback; training jobs that would rather fall back to their own loader use less.
   std::chrono::milliseconds default_timeout{2000};
+  // Base replication: every put (and delete) goes to the key's first `replicas` distinct nodes
+  // on the ring; reads go to the first live one of them. 1 = no copies.
+  int replicas = 1;
+  // After a node fails, calls to it fail fast with Unavailable for a backoff period (doubling
+  // from the initial value to the maximum while it stays down), then the client reconnects.
+  std::chrono::milliseconds reconnect_backoff_initial{50};
+  std::chrono::milliseconds reconnect_backoff_max{2000};
 };
 
 // Where a buffer lives. kAuto asks the CUDA runtime (host when no GPU is usable).
@@ -49,6 +58,9 @@ struct PutOptions {
 struct GetOptions {
   std::chrono::milliseconds timeout{0};
   BufferMemory memory = BufferMemory::kAuto;  // of GetInto's destination
+  // Fail open: when no node holding the key answers (Unavailable or Timeout), report a miss
+  // (NotFound) instead, so a training step falls back to its own loader.
+  bool fail_open = false;
 };
 
 // What the server knows about a stored object.

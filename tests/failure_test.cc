@@ -1,0 +1,342 @@
+// Failures, restarts and bad input against real gkv-server processes: deadlines, fail-open,
+// failover to replicas, warm restart after SIGKILL, malformed messages from a raw UCX client,
+// overload, and a fault-injection run under load.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <future>
+#include <iostream>
+#include <map>
+#include <regex>
+#include <thread>
+
+#include "cluster_harness.h"
+#include "gkv/hash.h"
+#include "gkv/random.h"
+#include "gkv/transport/protocol.h"
+#include "gkv/transport/ucx_transport.h"
+
+namespace gkv {
+namespace {
+
+using testing::Cluster;
+using testing::NodeSpec;
+using Clock = std::chrono::steady_clock;
+
+std::string KeyOn(Client& c, int node, int salt = 0) {
+  for (int i = 0;; ++i) {
+    std::string k = "key-" + std::to_string(salt) + "-" + std::to_string(i);
+    if (c.NodeFor(k) == node) return k;
+  }
+}
+
+TEST(FailureTest, FailOpenTurnsADeadNodeIntoAMiss) {
+  Cluster cluster(3);
+  auto client = cluster.NewClient(std::chrono::milliseconds(300));
+  ASSERT_TRUE(client);
+  std::string k = KeyOn(*client, 2);
+  ASSERT_TRUE(client->Put(k, "v", 1).ok());
+  cluster.StopNode(2, SIGKILL);
+  auto t0 = Clock::now();
+  auto strict = client->Get(k);
+  EXPECT_TRUE(strict.status().code() == StatusCode::kUnavailable ||
+              strict.status().code() == StatusCode::kTimeout)
+      << strict.status().ToString();
+  GetOptions open;
+  open.fail_open = true;
+  auto lenient = client->Get(k, open);
+  EXPECT_EQ(lenient.status().code(), StatusCode::kNotFound) << lenient.status().ToString();
+  EXPECT_LT(Clock::now() - t0, std::chrono::seconds(2));
+  // Down nodes fail fast during the backoff instead of waiting out a deadline.
+  auto t1 = Clock::now();
+  EXPECT_FALSE(client->Get(k).ok());
+  EXPECT_LT(Clock::now() - t1, std::chrono::milliseconds(100));
+}
+
+TEST(FailureTest, ReplicatedKeysStayReadableWhenTheirPrimaryDies) {
+  Cluster cluster(3);
+  ClientOptions o;
+  o.cluster_file = cluster.cluster_file();
+  o.replicas = 2;
+  o.default_timeout = std::chrono::milliseconds(500);
+  auto client = Client::Open(o);
+  ASSERT_TRUE(client.ok());
+  Client& c = **client;
+  std::string k = KeyOn(c, 0);
+  ASSERT_TRUE(c.Put(k, "replicated", 10).ok());
+  // Both replicas hold it.
+  auto nodes = HashRing(c.cluster().nodes).NodesFor(k, 2);
+  ASSERT_EQ(nodes[0], 0);
+  cluster.StopNode(0, SIGKILL);
+  auto got = c.Get(k);
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  EXPECT_EQ(got->view(), "replicated");
+  auto many = c.MultiGet({k});
+  ASSERT_TRUE(many[0].ok()) << many[0].status().ToString();
+  EXPECT_EQ(many[0]->view(), "replicated");
+  // Writes still land on the live replica; delete reaches it too.
+  ASSERT_TRUE(c.Put(k, "newer", 5).ok());
+  EXPECT_EQ(c.Get(k)->view(), "newer");
+  ASSERT_TRUE(c.Delete(k).ok());
+  EXPECT_EQ(c.Get(k).status().code(), StatusCode::kNotFound);
+}
+
+TEST(FailureTest, DurablePutsSurviveSigkillAndAWarmRestart) {
+  Cluster cluster(1);
+  Random rng(testing::TestSeed());
+  std::map<std::string, std::string> written;
+  {
+    auto client = cluster.NewClient();
+    ASSERT_TRUE(client);
+    PutOptions durable;
+    durable.durable = true;
+    for (int i = 0; i < 40; ++i) {
+      std::string v(rng.Uniform(1, 300000), '\0');
+      rng.Fill(v.data(), v.size());
+      std::string key = "durable/" + std::to_string(i);
+      ASSERT_TRUE(client->Put(key, v.data(), v.size(), durable).ok());
+      written[key] = v;
+    }
+  }
+  EXPECT_EQ(cluster.StopNode(0, SIGKILL), -SIGKILL);
+  cluster.StartNode(0);
+  cluster.WaitReady();
+  auto client = cluster.NewClient();
+  for (auto& [key, value] : written) {
+    auto got = client->Get(key);
+    ASSERT_TRUE(got.ok()) << key << ": " << got.status().ToString();
+    EXPECT_TRUE(got->view() == value) << key;
+  }
+  EXPECT_NE(cluster.ReadLog(0).find("40 objects"), std::string::npos) << cluster.ReadLog(0);
+}
+
+// Sends raw messages with a bare UcxTransport, as a broken or hostile client would.
+TEST(FailureTest, MalformedMessagesGetErrorsAndTheNodeKeepsServing) {
+  Cluster cluster(1);
+  auto client = cluster.NewClient();
+  ASSERT_TRUE(client);
+  ASSERT_TRUE(client->Put("survivor", "alive", 5).ok());
+
+  std::atomic<int> replies{0}, protocol_errors{0}, invalid{0};
+  UcxTransport::Handlers h;
+  std::unique_ptr<UcxTransport> raw;
+  h.on_message = [&](std::unique_ptr<Incoming> m) {
+    wire::Header hd;
+    std::string_view body;
+    wire::ReplyStatus rs;
+    if (wire::DecodeMessage(m->header().data(), m->header().size(), &hd, &body).ok() &&
+        wire::DecodeStatusReply(body.substr(0, body.size()), &rs).ok() == false) {
+      // Object/put replies carry more than a status; read just the code.
+      rs.code = body.empty() ? StatusCode::kOk : static_cast<StatusCode>(body[0]);
+    }
+    if (rs.code == StatusCode::kProtocolError) protocol_errors++;
+    if (rs.code == StatusCode::kInvalidArgument) invalid++;
+    replies++;
+  };
+  auto t = UcxTransport::Create({}, std::move(h));
+  ASSERT_TRUE(t.ok());
+  raw = std::move(*t);
+  auto cluster_cfg = *LoadClusterFile(cluster.cluster_file());
+  const uint16_t port = cluster_cfg.nodes[0].port;
+
+  auto header = [](wire::Opcode op, std::string body, uint64_t id) {
+    return wire::EncodeMessage({op, 0, id}, body);
+  };
+  std::vector<std::pair<std::string, std::string>> msgs;  // header, payload
+  std::string good_put = wire::EncodePutRequest({"k", {}, 10});
+  msgs.push_back({"short", ""});                                                  // truncated header
+  std::string bad_magic = header(wire::Opcode::kGet, wire::EncodeKeyRequest("a"), 2);
+  bad_magic[0] = 'X';
+  msgs.push_back({bad_magic, ""});
+  std::string bad_version = header(wire::Opcode::kGet, wire::EncodeKeyRequest("a"), 3);
+  bad_version[4] = 9;
+  msgs.push_back({bad_version, ""});
+  std::string bad_len = header(wire::Opcode::kGet, wire::EncodeKeyRequest("a"), 4);
+  bad_len[16] = 100;
+  msgs.push_back({bad_len, ""});
+  std::string bad_op = header(wire::Opcode::kGet, "", 5);
+  bad_op[5] = 77;
+  msgs.push_back({bad_op, ""});
+  msgs.push_back({header(wire::Opcode::kPut, good_put, 6), std::string(3, 'x')});  // size lies
+  msgs.push_back({header(wire::Opcode::kPut, good_put.substr(0, 5), 7), ""});     // cut body
+  msgs.push_back({header(wire::Opcode::kGet, wire::EncodeKeyRequest(std::string(5000, 'k')), 8),
+                  ""});                                                             // key too long
+  msgs.push_back({header(wire::Opcode::kMultiGet, "", 9), std::string("\xff\xff\xff\x0f", 4)});
+  msgs.push_back({header(wire::Opcode::kMultiPut, "", 10), std::string(64, '\x07')});
+  std::promise<void> sent;
+  raw->Post([&] {
+    auto conn = raw->Connect("127.0.0.1", port);
+    ASSERT_TRUE(conn.ok());
+    for (auto& [hd, payload] : msgs) {
+      auto keep = std::make_shared<std::string>(payload);
+      raw->Send(*conn, wire::kAmRequest, hd, keep->data(), keep->size(), MemoryKind::kHost,
+                [keep](Status) {});
+    }
+    // A reply-type message to a server is ignored, not answered.
+    raw->Send(*conn, wire::kAmReply, header(wire::Opcode::kPing, "", 11), nullptr, 0,
+              MemoryKind::kHost, [](Status) {});
+    sent.set_value();
+  });
+  sent.get_future().wait();
+  for (int i = 0; i < 300 && replies.load() < static_cast<int>(msgs.size()); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(replies.load(), static_cast<int>(msgs.size())) << "every bad request gets a reply";
+  EXPECT_GE(protocol_errors.load() + invalid.load(), static_cast<int>(msgs.size()) - 1);
+  raw.reset();
+  // The node goes on serving everyone else.
+  EXPECT_EQ(client->Get("survivor")->view(), "alive");
+  std::string stats = *client->NodeStats(0);
+  auto at = stats.find("\"protocol_errors\":");
+  ASSERT_NE(at, std::string::npos);
+  EXPECT_GE(std::stoi(stats.substr(at + 18)), 5);
+}
+
+TEST(FailureTest, OverloadStaysWithinCapacityWithClearErrors) {
+  NodeSpec spec;
+  spec.host_mem = "8MiB";
+  spec.disk = false;
+  Cluster cluster(1, spec);
+  auto client = cluster.NewClient(std::chrono::seconds(10));
+  ASSERT_TRUE(client);
+  std::string v(1 << 20, 'o');
+  int ok = 0, no_space = 0, other = 0;
+  for (int i = 0; i < 64; ++i) {
+    auto r = client->Put("big/" + std::to_string(i), v.data(), v.size());
+    if (r.ok()) ok++;
+    else if (r.status().code() == StatusCode::kNoSpace) no_space++;
+    else other++;
+  }
+  EXPECT_EQ(other, 0);
+  EXPECT_EQ(ok + no_space, 64);
+  std::string stats = *client->NodeStats(0);
+  std::smatch m;
+  std::regex host_re(R"re("host":\{"enabled":true,"capacity_bytes":(\d+),"used_bytes":(\d+))re");
+  ASSERT_TRUE(std::regex_search(stats, m, host_re)) << stats;
+  EXPECT_LE(std::stoull(m[2]), std::stoull(m[1]));
+  // Too big for the node at all: a clear refusal.
+  std::string huge(16 << 20, 'h');
+  auto r = client->Put("huge", huge.data(), huge.size());
+  EXPECT_EQ(r.status().code(), StatusCode::kNoSpace);
+  EXPECT_TRUE(client->Put("after", "fine", 4).ok());
+}
+
+// Value bytes derived from (key, sequence) so any read can be checked.
+std::string MakeValue(const std::string& key, uint64_t seq, size_t size) {
+  std::string v(size, '\0');
+  Random r(HashKey(key) ^ (seq * 0x9e3779b97f4a7c15ULL));
+  r.Fill(v.data(), size);
+  std::memcpy(v.data(), &seq, 8);
+  return v;
+}
+
+TEST(FailureTest, FaultInjectionKillAndRestartUnderLoad) {
+  Cluster cluster(3);
+  ClientOptions o;
+  o.cluster_file = cluster.cluster_file();
+  o.default_timeout = std::chrono::milliseconds(300);
+  auto opened = Client::Open(o);
+  ASSERT_TRUE(opened.ok());
+  Client& c = **opened;
+  const int kKeys = 300;
+  std::vector<std::string> keys;
+  std::vector<std::atomic<uint64_t>> acked(kKeys), next_seq(kKeys);
+  PutOptions durable;
+  durable.durable = true;
+  for (int i = 0; i < kKeys; ++i) {
+    keys.push_back("fi/" + std::to_string(i));
+    std::string v = MakeValue(keys[i], 1, 2048);
+    ASSERT_TRUE(c.Put(keys[i], v.data(), v.size(), durable).ok());
+    acked[i] = 1;
+    next_seq[i] = 2;
+  }
+  std::atomic<bool> stop{false};
+  std::atomic<uint64_t> ops{0}, errors{0}, wrong{0}, node1_errors{0};
+  std::atomic<int64_t> restart_at_ns{0}, recovered_at_ns{0};
+  const auto t0 = Clock::now();
+  auto since = [&] { return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count(); };
+  std::vector<std::thread> load;
+  for (int t = 0; t < 2; ++t) {
+    load.emplace_back([&, t] {
+      Random rng(testing::TestSeed() + t);
+      while (!stop) {
+        int i = static_cast<int>(rng.Uniform(0, kKeys - 1));
+        const bool on1 = c.NodeFor(keys[i]) == 1;
+        bool ok;
+        if (rng.Uniform(0, 1) == 0) {
+          uint64_t floor = acked[i].load();
+          auto r = c.Get(keys[i]);
+          ok = r.ok();
+          if (ok) {
+            uint64_t seq;
+            std::memcpy(&seq, r->data(), 8);
+            if (seq < floor || r->view() != MakeValue(keys[i], seq, r->size())) wrong++;
+          }
+        } else {
+          uint64_t seq = next_seq[i].fetch_add(1);
+          std::string v = MakeValue(keys[i], seq, 2048);
+          ok = c.Put(keys[i], v.data(), v.size(), durable).ok();
+          if (ok) {
+            uint64_t cur = acked[i].load();
+            while (seq > cur && !acked[i].compare_exchange_weak(cur, seq)) {
+            }
+          }
+        }
+        ops++;
+        if (!ok) {
+          errors++;
+          if (on1) node1_errors++;
+        } else if (on1 && restart_at_ns.load() && !recovered_at_ns.load()) {
+          int64_t zero = 0;
+          recovered_at_ns.compare_exchange_strong(zero, since());
+        }
+      }
+    });
+  }
+  std::this_thread::sleep_for(std::chrono::seconds(1));
+  const uint64_t ops_before_kill = ops.load();
+  cluster.StopNode(1, SIGKILL);
+  const auto killed_at = Clock::now();
+  std::this_thread::sleep_for(std::chrono::seconds(1));
+  cluster.StartNode(1);
+  restart_at_ns = since();
+  std::this_thread::sleep_for(std::chrono::seconds(2));
+  stop = true;
+  for (auto& th : load) th.join();
+
+  // Full service afterwards: every key readable, never older than its last acknowledged write.
+  int readable = 0;
+  for (int i = 0; i < kKeys; ++i) {
+    auto r = c.Get(keys[i]);
+    if (!r.ok()) continue;
+    uint64_t seq;
+    std::memcpy(&seq, r->data(), 8);
+    EXPECT_GE(seq, acked[i].load()) << keys[i] << ": an acknowledged durable write was lost";
+    EXPECT_TRUE(r->view() == MakeValue(keys[i], seq, r->size())) << keys[i];
+    readable++;
+  }
+  std::smatch m;
+  std::string log = cluster.ReadLog(1);
+  std::regex rec_re(R"(disk tier at .*: (\d+) objects)");
+  const std::string recovered = std::regex_search(log, m, rec_re) ? m[1].str() : "?";
+  const double recover_ms =
+      recovered_at_ns.load() ? (recovered_at_ns.load() - restart_at_ns.load()) / 1e6 : -1;
+  std::cout << "fault injection: ops " << ops.load() << " (before the kill " << ops_before_kill
+            << "), errors " << errors.load() << " (on node 1's keys " << node1_errors.load()
+            << "), wrong values " << wrong.load() << ", first success on node 1 "
+            << recover_ms << " ms after its restart, objects recovered by the warm restart "
+            << recovered << ", keys readable after " << readable << "/" << kKeys << "\n";
+  RecordProperty("errors", std::to_string(errors.load()));
+  RecordProperty("recover_ms", std::to_string(recover_ms));
+  (void)killed_at;
+  EXPECT_EQ(wrong.load(), 0u);
+  // Keys on the live nodes keep working; on a loaded 2-core machine an occasional durable write
+  // can still miss the 300 ms deadline, so allow a sliver of those.
+  const uint64_t other_errors = errors.load() - node1_errors.load();
+  EXPECT_LE(other_errors, std::max<uint64_t>(5, ops.load() / 100)) << "live nodes failed requests";
+  EXPECT_GT(recovered_at_ns.load(), 0) << "node 1 never served again after its restart";
+  EXPECT_EQ(readable, kKeys);
+}
+
+}  // namespace
+}  // namespace gkv
