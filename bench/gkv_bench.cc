@@ -505,7 +505,7 @@ class Bench {
           Status ps = peer->Set(key, value);
           if (!ps.ok()) r = ps;
         } else if (device_buf) {
-          CudaCopySync(device_buf, value.data(), value.size());
+          if (!CudaCopySync(device_buf, value.data(), value.size()).ok()) error = "cuda_copy";
           PutOptions po;
           po.memory = BufferMemory::kDevice;
           r = gkv_client->Put(key, device_buf, value.size(), po);
@@ -543,7 +543,7 @@ class Bench {
             hits = 1;
             if (c_.validate) {
               buf.resize(info->size);
-              CudaCopySync(buf.data(), device_buf, info->size);
+              if (!CudaCopySync(buf.data(), device_buf, info->size).ok()) bad = 1;
               uint64_t seq = CheckValue(buf.data(), buf.size(), HashKey(key));
               if (seq == ~0ULL || seq < floor_seq) bad = 1;
             }

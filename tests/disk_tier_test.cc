@@ -95,7 +95,9 @@ TEST(DiskTierTest, ReopenListsEveryKeyWithMetadata) {
   ASSERT_TRUE(tier->ForEach([&](std::string_view key, const StoredObjectMeta& m) {
     auto it = written.find(std::string(key));
     EXPECT_NE(it, written.end());
-    if (it != written.end()) EXPECT_EQ(m.size, it->second.size());
+    if (it != written.end()) {
+      EXPECT_EQ(m.size, it->second.size());
+    }
     listed++;
     return true;
   }).ok());

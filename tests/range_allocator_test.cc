@@ -81,7 +81,9 @@ TEST(RangeAllocatorTest, RandomWorkloadKeepsInvariants) {
       ASSERT_GE(rs, size);
       ASSERT_LE(*off + rs, cap);
       auto next = live.lower_bound(*off);
-      if (next != live.end()) ASSERT_LE(*off + rs, next->first);
+      if (next != live.end()) {
+        ASSERT_LE(*off + rs, next->first);
+      }
       if (next != live.begin()) {
         auto prev = std::prev(next);
         ASSERT_LE(prev->first + prev->second, *off);
