@@ -18,9 +18,9 @@
 #include "gkv/client.h"
 #include "gkv/cuda.h"
 #include "gkv/hash.h"
+#include "gkv/histogram.h"
 #include "gkv/random.h"
 #include "gkv/size.h"
-#include "gkv/histogram.h"
 #include "peer_clients.h"
 
 namespace gkv::bench {
@@ -36,7 +36,7 @@ struct Config {
   std::string cluster_file;
   std::string protocol = "gkv";  // gkv | redis | memcached
   std::string server;            // host:port of a redis or memcached server
-  std::string workload;  // preset name or ""
+  std::string workload;          // preset name or ""
   int threads = 2;
   int connections = 1;
   double duration = 10;
@@ -119,8 +119,10 @@ class KeyChooser {
   }
   uint64_t Next(Random& rng, uint64_t& cursor, std::vector<uint64_t>& epoch) const {
     switch (c_.dist) {
-      case KeyDist::kUniform: return rng.Uniform(0, c_.keys - 1);
-      case KeyDist::kSequential: return cursor++ % c_.keys;
+      case KeyDist::kUniform:
+        return rng.Uniform(0, c_.keys - 1);
+      case KeyDist::kSequential:
+        return cursor++ % c_.keys;
       case KeyDist::kShuffle:
         // Epochs: each worker reads a fresh permutation of every key, as a data loader does.
         if (cursor % c_.keys == 0 || epoch.empty()) {
@@ -297,7 +299,8 @@ class Bench {
       }
     }
     if (c_.cuda && !ProbeCuda().usable) {
-      std::fprintf(stderr, "gkv-bench: --memory cuda needs a GPU: %s\n", ProbeCuda().reason.c_str());
+      std::fprintf(stderr, "gkv-bench: --memory cuda needs a GPU: %s\n",
+                   ProbeCuda().reason.c_str());
       return 2;
     }
     if (c_.load && c_.ratio_get > 0) Load();
@@ -358,8 +361,10 @@ class Bench {
             v.resize(ValueSize(r));
             uint64_t seq = key_state_[k].next_seq.fetch_add(1) + 1;
             FillValue(v.data(), v.size(), HashKey(key), seq);
-            if (peers_[t]->Set(key, v).ok()) AckSeq(k, seq);
-            else failed++;
+            if (peers_[t]->Set(key, v).ok())
+              AckSeq(k, seq);
+            else
+              failed++;
           }
         });
       }
@@ -569,8 +574,9 @@ class Bench {
           }
         }
       } else {
-        int n = c_.batch_min == c_.batch_max ? c_.batch_min
-                                             : static_cast<int>(rng.Uniform(c_.batch_min, c_.batch_max));
+        int n = c_.batch_min == c_.batch_max
+                    ? c_.batch_min
+                    : static_cast<int>(rng.Uniform(c_.batch_min, c_.batch_max));
         std::vector<std::string> keys;
         std::vector<uint64_t> ids, floors;
         for (int i = 0; i < n; ++i) {
@@ -651,7 +657,8 @@ class Bench {
 
   void Report(const Stats& s, const std::array<uint64_t, 3>& tier_hits) {
     const double secs = std::max(
-        1e-9, std::chrono::duration<double>(Clock::now() - std::max(measure_from_, start_)).count());
+        1e-9,
+        std::chrono::duration<double>(Clock::now() - std::max(measure_from_, start_)).count());
     uint64_t ops = 0, errs = 0;
     for (int i = 0; i < kOpCount; ++i) ops += s.ops[i];
     for (auto& [k, v] : s.errors) errs += v;
@@ -681,11 +688,11 @@ class Bench {
     std::ofstream f(c_.json_file);
     f << "{\n  \"workload\": \"" << (c_.workload.empty() ? "custom" : c_.workload) << "\",\n";
     f << "  \"duration_s\": " << secs << ",\n  \"ops\": " << ops << ",\n";
-    f << "  \"ops_per_s\": " << ops / secs << ",\n  \"keys_per_s\": "
-      << (s.hits + s.misses + s.ops[kPut]) / secs << ",\n  \"gb_per_s\": " << s.bytes / secs / 1e9
-      << ",\n";
-    f << "  \"bytes\": " << s.bytes << ",\n  \"hits\": " << s.hits << ",\n  \"misses\": " << s.misses
-      << ",\n";
+    f << "  \"ops_per_s\": " << ops / secs
+      << ",\n  \"keys_per_s\": " << (s.hits + s.misses + s.ops[kPut]) / secs
+      << ",\n  \"gb_per_s\": " << s.bytes / secs / 1e9 << ",\n";
+    f << "  \"bytes\": " << s.bytes << ",\n  \"hits\": " << s.hits
+      << ",\n  \"misses\": " << s.misses << ",\n";
     f << "  \"tier_hits\": {\"gpu\": " << tier_hits[0] << ", \"host\": " << tier_hits[1]
       << ", \"disk\": " << tier_hits[2] << "},\n";
     f << "  \"errors\": {";
@@ -736,7 +743,8 @@ int main(int argc, char** argv) {
   auto* o_warm = app.add_option("--warmup", c.warmup, "warm-up seconds, not measured");
   auto* o_ratio = app.add_option("--ratio", ratio, "GET:PUT");
   auto* o_keys = app.add_option("--keys", c.keys, "number of distinct keys");
-  auto* o_dist = app.add_option("--key-dist", key_dist, "uniform | zipf:THETA | sequential | shuffle");
+  auto* o_dist =
+      app.add_option("--key-dist", key_dist, "uniform | zipf:THETA | sequential | shuffle");
   auto* o_size = app.add_option("--value-size", value_size, "SIZE or MIN-MAX");
   auto* o_batch = app.add_option("--batch", batch_range, "N or MIN-MAX: gets sent as MultiGet");
   app.add_option("--memory", memory, "host | cuda: where the client's buffers live");
@@ -803,9 +811,12 @@ int main(int argc, char** argv) {
     c.batch_max = static_cast<int>(hi);
   }
   (void)batch;
-  if (key_dist == "uniform") c.dist = KeyDist::kUniform;
-  else if (key_dist == "sequential") c.dist = KeyDist::kSequential;
-  else if (key_dist == "shuffle") c.dist = KeyDist::kShuffle;
+  if (key_dist == "uniform")
+    c.dist = KeyDist::kUniform;
+  else if (key_dist == "sequential")
+    c.dist = KeyDist::kSequential;
+  else if (key_dist == "shuffle")
+    c.dist = KeyDist::kShuffle;
   else if (key_dist.rfind("zipf:", 0) == 0) {
     c.dist = KeyDist::kZipf;
     c.zipf_theta = std::atof(key_dist.c_str() + 5);
@@ -822,8 +833,9 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (c.protocol != "gkv" && (c.batch_max > 1 || memory != "host" || c.server.empty())) {
-    std::fprintf(stderr, "gkv-bench: redis/memcached need --server and support neither"
-                         " --batch nor --memory cuda\n");
+    std::fprintf(stderr,
+                 "gkv-bench: redis/memcached need --server and support neither"
+                 " --batch nor --memory cuda\n");
     return 2;
   }
   if (memory != "host" && memory != "cuda") {
@@ -835,15 +847,15 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "gkv-bench: --keys, --threads and --connections must be positive\n");
     return 2;
   }
-  std::printf("gkv-bench: %s | workload %s | threads %d x connections %d | %s %.0f s (+%.0f s warm-up)"
-              " | ratio %d:%d | keys %llu %s | value %s | batch %d-%d | memory %s | rate %s |"
-              " validate %s | seed %llu\n",
-              c.protocol.c_str(), c.workload.empty() ? "custom" : c.workload.c_str(), c.threads,
-              c.connections,
-              c.requests ? "requests" : "duration", c.requests ? double(c.requests) : c.duration,
-              c.warmup, c.ratio_get, c.ratio_put, (unsigned long long)c.keys, key_dist.c_str(),
-              value_size.c_str(), c.batch_min, c.batch_max, memory.c_str(),
-              c.rate > 0 ? std::to_string((long long)c.rate).c_str() : "closed loop",
-              c.validate ? "on" : "off", (unsigned long long)c.seed);
+  std::printf(
+      "gkv-bench: %s | workload %s | threads %d x connections %d | %s %.0f s (+%.0f s warm-up)"
+      " | ratio %d:%d | keys %llu %s | value %s | batch %d-%d | memory %s | rate %s |"
+      " validate %s | seed %llu\n",
+      c.protocol.c_str(), c.workload.empty() ? "custom" : c.workload.c_str(), c.threads,
+      c.connections, c.requests ? "requests" : "duration",
+      c.requests ? double(c.requests) : c.duration, c.warmup, c.ratio_get, c.ratio_put,
+      (unsigned long long)c.keys, key_dist.c_str(), value_size.c_str(), c.batch_min, c.batch_max,
+      memory.c_str(), c.rate > 0 ? std::to_string((long long)c.rate).c_str() : "closed loop",
+      c.validate ? "on" : "off", (unsigned long long)c.seed);
   return Bench(c).Run();
 }

@@ -60,10 +60,9 @@ class PeerConnection {
 
   // Returns the value size (NotFound on a miss). InvalidArgument if it exceeds `capacity`.
   Result<size_t> Get(std::string_view key, char* buf, size_t capacity) {
-    std::string req = p_ == Protocol::kRedis
-                          ? "*2\r\n$3\r\nGET\r\n$" + std::to_string(key.size()) + "\r\n" +
-                                std::string(key) + "\r\n"
-                          : "get " + std::string(key) + "\r\n";
+    std::string req = p_ == Protocol::kRedis ? "*2\r\n$3\r\nGET\r\n$" + std::to_string(key.size()) +
+                                                   "\r\n" + std::string(key) + "\r\n"
+                                             : "get " + std::string(key) + "\r\n";
     GKV_RETURN_IF_ERROR(Write(req.data(), req.size()));
     std::string line;
     GKV_RETURN_IF_ERROR(ReadLine(&line));

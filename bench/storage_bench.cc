@@ -20,8 +20,8 @@
 #include <filesystem>
 
 #include "gkv/cache/tiered_cache.h"
-#include "gkv/random.h"
 #include "gkv/cuda.h"
+#include "gkv/random.h"
 #include "gkv/storage/memory_arena.h"
 #include "gkv/storage/range_allocator.h"
 
@@ -37,9 +37,9 @@ std::string TempPath(const char* name) {
   return p.string();
 }
 
-std::unique_ptr<TieredCache> OpenCache(uint64_t gpu, uint64_t host, const std::string& disk,
-                                       uint64_t disk_cap, bool real_gpu = false,
-                                       std::chrono::milliseconds window = std::chrono::milliseconds(0)) {
+std::unique_ptr<TieredCache> OpenCache(
+    uint64_t gpu, uint64_t host, const std::string& disk, uint64_t disk_cap, bool real_gpu = false,
+    std::chrono::milliseconds window = std::chrono::milliseconds(0)) {
   CacheOptions o;
   o.gpu_capacity = gpu;
   o.gpu_tier_in_host_memory = !real_gpu;
@@ -272,8 +272,8 @@ void BM_GpuSpillToHost(benchmark::State& state) {
 
 void BM_GpuPromoteFromHost(benchmark::State& state) {
   const uint64_t size = state.range(0);
-  auto c = OpenCache(2 * size + (1 << 20), 64 * size, "", 0, true,
-                     std::chrono::milliseconds(3'600'000));
+  auto c =
+      OpenCache(2 * size + (1 << 20), 64 * size, "", 0, true, std::chrono::milliseconds(3'600'000));
   std::string v(size, 'g'), out(size, '\0');
   const int n = 32;
   for (int i = 0; i < n; ++i) (void)c->Put("k" + std::to_string(i), v.data(), size);

@@ -73,9 +73,9 @@ class Cluster {
   int size() const { return static_cast<int>(pids_.size()); }
 
   void StartNode(int i) {
-    std::vector<std::string> args = {GKV_SERVER_BIN, "--cluster", cluster_file_, "--node",
-                                      "n" + std::to_string(i), "--host-mem", spec_.host_mem,
-                                      "--threads", "2"};
+    std::vector<std::string> args = {
+        GKV_SERVER_BIN, "--cluster",    cluster_file_, "--node", "n" + std::to_string(i),
+        "--host-mem",   spec_.host_mem, "--threads",   "2"};
     if (spec_.disk) {
       args.insert(args.end(), {"--disk", disk_dir(i), "--disk-capacity", spec_.disk_capacity});
     }

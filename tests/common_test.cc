@@ -204,8 +204,10 @@ TEST(HashRingTest, RemovingANodeMovesOnlyItsKeys) {
     std::string key = "k" + std::to_string(i);
     const std::string& was = nodes[before.NodeFor(key)].id;
     const std::string& now = fewer[after.NodeFor(key)].id;
-    if (was == "n2") moved_from_removed++;
-    else if (was != now) moved_from_others++;
+    if (was == "n2")
+      moved_from_removed++;
+    else if (was != now)
+      moved_from_others++;
   }
   EXPECT_EQ(moved_from_others, 0);
   EXPECT_GT(moved_from_removed, 0);

@@ -44,8 +44,9 @@ TEST(DiskTierTest, OldestObjectsGoPastCapacity) {
   std::string v(1000, 'x');
   for (int i = 0; i < 10; ++i) {
     std::vector<DiskEviction> ev;
-    ASSERT_TRUE(tier->Put("k" + std::to_string(i), {v.size(), uint64_t(i + 1), {}}, v.data(),
-                          false, &ev).ok());
+    ASSERT_TRUE(
+        tier->Put("k" + std::to_string(i), {v.size(), uint64_t(i + 1), {}}, v.data(), false, &ev)
+            .ok());
     EXPECT_TRUE(ev.empty());
   }
   std::vector<DiskEviction> ev;
@@ -84,8 +85,9 @@ TEST(DiskTierTest, ReopenListsEveryKeyWithMetadata) {
     for (int i = 0; i < 50; ++i) {
       auto bytes = rng.Bytes(rng.Uniform(0, 200000));
       std::string key = "shard/" + std::to_string(i);
-      ASSERT_TRUE(tier->Put(key, {bytes.size(), uint64_t(100 + i), {}}, bytes.data(), i % 2 == 0,
-                            nullptr).ok());
+      ASSERT_TRUE(
+          tier->Put(key, {bytes.size(), uint64_t(100 + i), {}}, bytes.data(), i % 2 == 0, nullptr)
+              .ok());
       written[key] = std::move(bytes);
     }
   }
@@ -93,14 +95,15 @@ TEST(DiskTierTest, ReopenListsEveryKeyWithMetadata) {
   ASSERT_TRUE(tier);
   size_t listed = 0;
   ASSERT_TRUE(tier->ForEach([&](std::string_view key, const StoredObjectMeta& m) {
-    auto it = written.find(std::string(key));
-    EXPECT_NE(it, written.end());
-    if (it != written.end()) {
-      EXPECT_EQ(m.size, it->second.size());
-    }
-    listed++;
-    return true;
-  }).ok());
+                    auto it = written.find(std::string(key));
+                    EXPECT_NE(it, written.end());
+                    if (it != written.end()) {
+                      EXPECT_EQ(m.size, it->second.size());
+                    }
+                    listed++;
+                    return true;
+                  })
+                  .ok());
   EXPECT_EQ(listed, written.size());
   EXPECT_EQ(tier->object_count(), written.size());
   for (auto& [key, bytes] : written) {

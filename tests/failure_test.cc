@@ -144,7 +144,7 @@ TEST(FailureTest, MalformedMessagesGetErrorsAndTheNodeKeepsServing) {
   };
   std::vector<std::pair<std::string, std::string>> msgs;  // header, payload
   std::string good_put = wire::EncodePutRequest({"k", {}, 10});
-  msgs.push_back({"short", ""});                                                  // truncated header
+  msgs.push_back({"short", ""});  // truncated header
   std::string bad_magic = header(wire::Opcode::kGet, wire::EncodeKeyRequest("a"), 2);
   bad_magic[0] = 'X';
   msgs.push_back({bad_magic, ""});
@@ -158,9 +158,9 @@ TEST(FailureTest, MalformedMessagesGetErrorsAndTheNodeKeepsServing) {
   bad_op[5] = 77;
   msgs.push_back({bad_op, ""});
   msgs.push_back({header(wire::Opcode::kPut, good_put, 6), std::string(3, 'x')});  // size lies
-  msgs.push_back({header(wire::Opcode::kPut, good_put.substr(0, 5), 7), ""});     // cut body
+  msgs.push_back({header(wire::Opcode::kPut, good_put.substr(0, 5), 7), ""});      // cut body
   msgs.push_back({header(wire::Opcode::kGet, wire::EncodeKeyRequest(std::string(5000, 'k')), 8),
-                  ""});                                                             // key too long
+                  ""});  // key too long
   msgs.push_back({header(wire::Opcode::kMultiGet, "", 9), std::string("\xff\xff\xff\x0f", 4)});
   msgs.push_back({header(wire::Opcode::kMultiPut, "", 10), std::string(64, '\x07')});
   std::promise<void> sent;
@@ -203,9 +203,12 @@ TEST(FailureTest, OverloadStaysWithinCapacityWithClearErrors) {
   int ok = 0, no_space = 0, other = 0;
   for (int i = 0; i < 64; ++i) {
     auto r = client->Put("big/" + std::to_string(i), v.data(), v.size());
-    if (r.ok()) ok++;
-    else if (r.status().code() == StatusCode::kNoSpace) no_space++;
-    else other++;
+    if (r.ok())
+      ok++;
+    else if (r.status().code() == StatusCode::kNoSpace)
+      no_space++;
+    else
+      other++;
   }
   EXPECT_EQ(other, 0);
   EXPECT_EQ(ok + no_space, 64);
@@ -255,7 +258,9 @@ TEST(FailureTest, FaultInjectionKillAndRestartUnderLoad) {
   std::atomic<uint64_t> ops{0}, errors{0}, wrong{0}, node1_errors{0};
   std::atomic<int64_t> restart_at_ns{0}, recovered_at_ns{0};
   const auto t0 = Clock::now();
-  auto since = [&] { return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count(); };
+  auto since = [&] {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
+  };
   std::vector<std::thread> load;
   for (int t = 0; t < 2; ++t) {
     load.emplace_back([&, t] {
@@ -328,9 +333,9 @@ TEST(FailureTest, FaultInjectionKillAndRestartUnderLoad) {
       recovered_at_ns.load() ? (recovered_at_ns.load() - restart_at_ns.load()) / 1e6 : -1;
   std::cout << "fault injection: ops " << ops.load() << " (before the kill " << ops_before_kill
             << "), errors " << errors.load() << " (on node 1's keys " << node1_errors.load()
-            << "), wrong values " << wrong.load() << ", first success on node 1 "
-            << recover_ms << " ms after its restart, objects recovered by the warm restart "
-            << recovered << ", keys readable after " << readable << "/" << kKeys << "\n";
+            << "), wrong values " << wrong.load() << ", first success on node 1 " << recover_ms
+            << " ms after its restart, objects recovered by the warm restart " << recovered
+            << ", keys readable after " << readable << "/" << kKeys << "\n";
   RecordProperty("errors", std::to_string(errors.load()));
   RecordProperty("recover_ms", std::to_string(recover_ms));
   (void)killed_at;

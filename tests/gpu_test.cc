@@ -3,8 +3,8 @@
 #include <gtest/gtest.h>
 
 #include "gkv/cache/tiered_cache.h"
-#include "gkv/random.h"
 #include "gkv/cuda.h"
+#include "gkv/random.h"
 #include "gkv/storage/memory_arena.h"
 #include "test_util.h"
 
@@ -67,13 +67,13 @@ TEST_F(GpuTest, SpillAndPromotionThroughRealGpuTierKeepBytes) {
   ASSERT_TRUE(dev.ok());
   std::byte* src = (*dev)->Allocate(1 << 20);
   std::byte* dst = (*dev)->Allocate(1 << 20);
-  ASSERT_TRUE((*c)->CopyBytes(src, MemoryKind::kDevice, values[0].data(), MemoryKind::kHost,
-                              1 << 20).ok());
+  ASSERT_TRUE(
+      (*c)->CopyBytes(src, MemoryKind::kDevice, values[0].data(), MemoryKind::kHost, 1 << 20).ok());
   ASSERT_TRUE((*c)->Put("from-device", src, 1 << 20, {}, false, MemoryKind::kDevice).ok());
   ASSERT_TRUE((*c)->GetInto("from-device", dst, 1 << 20, MemoryKind::kDevice).ok());
   std::string back(1 << 20, '\0');
-  ASSERT_TRUE((*c)->CopyBytes(back.data(), MemoryKind::kHost, dst, MemoryKind::kDevice,
-                              1 << 20).ok());
+  ASSERT_TRUE(
+      (*c)->CopyBytes(back.data(), MemoryKind::kHost, dst, MemoryKind::kDevice, 1 << 20).ok());
   EXPECT_EQ(back, values[0]);
 }
 

@@ -71,8 +71,8 @@ TEST(IntegrationTest, ValuesFromZeroBytesTo64MiBRoundTripByteIdentical) {
   auto client = cluster.NewClient(std::chrono::seconds(30));
   ASSERT_TRUE(client);
   Random rng(testing::TestSeed());
-  const std::vector<size_t> sizes = {0,         1,           100,        4096,     8193,
-                                     64 << 10,  (1 << 20) + 3, 16 << 20, 64 << 20};
+  const std::vector<size_t> sizes = {0,        1,       100, 4096, 8193, 64 << 10, (1 << 20) + 3,
+                                     16 << 20, 64 << 20};
   for (size_t size : sizes) {
     std::string key = "blob/" + std::to_string(size);
     std::string value = RandomValue(rng, size);

@@ -127,16 +127,20 @@ TEST(MetricsTest, CountersMoveWithKnownOperations) {
   EXPECT_FALSE(client->Get("absent").ok());
   std::string after = scrape();
   EXPECT_EQ(value(after, R"(gkv_requests_total{node="n0",op="put"})") -
-                value(before, R"(gkv_requests_total{node="n0",op="put"})"), 7);
+                value(before, R"(gkv_requests_total{node="n0",op="put"})"),
+            7);
   EXPECT_EQ(value(after, R"(gkv_requests_total{node="n0",op="get"})") -
-                value(before, R"(gkv_requests_total{node="n0",op="get"})"), 6);
+                value(before, R"(gkv_requests_total{node="n0",op="get"})"),
+            6);
   EXPECT_EQ(value(after, R"(gkv_tier_hits_total{node="n0",tier="host"})") -
-                value(before, R"(gkv_tier_hits_total{node="n0",tier="host"})"), 5);
+                value(before, R"(gkv_tier_hits_total{node="n0",tier="host"})"),
+            5);
   EXPECT_EQ(value(after, R"(gkv_misses_total{node="n0"})"), 1);
   EXPECT_EQ(value(after, R"(gkv_tier_objects{node="n0",tier="host"})"), 7);
   EXPECT_EQ(value(after, R"(gkv_received_bytes_total{node="n0"})"), 28);
   EXPECT_EQ(value(after, R"(gkv_request_duration_seconds_count{node="n0",op="put"})"), 7);
-  EXPECT_EQ(value(after, R"(gkv_request_duration_seconds_bucket{node="n0",op="put",le="+Inf"})"), 7);
+  EXPECT_EQ(value(after, R"(gkv_request_duration_seconds_bucket{node="n0",op="put",le="+Inf"})"),
+            7);
   EXPECT_EQ(value(after, R"(gkv_errors_total{node="n0",code="not_found"})"), 1);
 }
 

@@ -118,7 +118,8 @@ TEST(ProtocolTest, RandomInputNeverCrashesDecoders) {
   for (int i = 0; i < 20000; ++i) {
     std::string m = seeds[i % seeds.size()];
     int flips = static_cast<int>(rng.Uniform(1, 4));
-    for (int f = 0; f < flips && !m.empty(); ++f) m[rng.Uniform(0, m.size() - 1)] = char(rng.Next());
+    for (int f = 0; f < flips && !m.empty(); ++f)
+      m[rng.Uniform(0, m.size() - 1)] = char(rng.Next());
     if (rng.Uniform(0, 3) == 0) m.resize(rng.Uniform(0, m.size()));
     Header h;
     std::string_view body;

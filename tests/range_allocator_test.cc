@@ -43,7 +43,7 @@ TEST(RangeAllocatorTest, FreedNeighboursCoalesce) {
   a.Free(b2);
   EXPECT_EQ(a.free_block_count(), 2u);
   EXPECT_FALSE(a.Allocate(2048).has_value());  // two separate 1 KiB holes
-  a.Free(b1);                                   // joins both neighbours
+  a.Free(b1);                                  // joins both neighbours
   EXPECT_EQ(a.free_block_count(), 1u);
   EXPECT_EQ(a.largest_free_block(), 3072u);
   EXPECT_TRUE(a.Allocate(3072).has_value());

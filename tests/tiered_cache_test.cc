@@ -151,7 +151,8 @@ TEST(TieredCacheTest, PromotionNeedsASecondReadWithinTheWindow) {
   o.promotion_window = std::chrono::milliseconds(0);
   auto c2 = MustOpen(o);
   ASSERT_TRUE(c2);
-  for (int i = 0; i < 5; ++i) ASSERT_TRUE(c2->Put("k" + std::to_string(i), v.data(), v.size()).ok());
+  for (int i = 0; i < 5; ++i)
+    ASSERT_TRUE(c2->Put("k" + std::to_string(i), v.data(), v.size()).ok());
   std::this_thread::sleep_for(std::chrono::milliseconds(2));
   ASSERT_TRUE(c2->Get("k0", &out).ok());
   std::this_thread::sleep_for(std::chrono::milliseconds(2));
@@ -164,8 +165,10 @@ TEST(TieredCacheTest, ScanDoesNotFlushTheHotSet) {
   auto c = MustOpen(SmallOptions(dir.path(), 0, 64 * kKiB, 16 << 20));
   ASSERT_TRUE(c);
   std::string v(16 * kKiB, 's');
-  for (int i = 0; i < 40; ++i) ASSERT_TRUE(c->Put("cold" + std::to_string(i), v.data(), v.size()).ok());
-  for (int i = 0; i < 4; ++i) ASSERT_TRUE(c->Put("hot" + std::to_string(i), v.data(), v.size()).ok());
+  for (int i = 0; i < 40; ++i)
+    ASSERT_TRUE(c->Put("cold" + std::to_string(i), v.data(), v.size()).ok());
+  for (int i = 0; i < 4; ++i)
+    ASSERT_TRUE(c->Put("hot" + std::to_string(i), v.data(), v.size()).ok());
   std::string out;
   for (int i = 0; i < 40; ++i) ASSERT_TRUE(c->Get("cold" + std::to_string(i), &out).ok());
   for (int i = 0; i < 4; ++i) EXPECT_EQ(TierOf(*c, "hot" + std::to_string(i)), Tier::kHost);
@@ -293,7 +296,8 @@ TEST(TieredCacheTest, DurableAndSpilledEntriesSurviveReopen) {
       std::string key = "durable/" + std::to_string(i);
       durable[key] = ValueFor(rng, 10 * kKiB);
       ASSERT_TRUE(c->Put(key, durable[key].data(), durable[key].size(),
-                         TensorMeta{DType::kU8, {10, 1024}}, true).ok());
+                         TensorMeta{DType::kU8, {10, 1024}}, true)
+                      .ok());
     }
     for (int i = 0; i < 20; ++i) {
       std::string key = "plain/" + std::to_string(i);

@@ -34,12 +34,11 @@ struct Echo {
       std::string header = m->header();
       auto buf = std::make_shared<std::string>(m->payload_size(), '\0');
       UcxTransport* tr = t.get();
-      tr->Receive(std::move(m), buf->data(), MemoryKind::kHost,
-                  [tr, conn, header, buf](Status s) {
-                    if (!s.ok()) return;
-                    tr->Send(conn, wire::kAmReply, header, buf->data(), buf->size(),
-                             MemoryKind::kHost, [buf](Status) {});
-                  });
+      tr->Receive(std::move(m), buf->data(), MemoryKind::kHost, [tr, conn, header, buf](Status s) {
+        if (!s.ok()) return;
+        tr->Send(conn, wire::kAmReply, header, buf->data(), buf->size(), MemoryKind::kHost,
+                 [buf](Status) {});
+      });
     };
     auto r = UcxTransport::Create(o, std::move(h));
     EXPECT_TRUE(r.ok()) << r.status().ToString();

@@ -15,9 +15,12 @@ namespace gkv {
 
 std::string_view TierName(Tier tier) {
   switch (tier) {
-    case Tier::kGpu: return "gpu";
-    case Tier::kHost: return "host";
-    case Tier::kDisk: return "disk";
+    case Tier::kGpu:
+      return "gpu";
+    case Tier::kHost:
+      return "host";
+    case Tier::kDisk:
+      return "disk";
   }
   return "unknown";
 }
@@ -39,8 +42,8 @@ struct Entry : std::enable_shared_from_this<Entry> {
   MemoryArena* arena = nullptr;  // memory tiers
   std::byte* data = nullptr;     // memory tiers
   int pins = 0;
-  bool live = true;     // false once deleted, replaced or dropped
-  bool on_disk = false; // the disk tier holds this version
+  bool live = true;      // false once deleted, replaced or dropped
+  bool on_disk = false;  // the disk tier holds this version
   std::list<Entry*>::iterator lru;
   Clock::time_point last_read{};
   uint32_t reads_in_tier = 0;
@@ -81,7 +84,7 @@ struct TieredCache::Impl {
 
   mutable std::mutex mu;  // placement lock
   TierState tiers[kTierCount];
-  CacheStats counters;    // guarded by mu (tiers[] fields filled in GetStats)
+  CacheStats counters;             // guarded by mu (tiers[] fields filled in GetStats)
   std::vector<PendingOp> pending;  // guarded by mu
 
   Shard& ShardFor(std::string_view key) { return *shards[HashKey(key) % shards.size()]; }
@@ -248,8 +251,10 @@ struct TieredCache::Impl {
           return;
         }
         e->on_disk = true;
-        if (e->tier == from && e->pins == 0) Relocate(e, Tier::kDisk, nullptr, nullptr);
-        else if (e->tier == from) Touch(e);
+        if (e->tier == from && e->pins == 0)
+          Relocate(e, Tier::kDisk, nullptr, nullptr);
+        else if (e->tier == from)
+          Touch(e);
         return;
       }
       GKV_LOG_WARN("spill {} -> disk of '{}' failed: {}", TierName(from), key, s.ToString());
@@ -310,7 +315,8 @@ struct TieredCache::Impl {
       if (op.kind == PendingOp::kDeleteStaleDiskCopy) {
         if (disk) {
           Status ds = disk->DeleteIfVersion(op.key, op.version);
-          if (!ds.ok()) GKV_LOG_WARN("deleting a stale disk copy of '{}': {}", op.key, ds.ToString());
+          if (!ds.ok())
+            GKV_LOG_WARN("deleting a stale disk copy of '{}': {}", op.key, ds.ToString());
         }
         continue;
       }
@@ -463,8 +469,8 @@ Result<std::unique_ptr<TieredCache>> TieredCache::Open(const CacheOptions& optio
   // Host tier.
   if (options.host_capacity > 0) {
     TierState& t = impl->tiers[1];
-    GKV_ASSIGN_OR_RETURN(auto arena, MemoryArena::CreateHost(options.host_capacity,
-                                                             options.host_mode));
+    GKV_ASSIGN_OR_RETURN(auto arena,
+                         MemoryArena::CreateHost(options.host_capacity, options.host_mode));
     GKV_LOG_DEBUG("host tier: {} ({})", FormatSize(options.host_capacity),
                   arena->pinned() ? "pinned" : "pageable");
     t.capacity = arena->capacity();
@@ -521,8 +527,9 @@ Result<WriteHandle> TieredCache::Reserve(std::string_view key, uint64_t size,
   }
   GKV_RETURN_IF_ERROR(tensor.Validate(size));
   if (size > max_object_size()) {
-    return Status::NoSpace("object of " + FormatSize(size) + " is larger than every tier (largest " +
-                           FormatSize(max_object_size()) + ")");
+    return Status::NoSpace("object of " + FormatSize(size) +
+                           " is larger than every tier (largest " + FormatSize(max_object_size()) +
+                           ")");
   }
   WriteHandle h;
   h.cache_ = this;
@@ -620,7 +627,8 @@ Result<uint64_t> TieredCache::Commit(WriteHandle h, bool durable) {
   }
   if (superseded && e->on_disk) {
     Status ds = I.disk->DeleteIfVersion(e->key, e->version);
-    if (!ds.ok()) GKV_LOG_WARN("deleting a superseded disk copy of '{}': {}", e->key, ds.ToString());
+    if (!ds.ok())
+      GKV_LOG_WARN("deleting a superseded disk copy of '{}': {}", e->key, ds.ToString());
   }
   I.DrainEvictions();
   return e->version;
@@ -766,8 +774,8 @@ Result<ReadHandle> TieredCache::Acquire(std::string_view key) {
     // before it publishes): serving it is correct, since that put overlaps this read.
     if (s.IsNotFound() || (s.ok() && meta.version < version)) {
       // The disk tier dropped it: look again from the index.
-      retry_reason = s.ok() ? "disk holds version " + std::to_string(meta.version) +
-                                  ", index " + std::to_string(version)
+      retry_reason = s.ok() ? "disk holds version " + std::to_string(meta.version) + ", index " +
+                                  std::to_string(version)
                             : "dropped from disk";
       if (s.IsNotFound()) {
         Shard& sh = I.ShardFor(key);
@@ -890,8 +898,8 @@ Status TieredCache::Delete(std::string_view key) {
   return Status::OK();
 }
 
-Status TieredCache::CopyBytes(void* dst, MemoryKind dst_kind, const void* src,
-                              MemoryKind src_kind, uint64_t size) {
+Status TieredCache::CopyBytes(void* dst, MemoryKind dst_kind, const void* src, MemoryKind src_kind,
+                              uint64_t size) {
   return impl_->Copy(dst, dst_kind, src, src_kind, size);
 }
 
@@ -925,8 +933,10 @@ Status TieredCache::Flush() {
       s = I.disk->Put(e->key, {e->size, e->version, e->tensor}, src, false, &evicted, &written);
     }
     std::lock_guard<std::mutex> lock(I.mu);
-    if (s.ok() && written) e->on_disk = true;
-    else if (first_error.ok()) first_error = s;
+    if (s.ok() && written)
+      e->on_disk = true;
+    else if (first_error.ok())
+      first_error = s;
     I.QueueDiskEvictions(evicted);
     I.Unpin(e.get());
   }
@@ -970,7 +980,9 @@ uint64_t TieredCache::max_object_size() const {
   for (int t = 0; t < 2; ++t) {
     if (impl_->tiers[t].enabled) m = std::max(m, impl_->tiers[t].capacity);
   }
-  if (impl_->disk) m = std::max(m, impl_->disk->capacity() - std::min<uint64_t>(impl_->disk->capacity(), impl_->options.max_key_size));
+  if (impl_->disk)
+    m = std::max(m, impl_->disk->capacity() -
+                        std::min<uint64_t>(impl_->disk->capacity(), impl_->options.max_key_size));
   return m;
 }
 

@@ -23,11 +23,15 @@ constexpr int kOk = 0, kNotFound = 1, kUsage = 2, kUnreachable = 3, kFailed = 4;
 int ExitFor(const gkv::Status& s, const std::string& what) {
   std::fprintf(stderr, "gkv: %s: %s\n", what.c_str(), s.ToString().c_str());
   switch (s.code()) {
-    case gkv::StatusCode::kNotFound: return kNotFound;
+    case gkv::StatusCode::kNotFound:
+      return kNotFound;
     case gkv::StatusCode::kUnavailable:
-    case gkv::StatusCode::kTimeout: return kUnreachable;
-    case gkv::StatusCode::kInvalidArgument: return kUsage;
-    default: return kFailed;
+    case gkv::StatusCode::kTimeout:
+      return kUnreachable;
+    case gkv::StatusCode::kInvalidArgument:
+      return kUsage;
+    default:
+      return kFailed;
   }
 }
 
@@ -177,8 +181,9 @@ int main(int argc, char** argv) {
         auto t0 = std::chrono::steady_clock::now();
         r = c.Ping(static_cast<int>(i));
         if (!r.ok()) break;
-        us = std::min(us, std::chrono::duration<double, std::micro>(
-                              std::chrono::steady_clock::now() - t0).count());
+        us = std::min(
+            us, std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0)
+                    .count());
       }
       const auto& n = c.cluster().nodes[i];
       if (r.ok()) {
@@ -208,7 +213,8 @@ int main(int argc, char** argv) {
     }
     if (json) {
       std::printf("[");
-      for (size_t i = 0; i < docs.size(); ++i) std::printf("%s%s", i ? ",\n " : "", docs[i].c_str());
+      for (size_t i = 0; i < docs.size(); ++i)
+        std::printf("%s%s", i ? ",\n " : "", docs[i].c_str());
       std::printf("]\n");
       return rc;
     }
@@ -219,22 +225,23 @@ int main(int argc, char** argv) {
       for (const char* t : {"gpu", "host", "disk"}) {
         std::string anchor = std::string("\"") + t + "\":{";
         if (Num(j, {"\"tiers\"", anchor.c_str(), "\"capacity_bytes\":"}) == 0) continue;
-        std::string used = gkv::FormatSize(Num(j, {"\"tiers\"", anchor.c_str(), "\"used_bytes\":"})) +
-                           " / " +
-                           gkv::FormatSize(Num(j, {"\"tiers\"", anchor.c_str(), "\"capacity_bytes\":"}));
+        std::string used =
+            gkv::FormatSize(Num(j, {"\"tiers\"", anchor.c_str(), "\"used_bytes\":"})) + " / " +
+            gkv::FormatSize(Num(j, {"\"tiers\"", anchor.c_str(), "\"capacity_bytes\":"}));
         std::printf("  %-5s %22s %10llu %12llu\n", t, used.c_str(),
                     (unsigned long long)Num(j, {"\"tiers\"", anchor.c_str(), "\"objects\":"}),
                     (unsigned long long)Num(j, {"\"tiers\"", anchor.c_str(), "\"hits\":"}));
       }
-      std::printf("  misses %llu, spills host->disk %llu, gpu->host %llu, promotions %llu,"
-                  " disk evictions %llu\n",
-                  (unsigned long long)Num(j, {"\"misses\":"}),
-                  (unsigned long long)Num(j, {"\"host_to_disk\":{\"objects\":"}),
-                  (unsigned long long)Num(j, {"\"gpu_to_host\":{\"objects\":"}),
-                  (unsigned long long)(Num(j, {"\"disk_to_host\":{\"objects\":"}) +
-                                       Num(j, {"\"disk_to_gpu\":{\"objects\":"}) +
-                                       Num(j, {"\"host_to_gpu\":{\"objects\":"})),
-                  (unsigned long long)Num(j, {"\"disk_evictions\":"}));
+      std::printf(
+          "  misses %llu, spills host->disk %llu, gpu->host %llu, promotions %llu,"
+          " disk evictions %llu\n",
+          (unsigned long long)Num(j, {"\"misses\":"}),
+          (unsigned long long)Num(j, {"\"host_to_disk\":{\"objects\":"}),
+          (unsigned long long)Num(j, {"\"gpu_to_host\":{\"objects\":"}),
+          (unsigned long long)(Num(j, {"\"disk_to_host\":{\"objects\":"}) +
+                               Num(j, {"\"disk_to_gpu\":{\"objects\":"}) +
+                               Num(j, {"\"host_to_gpu\":{\"objects\":"})),
+          (unsigned long long)Num(j, {"\"disk_evictions\":"}));
       std::printf("  bytes in %s, out %s\n", gkv::FormatSize(Num(j, {"\"bytes_in\":"})).c_str(),
                   gkv::FormatSize(Num(j, {"\"bytes_out\":"})).c_str());
     }

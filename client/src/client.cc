@@ -137,9 +137,9 @@ struct Client::Impl {
     const int node = it->second;
     GKV_LOG_WARN("lost node {} ({}): {}", cluster.nodes[node].id, cluster.nodes[node].address(),
                  s.ToString());
-    FailNode(node, Status::Unavailable("node " + cluster.nodes[node].id + " (" +
-                                       cluster.nodes[node].address() + "): " +
-                                       std::string(s.message())),
+    FailNode(node,
+             Status::Unavailable("node " + cluster.nodes[node].id + " (" +
+                                 cluster.nodes[node].address() + "): " + std::string(s.message())),
              false);
   }
 
@@ -198,8 +198,8 @@ struct Client::Impl {
       Complete(p, [] {});
       if (!s.ok()) FailNode(node, s, false);
     };
-    Issue(node, w::Opcode::kHello, 0, w::EncodeHello(cluster.secret), nullptr, 0,
-          MemoryKind::kHost, DeadlineFrom({}), on_reply, [](Status) {});
+    Issue(node, w::Opcode::kHello, 0, w::EncodeHello(cluster.secret), nullptr, 0, MemoryKind::kHost,
+          DeadlineFrom({}), on_reply, [](Status) {});
   }
 
   // Sends one request (worker thread). `payload` must stay valid until the pending completes.
@@ -267,8 +267,8 @@ struct Client::Impl {
             });
   }
 
-  void GetFrom(std::string key, std::shared_ptr<std::vector<int>> nodes, size_t i,
-               void* user_dst, size_t capacity, MemoryKind dst_kind, Clock::time_point deadline,
+  void GetFrom(std::string key, std::shared_ptr<std::vector<int>> nodes, size_t i, void* user_dst,
+               size_t capacity, MemoryKind dst_kind, Clock::time_point deadline,
                std::function<void(Result<Value>)> done) {
     const int node = (*nodes)[i];
     const bool last = i + 1 == nodes->size();
@@ -286,7 +286,7 @@ struct Client::Impl {
                  MemoryKind dst_kind, Clock::time_point deadline,
                  std::function<void(Result<Value>)> done) {
     auto on_reply = [this, user_dst, capacity, dst_kind, done](const PendingPtr& p,
-                                                             std::unique_ptr<Incoming> msg) {
+                                                               std::unique_ptr<Incoming> msg) {
       w::Header h;
       std::string_view body;
       w::ReplyStatus rs;
@@ -336,7 +336,8 @@ struct Client::Impl {
              std::shared_ptr<std::byte[]> keepalive, const PutOptions& o,
              Clock::time_point deadline, std::function<void(Result<uint64_t>)> done) {
     auto nodes = ring->NodesFor(key, options.replicas);
-    if (nodes.size() == 1) return PutOnNode(nodes[0], key, data, size, kind, keepalive, o, deadline, done);
+    if (nodes.size() == 1)
+      return PutOnNode(nodes[0], key, data, size, kind, keepalive, o, deadline, done);
     struct Fan {
       std::vector<Result<uint64_t>> results;
       size_t remaining;
@@ -452,10 +453,10 @@ void Client::GetAsync(std::string_view key, const GetOptions& o,
   Impl* I = impl_.get();
   auto deadline = I->DeadlineFrom(o.timeout);
   const bool fail_open = o.fail_open;
-  I->transport->Post([I, key = std::string(key), deadline, fail_open,
-                      cb = std::move(callback)]() mutable {
-    I->DoGet(std::move(key), nullptr, 0, MemoryKind::kHost, deadline, fail_open, std::move(cb));
-  });
+  I->transport->Post(
+      [I, key = std::string(key), deadline, fail_open, cb = std::move(callback)]() mutable {
+        I->DoGet(std::move(key), nullptr, 0, MemoryKind::kHost, deadline, fail_open, std::move(cb));
+      });
 }
 
 std::future<Result<Value>> Client::GetAsync(std::string_view key, const GetOptions& o) {
@@ -477,10 +478,13 @@ Result<ValueInfo> Client::GetInto(std::string_view key, void* dst, size_t capaci
   std::promise<Result<ValueInfo>> promise;
   auto future = promise.get_future();
   I->transport->Post([&, key = std::string(key)]() mutable {
-    I->DoGet(std::move(key), dst, capacity, kind, deadline, o.fail_open, [&promise](Result<Value> r) {
-      if (r.ok()) promise.set_value(r->info());
-      else promise.set_value(r.status());
-    });
+    I->DoGet(std::move(key), dst, capacity, kind, deadline, o.fail_open,
+             [&promise](Result<Value> r) {
+               if (r.ok())
+                 promise.set_value(r->info());
+               else
+                 promise.set_value(r.status());
+             });
   });
   return future.get();
 }
@@ -617,8 +621,9 @@ std::vector<Result<Value>> Client::MultiGet(const std::vector<std::string>& keys
                 continue;
               }
               if (res[j].code != StatusCode::kOk) {
-                out = Status(res[j].code, res[j].code == StatusCode::kNotFound ? "key not found"
-                                                                              : "batch get failed");
+                out =
+                    Status(res[j].code, res[j].code == StatusCode::kNotFound ? "key not found"
+                                                                             : "batch get failed");
                 continue;
               }
               Value v;
@@ -699,9 +704,12 @@ std::vector<Result<uint64_t>> Client::MultiPut(const std::vector<PutItem>& items
             for (size_t j = 0; j < idx->size(); ++j) {
               Result<uint64_t>& out = results[(*idx)[j]];
               if (out.ok()) continue;  // another replica stored it already
-              if (!s.ok()) out = s;
-              else if (res[j].code != StatusCode::kOk) out = Status(res[j].code, "batch put failed");
-              else out = res[j].version;
+              if (!s.ok())
+                out = s;
+              else if (res[j].code != StatusCode::kOk)
+                out = Status(res[j].code, "batch put failed");
+              else
+                out = res[j].version;
             }
             if (--remaining == 0) all_done.set_value();
           });
@@ -748,8 +756,10 @@ Result<std::string> Client::NodeStats(int node, std::chrono::milliseconds timeou
   I->transport->Post([&] {
     I->IssueWithPayloadReply(node, w::Opcode::kStats, 0, "", nullptr, deadline,
                              [&promise](Result<std::shared_ptr<std::string>> r) {
-                               if (r.ok()) promise.set_value(**r);
-                               else promise.set_value(r.status());
+                               if (r.ok())
+                                 promise.set_value(**r);
+                               else
+                                 promise.set_value(r.status());
                              });
   });
   return future.get();

@@ -97,7 +97,8 @@ Result<ClusterConfig> LoadClusterFile(const std::string& path) {
 HashRing::HashRing(const std::vector<NodeInfo>& nodes, int vnodes_per_weight)
     : node_count_(static_cast<int>(nodes.size())) {
   for (int i = 0; i < node_count_; ++i) {
-    const int vnodes = std::max(1, static_cast<int>(std::lround(nodes[i].weight * vnodes_per_weight)));
+    const int vnodes =
+        std::max(1, static_cast<int>(std::lround(nodes[i].weight * vnodes_per_weight)));
     // Positions derive from the node id, not its index or address, so membership changes and
     // address moves leave the other nodes' points where they were.
     const std::string& id = nodes[i].id;

@@ -4,19 +4,32 @@ namespace gkv {
 
 std::string_view StatusCodeName(StatusCode code) {
   switch (code) {
-    case StatusCode::kOk: return "ok";
-    case StatusCode::kNotFound: return "not_found";
-    case StatusCode::kInvalidArgument: return "invalid_argument";
-    case StatusCode::kNoSpace: return "no_space";
-    case StatusCode::kUnavailable: return "unavailable";
-    case StatusCode::kTimeout: return "timeout";
-    case StatusCode::kIOError: return "io_error";
-    case StatusCode::kCorruption: return "corruption";
-    case StatusCode::kProtocolError: return "protocol_error";
-    case StatusCode::kPermissionDenied: return "permission_denied";
-    case StatusCode::kNotSupported: return "not_supported";
-    case StatusCode::kAborted: return "aborted";
-    case StatusCode::kInternal: return "internal";
+    case StatusCode::kOk:
+      return "ok";
+    case StatusCode::kNotFound:
+      return "not_found";
+    case StatusCode::kInvalidArgument:
+      return "invalid_argument";
+    case StatusCode::kNoSpace:
+      return "no_space";
+    case StatusCode::kUnavailable:
+      return "unavailable";
+    case StatusCode::kTimeout:
+      return "timeout";
+    case StatusCode::kIOError:
+      return "io_error";
+    case StatusCode::kCorruption:
+      return "corruption";
+    case StatusCode::kProtocolError:
+      return "protocol_error";
+    case StatusCode::kPermissionDenied:
+      return "permission_denied";
+    case StatusCode::kNotSupported:
+      return "not_supported";
+    case StatusCode::kAborted:
+      return "aborted";
+    case StatusCode::kInternal:
+      return "internal";
   }
   return "unknown";
 }

@@ -90,9 +90,9 @@ Status TensorMeta::Validate(uint64_t byte_size) const {
   }
   unsigned __int128 expected = elements * ItemSize(dtype);
   if (expected != byte_size) {
-    return Status::InvalidArgument(
-        "tensor " + ToString() + " needs " + std::to_string(static_cast<uint64_t>(expected)) +
-        " bytes but the value has " + std::to_string(byte_size));
+    return Status::InvalidArgument("tensor " + ToString() + " needs " +
+                                   std::to_string(static_cast<uint64_t>(expected)) +
+                                   " bytes but the value has " + std::to_string(byte_size));
   }
   return Status::OK();
 }
@@ -115,7 +115,8 @@ Result<std::vector<int64_t>> ParseShape(std::string_view text) {
   size_t pos = 0;
   while (pos <= text.size()) {
     size_t comma = text.find(',', pos);
-    std::string_view part = text.substr(pos, comma == std::string_view::npos ? text.npos : comma - pos);
+    std::string_view part =
+        text.substr(pos, comma == std::string_view::npos ? text.npos : comma - pos);
     int64_t d = 0;
     auto [ptr, ec] = std::from_chars(part.data(), part.data() + part.size(), d);
     if (ec != std::errc() || ptr != part.data() + part.size() || part.empty() || d < 0) {

@@ -27,7 +27,8 @@ int main(int argc, char** argv) {
   app.add_option("--host-mem", host_mem, "host (pinned) tier size (0: off)");
   app.add_option("--disk", disk_dir, "directory of the RocksDB disk tier (empty: no disk tier)");
   app.add_option("--disk-capacity", disk_capacity, "disk tier capacity");
-  app.add_option("--threads", threads, "executor threads for cache operations")->check(CLI::Range(1, 256));
+  app.add_option("--threads", threads, "executor threads for cache operations")
+      ->check(CLI::Range(1, 256));
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error");
   app.add_option("--metrics-port", metrics_port, "serve Prometheus metrics on this port (/metrics)")
       ->check(CLI::Range(0, 65535));

@@ -64,21 +64,22 @@ struct Server::Impl {
   uint64_t last_spills = 0, last_drops = 0;
 
   // --- replies (I/O thread) ---
-  void Reply(const Req& r, const Status& status, std::string body, const void* payload,
-             size_t size, MemoryKind kind, std::function<void()> after) {
+  void Reply(const Req& r, const Status& status, std::string body, const void* payload, size_t size,
+             MemoryKind kind, std::function<void()> after) {
     if (!status.ok()) {
       counters.errors[static_cast<int>(status.code())].fetch_add(1, std::memory_order_relaxed);
     }
     counters.bytes_out.fetch_add(size, std::memory_order_relaxed);
-    transport->Send(r.conn, w::kAmReply, w::EncodeMessage({r.h.opcode, 0, r.h.request_id}, body),
-                    payload, size, kind, [this, r, after = std::move(after)](Status s) {
-                      if (!s.ok()) GKV_LOG_DEBUG("reply send failed: {}", s.ToString());
-                      if (after) after();
-                      counters.RecordLatency(
-                          r.h.opcode, std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                          Clock::now() - r.start).count());
-                      in_flight.fetch_sub(1, std::memory_order_acq_rel);
-                    });
+    transport->Send(
+        r.conn, w::kAmReply, w::EncodeMessage({r.h.opcode, 0, r.h.request_id}, body), payload, size,
+        kind, [this, r, after = std::move(after)](Status s) {
+          if (!s.ok()) GKV_LOG_DEBUG("reply send failed: {}", s.ToString());
+          if (after) after();
+          counters.RecordLatency(
+              r.h.opcode,
+              std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - r.start).count());
+          in_flight.fetch_sub(1, std::memory_order_acq_rel);
+        });
   }
 
   void ReplyStatus(const Req& r, const Status& s) {
@@ -132,14 +133,21 @@ struct Server::Impl {
       case w::Opcode::kPing:
         return Reply(r, Status::OK(), w::EncodePingReply(Status::OK(), self.id), nullptr, 0,
                      MemoryKind::kHost, nullptr);
-      case w::Opcode::kHello: return ReplyStatus(r, Status::OK());
-      case w::Opcode::kPut: return HandlePut(r, body, std::move(msg));
-      case w::Opcode::kGet: return HandleGet(r, body);
+      case w::Opcode::kHello:
+        return ReplyStatus(r, Status::OK());
+      case w::Opcode::kPut:
+        return HandlePut(r, body, std::move(msg));
+      case w::Opcode::kGet:
+        return HandleGet(r, body);
       case w::Opcode::kDelete:
-      case w::Opcode::kStat: return HandleKeyOp(r, body);
-      case w::Opcode::kMultiGet: return HandleMultiGet(r, std::move(msg));
-      case w::Opcode::kMultiPut: return HandleMultiPut(r, std::move(msg));
-      case w::Opcode::kStats: return HandleStats(r);
+      case w::Opcode::kStat:
+        return HandleKeyOp(r, body);
+      case w::Opcode::kMultiGet:
+        return HandleMultiGet(r, std::move(msg));
+      case w::Opcode::kMultiPut:
+        return HandleMultiPut(r, std::move(msg));
+      case w::Opcode::kStats:
+        return HandleStats(r);
     }
   }
 
@@ -195,8 +203,8 @@ struct Server::Impl {
         uint64_t version = 0;
         if ((op->req.h.flags & w::kFlagDurable) == 0 &&
             cache->TryCommitInMemory(&op->handle, &version) == TieredCache::FastPath::kServed) {
-          return Reply(op->req, Status::OK(), w::EncodePutReply(Status::OK(), version), nullptr,
-                       0, MemoryKind::kHost, nullptr);
+          return Reply(op->req, Status::OK(), w::EncodePutReply(Status::OK(), version), nullptr, 0,
+                       MemoryKind::kHost, nullptr);
         }
         executors->Submit([this, op] { CommitAndReply(op); });
       });
@@ -245,8 +253,10 @@ struct Server::Impl {
     uint64_t version = 0;
     if (s.ok()) {
       auto v = cache->Commit(std::move(op->handle), (op->req.h.flags & w::kFlagDurable) != 0);
-      if (v.ok()) version = *v;
-      else s = v.status();
+      if (v.ok())
+        version = *v;
+      else
+        s = v.status();
     }
     PostReply([this, op, s, version] {
       Reply(op->req, s, w::EncodePutReply(s, version), nullptr, 0, MemoryKind::kHost, nullptr);
@@ -293,12 +303,14 @@ struct Server::Impl {
       MemoryKind kind = handle->memory_kind();
       if (kind == MemoryKind::kDevice && !transport->device_memory_supported()) {
         staging = std::make_shared<std::string>(handle->size(), '\0');
-        Status cs = cache->CopyBytes(staging->data(), MemoryKind::kHost, data, kind, handle->size());
+        Status cs =
+            cache->CopyBytes(staging->data(), MemoryKind::kHost, data, kind, handle->size());
         if (!cs.ok()) return PostReply([this, r, cs] { ReplyStatus(r, cs); });
         data = staging->data();
         kind = MemoryKind::kHost;
       }
-      PostReply([this, r, handle, staging, data, kind] { SendObject(r, handle, data, kind, staging); });
+      PostReply(
+          [this, r, handle, staging, data, kind] { SendObject(r, handle, data, kind, staging); });
     });
   }
 
@@ -315,7 +327,8 @@ struct Server::Impl {
       Status status = st.status();
       w::ObjectMeta meta = st.ok() ? ToWire(*st) : w::ObjectMeta{};
       PostReply([this, r, status, meta] {
-        Reply(r, status, w::EncodeObjectReply(status, meta), nullptr, 0, MemoryKind::kHost, nullptr);
+        Reply(r, status, w::EncodeObjectReply(status, meta), nullptr, 0, MemoryKind::kHost,
+              nullptr);
       });
     });
   }
@@ -375,8 +388,8 @@ struct Server::Impl {
       size_t off = block;
       const bool durable = (r.h.flags & w::kFlagDurable) != 0;
       for (size_t i = 0; i < items.size(); ++i) {
-        auto put = cache->Put(items[i].key, buf->data() + off, items[i].size, items[i].tensor,
-                              durable);
+        auto put =
+            cache->Put(items[i].key, buf->data() + off, items[i].size, items[i].tensor, durable);
         results[i].code = put.status().code();
         if (put.ok()) results[i].version = *put;
         off += items[i].size;
@@ -409,10 +422,11 @@ struct Server::Impl {
       last_spills = spills;
       last_drops = st.dropped;
       if (new_spills > 0 || new_drops > 0) {
-        GKV_LOG_INFO("eviction pressure: {} objects spilled to a lower tier and {} dropped in the "
-                     "last 10 s (host {} of {} used)",
-                     new_spills, new_drops, FormatSize(st.tiers[1].used_bytes),
-                     FormatSize(st.tiers[1].capacity));
+        GKV_LOG_INFO(
+            "eviction pressure: {} objects spilled to a lower tier and {} dropped in the "
+            "last 10 s (host {} of {} used)",
+            new_spills, new_drops, FormatSize(st.tiers[1].used_bytes),
+            FormatSize(st.tiers[1].capacity));
       }
     });
   }

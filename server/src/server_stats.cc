@@ -51,7 +51,8 @@ std::string RenderStatsJson(const std::string& node_id, const CacheStats& st,
       if (a == b) continue;
       if (!first) j += ",";
       first = false;
-      j += "\"" + TierLabel(a) + "_to_" + TierLabel(b) + "\":{\"objects\":" + std::to_string(st.moves[a][b]) +
+      j += "\"" + TierLabel(a) + "_to_" + TierLabel(b) +
+           "\":{\"objects\":" + std::to_string(st.moves[a][b]) +
            ",\"bytes\":" + std::to_string(st.moved_bytes[a][b]) + "}";
     }
   }
@@ -83,9 +84,8 @@ std::string RenderStatsJson(const std::string& node_id, const CacheStats& st,
     if (!first) j += ",";
     first = false;
     j += "\"" + std::string(w::OpcodeName(static_cast<w::Opcode>(op))) +
-         "\":{\"count\":" + std::to_string(h.count()) +
-         ",\"p50\":" + Num(h.Percentile(0.5) / 1e3) + ",\"p90\":" + Num(h.Percentile(0.9) / 1e3) +
-         ",\"p99\":" + Num(h.Percentile(0.99) / 1e3) +
+         "\":{\"count\":" + std::to_string(h.count()) + ",\"p50\":" + Num(h.Percentile(0.5) / 1e3) +
+         ",\"p90\":" + Num(h.Percentile(0.9) / 1e3) + ",\"p99\":" + Num(h.Percentile(0.99) / 1e3) +
          ",\"p999\":" + Num(h.Percentile(0.999) / 1e3) + ",\"max\":" + Num(h.max() / 1e3) + "}";
   }
   j += "}}";
@@ -112,43 +112,55 @@ std::string RenderPrometheus(const std::string& node_id, const CacheStats& st,
   };
   family("gkv_tier_capacity_bytes", "gauge", "Configured capacity of a cache tier.");
   for (int t = 0; t < kTierCount; ++t) {
-    if (st.tiers[t].enabled) sample("gkv_tier_capacity_bytes", "tier=\"" + TierLabel(t) + "\"", st.tiers[t].capacity);
+    if (st.tiers[t].enabled)
+      sample("gkv_tier_capacity_bytes", "tier=\"" + TierLabel(t) + "\"", st.tiers[t].capacity);
   }
   family("gkv_tier_used_bytes", "gauge", "Bytes allocated in a cache tier.");
   for (int t = 0; t < kTierCount; ++t) {
-    if (st.tiers[t].enabled) sample("gkv_tier_used_bytes", "tier=\"" + TierLabel(t) + "\"", st.tiers[t].used_bytes);
+    if (st.tiers[t].enabled)
+      sample("gkv_tier_used_bytes", "tier=\"" + TierLabel(t) + "\"", st.tiers[t].used_bytes);
   }
   family("gkv_tier_objects", "gauge", "Objects whose current home is a tier.");
   for (int t = 0; t < kTierCount; ++t) {
-    if (st.tiers[t].enabled) sample("gkv_tier_objects", "tier=\"" + TierLabel(t) + "\"", st.tiers[t].objects);
+    if (st.tiers[t].enabled)
+      sample("gkv_tier_objects", "tier=\"" + TierLabel(t) + "\"", st.tiers[t].objects);
   }
   family("gkv_tier_hits_total", "counter", "Reads served from a tier.");
   for (int t = 0; t < kTierCount; ++t) {
-    if (st.tiers[t].enabled) sample("gkv_tier_hits_total", "tier=\"" + TierLabel(t) + "\"", st.tiers[t].hits);
+    if (st.tiers[t].enabled)
+      sample("gkv_tier_hits_total", "tier=\"" + TierLabel(t) + "\"", st.tiers[t].hits);
   }
-  family("gkv_tier_misses_total", "counter", "Reads that looked in a tier and were served below it or not at all.");
+  family("gkv_tier_misses_total", "counter",
+         "Reads that looked in a tier and were served below it or not at all.");
   for (int t = 0; t < kTierCount; ++t) {
-    if (st.tiers[t].enabled) sample("gkv_tier_misses_total", "tier=\"" + TierLabel(t) + "\"", TierMisses(st, t));
+    if (st.tiers[t].enabled)
+      sample("gkv_tier_misses_total", "tier=\"" + TierLabel(t) + "\"", TierMisses(st, t));
   }
   family("gkv_misses_total", "counter", "Reads of keys the node does not hold.");
   sample("gkv_misses_total", "", st.misses);
   family("gkv_tier_moves_total", "counter", "Objects moved between tiers (spills and promotions).");
   for (int a = 0; a < kTierCount; ++a) {
     for (int b = 0; b < kTierCount; ++b) {
-      if (a != b) sample("gkv_tier_moves_total", "from=\"" + TierLabel(a) + "\",to=\"" + TierLabel(b) + "\"", st.moves[a][b]);
+      if (a != b)
+        sample("gkv_tier_moves_total", "from=\"" + TierLabel(a) + "\",to=\"" + TierLabel(b) + "\"",
+               st.moves[a][b]);
     }
   }
   family("gkv_tier_moved_bytes_total", "counter", "Bytes moved between tiers.");
   for (int a = 0; a < kTierCount; ++a) {
     for (int b = 0; b < kTierCount; ++b) {
-      if (a != b) sample("gkv_tier_moved_bytes_total", "from=\"" + TierLabel(a) + "\",to=\"" + TierLabel(b) + "\"", st.moved_bytes[a][b]);
+      if (a != b)
+        sample("gkv_tier_moved_bytes_total",
+               "from=\"" + TierLabel(a) + "\",to=\"" + TierLabel(b) + "\"", st.moved_bytes[a][b]);
     }
   }
   family("gkv_disk_evictions_total", "counter", "Objects the disk tier dropped past its capacity.");
   sample("gkv_disk_evictions_total", "", st.disk_evictions);
-  family("gkv_dropped_total", "counter", "Objects evicted from memory with no lower tier to take them.");
+  family("gkv_dropped_total", "counter",
+         "Objects evicted from memory with no lower tier to take them.");
   sample("gkv_dropped_total", "", st.dropped);
-  family("gkv_durable_writes_total", "counter", "Puts written through to disk before acknowledgement.");
+  family("gkv_durable_writes_total", "counter",
+         "Puts written through to disk before acknowledgement.");
   sample("gkv_durable_writes_total", "", st.durable_writes);
   family("gkv_received_bytes_total", "counter", "Payload bytes received.");
   sample("gkv_received_bytes_total", "", counters.bytes_in.load());
@@ -156,24 +168,26 @@ std::string RenderPrometheus(const std::string& node_id, const CacheStats& st,
   sample("gkv_sent_bytes_total", "", counters.bytes_out.load());
   family("gkv_protocol_errors_total", "counter", "Malformed requests.");
   sample("gkv_protocol_errors_total", "", counters.protocol_errors.load());
-  family("gkv_auth_failures_total", "counter", "Connections refused for a missing or wrong secret.");
+  family("gkv_auth_failures_total", "counter",
+         "Connections refused for a missing or wrong secret.");
   sample("gkv_auth_failures_total", "", counters.auth_failures.load());
   family("gkv_connections_accepted_total", "counter", "Connections accepted.");
   sample("gkv_connections_accepted_total", "", counters.connections_accepted.load());
   family("gkv_requests_total", "counter", "Requests received, by operation.");
   for (int op = kFirstOp; op <= kLastOp; ++op) {
-    sample("gkv_requests_total", "op=\"" + std::string(w::OpcodeName(static_cast<w::Opcode>(op))) + "\"",
+    sample("gkv_requests_total",
+           "op=\"" + std::string(w::OpcodeName(static_cast<w::Opcode>(op))) + "\"",
            counters.ops[op].load());
   }
   family("gkv_errors_total", "counter", "Error replies, by status code.");
   for (int c = 1; c <= static_cast<int>(StatusCode::kInternal); ++c) {
-    sample("gkv_errors_total", "code=\"" + std::string(StatusCodeName(static_cast<StatusCode>(c))) + "\"",
+    sample("gkv_errors_total",
+           "code=\"" + std::string(StatusCodeName(static_cast<StatusCode>(c))) + "\"",
            counters.errors[c].load());
   }
   // Request latency from arrival to the reply's send completion.
-  static const double kBuckets[] = {25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3,
-                                    5e-3,  10e-3, 25e-3,  50e-3,  0.1,  0.25, 0.5,
-                                    1,     2.5,   5,      10};
+  static const double kBuckets[] = {25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3,
+                                    25e-3, 50e-3, 0.1,    0.25,   0.5,    1,    2.5,    5,    10};
   family("gkv_request_duration_seconds", "histogram",
          "Time from a request's arrival to its reply leaving, by operation.");
   for (int op = kFirstOp; op <= kLastOp; ++op) {

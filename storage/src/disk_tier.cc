@@ -96,9 +96,9 @@ Result<std::unique_ptr<DiskTier>> DiskTier::Open(const Options& options) {
       {"meta", small_options},
       {"order", small_options},
   };
-  GKV_RETURN_IF_ERROR(FromRocks(
-      rocksdb::DB::Open(db_options, options.path, families, &tier->handles_, &tier->db_),
-      "opening the disk tier at '" + options.path + "'"));
+  GKV_RETURN_IF_ERROR(
+      FromRocks(rocksdb::DB::Open(db_options, options.path, families, &tier->handles_, &tier->db_),
+                "opening the disk tier at '" + options.path + "'"));
 
   // Warm restart: rebuild the byte count and the write sequence from the metadata.
   std::unique_ptr<rocksdb::Iterator> it(
@@ -163,8 +163,7 @@ Status DiskTier::Put(std::string_view key, const StoredObjectMeta& meta, const v
 }
 
 Status DiskTier::EvictOldestLocked(std::string_view keep_key, std::vector<DiskEviction>* evicted) {
-  std::unique_ptr<rocksdb::Iterator> it(
-      db_->NewIterator(rocksdb::ReadOptions(), handles_[kOrder]));
+  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions(), handles_[kOrder]));
   rocksdb::WriteBatch batch;
   uint64_t freed = 0, removed = 0;
   for (it->SeekToFirst(); it->Valid() && used_bytes_ - freed > options_.capacity; it->Next()) {
@@ -250,8 +249,7 @@ Status DiskTier::DeleteLocked(std::string_view key, const uint64_t* only_version
 
 Status DiskTier::ForEach(
     const std::function<bool(std::string_view, const StoredObjectMeta&)>& fn) const {
-  std::unique_ptr<rocksdb::Iterator> it(
-      db_->NewIterator(rocksdb::ReadOptions(), handles_[kMeta]));
+  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions(), handles_[kMeta]));
   for (it->SeekToFirst(); it->Valid(); it->Next()) {
     MetaRecord r;
     GKV_RETURN_IF_ERROR(DecodeMeta(std::string_view(it->value().data(), it->value().size()), &r));

@@ -12,9 +12,8 @@ Result<std::unique_ptr<MemoryArena>> MemoryArena::CreateHost(uint64_t capacity, 
   if (mode != HostMode::kPageable && ProbeCuda().usable) {
     auto pinned = CudaMallocPinnedHost(capacity);
     if (pinned.ok()) {
-      return std::unique_ptr<MemoryArena>(new MemoryArena(MemoryKind::kHost, Backing::kCudaPinned,
-                                                          -1, static_cast<std::byte*>(*pinned),
-                                                          capacity));
+      return std::unique_ptr<MemoryArena>(new MemoryArena(
+          MemoryKind::kHost, Backing::kCudaPinned, -1, static_cast<std::byte*>(*pinned), capacity));
     }
     if (mode == HostMode::kPinned) return pinned.status().WithContext("pinning the host pool");
   } else if (mode == HostMode::kPinned) {
@@ -38,9 +37,15 @@ Result<std::unique_ptr<MemoryArena>> MemoryArena::CreateDevice(int device, uint6
 
 MemoryArena::~MemoryArena() {
   switch (backing_) {
-    case Backing::kMmap: munmap(base_, mapped_size_); break;
-    case Backing::kCudaPinned: CudaFreePinnedHost(base_); break;
-    case Backing::kCudaDevice: CudaFreeDevice(device_, base_); break;
+    case Backing::kMmap:
+      munmap(base_, mapped_size_);
+      break;
+    case Backing::kCudaPinned:
+      CudaFreePinnedHost(base_);
+      break;
+    case Backing::kCudaDevice:
+      CudaFreeDevice(device_, base_);
+      break;
   }
 }
 

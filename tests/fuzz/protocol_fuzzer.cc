@@ -37,19 +37,38 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
             break;
           case Opcode::kGet:
           case Opcode::kDelete:
-          case Opcode::kStat: (void)DecodeKeyRequest(body, &key); break;
-          case Opcode::kHello: (void)DecodeHello(body, &key); break;
-          default: break;
+          case Opcode::kStat:
+            (void)DecodeKeyRequest(body, &key);
+            break;
+          case Opcode::kHello:
+            (void)DecodeHello(body, &key);
+            break;
+          default:
+            break;
         }
       }
       break;
-    case 1: (void)DecodeKeyList(in, &keys); break;
-    case 2: (void)DecodeBatchPutBlock(in, &items, &block); break;
-    case 3: (void)DecodeBatchGetBlock(in, &gets, &block); break;
-    case 4: (void)DecodeBatchPutResults(in, &puts); break;
-    case 5: (void)DecodeObjectReply(in, &rs, &meta); break;
-    case 6: (void)DecodePutReply(in, &rs, &version); break;
-    case 7: (void)DecodePingReply(in, &rs, &key); break;
+    case 1:
+      (void)DecodeKeyList(in, &keys);
+      break;
+    case 2:
+      (void)DecodeBatchPutBlock(in, &items, &block);
+      break;
+    case 3:
+      (void)DecodeBatchGetBlock(in, &gets, &block);
+      break;
+    case 4:
+      (void)DecodeBatchPutResults(in, &puts);
+      break;
+    case 5:
+      (void)DecodeObjectReply(in, &rs, &meta);
+      break;
+    case 6:
+      (void)DecodePutReply(in, &rs, &version);
+      break;
+    case 7:
+      (void)DecodePingReply(in, &rs, &key);
+      break;
   }
   return 0;
 }

@@ -46,15 +46,24 @@ bool ReadStatus(ByteReader& r, ReplyStatus* s) {
 
 std::string_view OpcodeName(Opcode op) {
   switch (op) {
-    case Opcode::kPing: return "ping";
-    case Opcode::kPut: return "put";
-    case Opcode::kGet: return "get";
-    case Opcode::kDelete: return "delete";
-    case Opcode::kStat: return "stat";
-    case Opcode::kMultiGet: return "mget";
-    case Opcode::kMultiPut: return "mput";
-    case Opcode::kStats: return "stats";
-    case Opcode::kHello: return "hello";
+    case Opcode::kPing:
+      return "ping";
+    case Opcode::kPut:
+      return "put";
+    case Opcode::kGet:
+      return "get";
+    case Opcode::kDelete:
+      return "delete";
+    case Opcode::kStat:
+      return "stat";
+    case Opcode::kMultiGet:
+      return "mget";
+    case Opcode::kMultiPut:
+      return "mput";
+    case Opcode::kStats:
+      return "stats";
+    case Opcode::kHello:
+      return "hello";
   }
   return "unknown";
 }
@@ -86,7 +95,8 @@ Status DecodeMessage(const void* data, size_t size, Header* h, std::string_view*
     return Status::ProtocolError("protocol version " + std::to_string(version) +
                                  " is not supported (this side speaks 1)");
   }
-  if (opcode < static_cast<uint8_t>(Opcode::kPing) || opcode > static_cast<uint8_t>(Opcode::kHello)) {
+  if (opcode < static_cast<uint8_t>(Opcode::kPing) ||
+      opcode > static_cast<uint8_t>(Opcode::kHello)) {
     return Status::ProtocolError("unknown opcode " + std::to_string(opcode));
   }
   if (body_len != r.remaining()) {

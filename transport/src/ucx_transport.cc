@@ -36,14 +36,21 @@ Status FromUcs(ucs_status_t s, std::string_view what) {
     case UCS_ERR_BUSY:
     case UCS_ERR_IO_ERROR:
       return Status::Unavailable(m);
-    case UCS_ERR_CANCELED: return Status::Aborted(m);
-    case UCS_ERR_TIMED_OUT: return Status::Timeout(m);
+    case UCS_ERR_CANCELED:
+      return Status::Aborted(m);
+    case UCS_ERR_TIMED_OUT:
+      return Status::Timeout(m);
     case UCS_ERR_NO_MEMORY:
-    case UCS_ERR_NO_RESOURCE: return Status::NoSpace(m);
-    case UCS_ERR_MESSAGE_TRUNCATED: return Status::ProtocolError(m);
-    case UCS_ERR_INVALID_PARAM: return Status::InvalidArgument(m);
-    case UCS_ERR_UNSUPPORTED: return Status::NotSupported(m);
-    default: return Status::IOError(m);
+    case UCS_ERR_NO_RESOURCE:
+      return Status::NoSpace(m);
+    case UCS_ERR_MESSAGE_TRUNCATED:
+      return Status::ProtocolError(m);
+    case UCS_ERR_INVALID_PARAM:
+      return Status::InvalidArgument(m);
+    case UCS_ERR_UNSUPPORTED:
+      return Status::NotSupported(m);
+    default:
+      return Status::IOError(m);
   }
 }
 
@@ -145,7 +152,8 @@ struct UcxTransport::Impl {
     ucp_worker_params_t wparams{};
     wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
     wparams.thread_mode = UCS_THREAD_MODE_SINGLE;
-    GKV_RETURN_IF_ERROR(FromUcs(ucp_worker_create(context, &wparams, &worker), "ucp_worker_create"));
+    GKV_RETURN_IF_ERROR(
+        FromUcs(ucp_worker_create(context, &wparams, &worker), "ucp_worker_create"));
 
     ucp_worker_attr_t wattr{};
     wattr.field_mask = UCP_WORKER_ATTR_FIELD_MAX_AM_HEADER;
@@ -185,9 +193,9 @@ struct UcxTransport::Impl {
       la.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
       GKV_RETURN_IF_ERROR(FromUcs(ucp_listener_query(listener, &la), "ucp_listener_query"));
       const sockaddr* sa = reinterpret_cast<const sockaddr*>(&la.sockaddr);
-      bound_port = ntohs(sa->sa_family == AF_INET6
-                             ? reinterpret_cast<const sockaddr_in6*>(sa)->sin6_port
-                             : reinterpret_cast<const sockaddr_in*>(sa)->sin_port);
+      bound_port =
+          ntohs(sa->sa_family == AF_INET6 ? reinterpret_cast<const sockaddr_in6*>(sa)->sin6_port
+                                          : reinterpret_cast<const sockaddr_in*>(sa)->sin_port);
     }
 
     GKV_RETURN_IF_ERROR(FromUcs(ucp_worker_get_efd(worker, &worker_fd), "ucp_worker_get_efd"));
@@ -467,7 +475,8 @@ Result<std::unique_ptr<UcxTransport>> UcxTransport::Create(const Options& option
   }
   impl->handlers = std::move(handlers);
   Status s = impl->Init();
-  if (!s.ok()) return s.code() == StatusCode::kInvalidArgument ? s : Status::Unavailable(s.message());
+  if (!s.ok())
+    return s.code() == StatusCode::kInvalidArgument ? s : Status::Unavailable(s.message());
   std::unique_ptr<UcxTransport> t(new UcxTransport(std::move(impl)));
   Impl* raw = t->impl_.get();
   std::atomic<bool> started{false};
@@ -499,9 +508,7 @@ void UcxTransport::Post(std::function<void()> task) {
 bool UcxTransport::device_memory_supported() const { return impl_->cuda_supported; }
 uint16_t UcxTransport::listen_port() const { return impl_->bound_port; }
 size_t UcxTransport::max_header_size() const { return impl_->max_header; }
-bool UcxTransport::OnWorkerThread() const {
-  return std::this_thread::get_id() == impl_->thread_id;
-}
+bool UcxTransport::OnWorkerThread() const { return std::this_thread::get_id() == impl_->thread_id; }
 
 Result<ConnId> UcxTransport::Connect(const std::string& host, uint16_t port) {
   Impl& I = *impl_;
@@ -554,8 +561,8 @@ void UcxTransport::Send(ConnId conn, unsigned am_id, std::string header, const v
   }
   auto* op = new Impl::SendOp{&I, std::move(header), std::move(done)};
   ucp_request_param_t p{};
-  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
-                   UCP_OP_ATTR_FIELD_FLAGS;
+  p.op_attr_mask =
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
   p.flags = UCP_AM_SEND_FLAG_REPLY;
   p.cb.send = &Impl::OnSendDone;
   p.user_data = op;

@@ -32,7 +32,7 @@ namespace gkv {
 
 struct ClientOptions {
   std::string cluster_file;  // or fill `cluster` directly
-  ClusterConfig cluster;      // its `secret`, when set, is presented on every connection
+  ClusterConfig cluster;     // its `secret`, when set, is presented on every connection
   // Deadline of a call that does not give its own. Long enough for a 64 MiB value on a loaded
   // loopback; training jobs that would rather fall back to their own loader use less.
   std::chrono::milliseconds default_timeout{2000};

@@ -40,8 +40,7 @@ class ByteWriter {
 
 class ByteReader {
  public:
-  ByteReader(const void* data, size_t size)
-      : p_(static_cast<const uint8_t*>(data)), left_(size) {}
+  ByteReader(const void* data, size_t size) : p_(static_cast<const uint8_t*>(data)), left_(size) {}
   explicit ByteReader(std::string_view s) : ByteReader(s.data(), s.size()) {}
 
   bool U8(uint8_t* v) { return GetLE(v, 1); }

@@ -19,7 +19,7 @@ struct CudaProbe {
   bool compiled_in = false;  // built with the CUDA runtime
   bool usable = false;       // at least one device answered
   int device_count = 0;
-  std::string reason;        // why not usable, in one line (empty when usable)
+  std::string reason;  // why not usable, in one line (empty when usable)
 };
 
 // Probes once per process and caches the answer.

@@ -21,16 +21,16 @@ enum class StatusCode : uint8_t {
   kOk = 0,
   kNotFound = 1,
   kInvalidArgument = 2,
-  kNoSpace = 3,            // no tier (or node) has room for the object
-  kUnavailable = 4,        // peer down, connection lost, tier not present
-  kTimeout = 5,            // the deadline passed
-  kIOError = 6,            // disk or device failure
-  kCorruption = 7,         // stored or received bytes failed a check
-  kProtocolError = 8,      // malformed or unexpected message on the wire
-  kPermissionDenied = 9,   // missing or wrong cluster secret
-  kNotSupported = 10,      // feature not compiled in or not available at run time
-  kAborted = 11,           // operation cancelled (shutdown, superseded)
-  kInternal = 12,          // a bug: an invariant did not hold
+  kNoSpace = 3,           // no tier (or node) has room for the object
+  kUnavailable = 4,       // peer down, connection lost, tier not present
+  kTimeout = 5,           // the deadline passed
+  kIOError = 6,           // disk or device failure
+  kCorruption = 7,        // stored or received bytes failed a check
+  kProtocolError = 8,     // malformed or unexpected message on the wire
+  kPermissionDenied = 9,  // missing or wrong cluster secret
+  kNotSupported = 10,     // feature not compiled in or not available at run time
+  kAborted = 11,          // operation cancelled (shutdown, superseded)
+  kInternal = 12,         // a bug: an invariant did not hold
 };
 
 // Returns a stable lower-case name, e.g. "not_found"; used in logs, stats and JSON.
@@ -79,7 +79,7 @@ class [[nodiscard]] Status {
 template <typename T>
 class [[nodiscard]] Result {
  public:
-  Result(T value) : v_(std::move(value)) {}  // NOLINT: implicit by design
+  Result(T value) : v_(std::move(value)) {}        // NOLINT: implicit by design
   Result(Status status) : v_(std::move(status)) {  // NOLINT: implicit by design
     if (std::get<Status>(v_).ok()) v_ = Status::Internal("Result built from an OK status");
   }
@@ -108,9 +108,9 @@ class [[nodiscard]] Result {
 #define GKV_CONCAT_(a, b) GKV_CONCAT_INNER_(a, b)
 
 // Returns the Status from the enclosing function if `expr` is not OK.
-#define GKV_RETURN_IF_ERROR(expr)          \
-  do {                                     \
-    ::gkv::Status gkv_status_ = (expr);    \
+#define GKV_RETURN_IF_ERROR(expr)              \
+  do {                                         \
+    ::gkv::Status gkv_status_ = (expr);        \
     if (!gkv_status_.ok()) return gkv_status_; \
   } while (0)
 

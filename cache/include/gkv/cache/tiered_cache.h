@@ -35,8 +35,8 @@
 #include <string_view>
 #include <vector>
 
-#include "gkv/status.h"
 #include "gkv/cuda.h"
+#include "gkv/status.h"
 #include "gkv/storage/memory_arena.h"
 #include "gkv/tensor.h"
 
@@ -121,8 +121,8 @@ class ReadHandle {
   friend class TieredCache;
   void Release();
   TieredCache* cache_ = nullptr;
-  std::shared_ptr<void> entry_;   // pinned entry (memory tiers)
-  std::string owned_;             // bytes read from disk
+  std::shared_ptr<void> entry_;  // pinned entry (memory tiers)
+  std::string owned_;            // bytes read from disk
   const std::byte* data_ = nullptr;
   MemoryKind kind_ = MemoryKind::kHost;
   ObjectInfo info_;
@@ -151,7 +151,7 @@ class WriteHandle {
   TensorMeta tensor_;
   uint64_t size_ = 0;
   Tier tier_ = Tier::kHost;
-  MemoryArena* arena_ = nullptr;     // memory tiers
+  MemoryArena* arena_ = nullptr;  // memory tiers
   std::byte* data_ = nullptr;
   std::unique_ptr<std::byte[]> staging_;  // objects going straight to disk
   MemoryKind kind_ = MemoryKind::kHost;

@@ -51,8 +51,8 @@ class DiskTier {
  public:
   struct Options {
     std::string path;
-    uint64_t capacity = 0;           // logical bytes; must be > 0
-    uint64_t min_blob_size = 4096;   // values at least this big go to blob files
+    uint64_t capacity = 0;          // logical bytes; must be > 0
+    uint64_t min_blob_size = 4096;  // values at least this big go to blob files
   };
 
   static Result<std::unique_ptr<DiskTier>> Open(const Options& options);
@@ -74,7 +74,8 @@ class DiskTier {
   // Deletes only if the stored version equals `version` (so a newer write is kept).
   Status DeleteIfVersion(std::string_view key, uint64_t version);
   // Calls fn for every stored object, in key order. Stops early if fn returns false.
-  Status ForEach(const std::function<bool(std::string_view key, const StoredObjectMeta&)>& fn) const;
+  Status ForEach(
+      const std::function<bool(std::string_view key, const StoredObjectMeta&)>& fn) const;
   // Flushes memtables and syncs the WAL.
   Status Flush();
 

@@ -11,8 +11,8 @@
 #include <cstdint>
 #include <memory>
 
-#include "gkv/status.h"
 #include "gkv/cuda.h"
+#include "gkv/status.h"
 #include "gkv/storage/range_allocator.h"
 
 namespace gkv {
@@ -53,7 +53,11 @@ class MemoryArena {
  private:
   enum class Backing { kMmap, kCudaPinned, kCudaDevice };
   MemoryArena(MemoryKind kind, Backing backing, int device, std::byte* base, uint64_t size)
-      : kind_(kind), backing_(backing), device_(device), base_(base), mapped_size_(size),
+      : kind_(kind),
+        backing_(backing),
+        device_(device),
+        base_(base),
+        mapped_size_(size),
         allocator_(size) {}
 
   MemoryKind kind_;

@@ -52,7 +52,7 @@ class RangeAllocator {
   uint64_t capacity_;
   uint64_t alignment_;
   uint64_t used_ = 0;
-  std::map<uint64_t, uint64_t> free_by_offset_;          // offset -> size
+  std::map<uint64_t, uint64_t> free_by_offset_;           // offset -> size
   std::set<std::pair<uint64_t, uint64_t>> free_by_size_;  // (size, offset)
   std::unordered_map<uint64_t, uint64_t> allocated_;      // offset -> size
 };

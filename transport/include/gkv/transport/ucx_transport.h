@@ -59,8 +59,8 @@ class Incoming {
   ConnId conn_ = 0;
   unsigned am_id_ = 0;
   std::string header_;
-  std::string copied_;       // eager payload copied during the callback
-  void* ucx_data_ = nullptr; // eager payload kept by UCX, or the rendezvous descriptor
+  std::string copied_;        // eager payload copied during the callback
+  void* ucx_data_ = nullptr;  // eager payload kept by UCX, or the rendezvous descriptor
   size_t length_ = 0;
   bool rndv_ = false;
 };
