@@ -351,7 +351,12 @@ struct UcxTransport::Impl {
       // microseconds, and sleeping in epoll would add a wakeup to every hop.
       const auto now = std::chrono::steady_clock::now();
       if (active) last_activity = now;
-      if (now - last_activity < options.busy_poll) continue;
+      if (now - last_activity < options.busy_poll) {
+        // Spin politely: on a machine with fewer cores than busy threads the thread we are
+        // waiting for may need this core.
+        std::this_thread::yield();
+        continue;
+      }
       ucs_status_t st = ucp_worker_arm(worker);
       if (st == UCS_ERR_BUSY) continue;
       {
