@@ -133,6 +133,11 @@ struct UcxTransport::Impl {
 
   Status Init() {
     ucp_config_t* config = nullptr;
+    // A restarted node must be able to bind its port again at once, while connections of its
+    // previous life sit in TIME_WAIT (UCX leaves SO_REUSEADDR off unless asked). It is a UCT
+    // (tcp connection manager) setting, read from the environment, so it is set there; an
+    // explicit UCX_TCP_CM_REUSEADDR wins.
+    if (options.listen) setenv("UCX_TCP_CM_REUSEADDR", "y", /*overwrite=*/0);
     GKV_RETURN_IF_ERROR(FromUcs(ucp_config_read(nullptr, nullptr, &config), "ucp_config_read"));
     ucp_params_t params{};
     params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;

@@ -33,9 +33,9 @@ namespace gkv {
 struct ClientOptions {
   std::string cluster_file;  // or fill `cluster` directly
   ClusterConfig cluster;     // its `secret`, when set, is presented on every connection
-  // Deadline of a call that does not give its own. Long enough for a 64 MiB value on a loaded
-  // loopback; training jobs that would rather fall back to their own loader use less.
-  std::chrono::milliseconds default_timeout{2000};
+  // Deadline of a call that does not give its own: a dead or hung node costs at most this.
+  // Raise it (per call or here) for values of tens of MiB on slow links.
+  std::chrono::milliseconds default_timeout{500};
   // Base replication: every put (and delete) goes to the key's first `replicas` distinct nodes
   // on the ring; reads go to the first live one of them. 1 = no copies.
   int replicas = 1;
