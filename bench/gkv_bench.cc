@@ -306,19 +306,8 @@ class Bench {
     if (c_.load && c_.ratio_get > 0) Load();
     const auto hits_before = TierHits(*clients_[0]);
 
-    const int nworkers = c_.threads * c_.connections;
-    workers_.resize(nworkers);
-    for (auto& w : workers_) w = std::make_unique<Worker>();
-    std::vector<std::thread> threads;
-    start_ = Clock::now();
-    measure_from_ = start_ + std::chrono::duration_cast<Clock::duration>(
-                                 std::chrono::duration<double>(c_.warmup));
-    for (int i = 0; i < nworkers; ++i) threads.emplace_back([this, i] { WorkerLoop(i); });
-    ProgressLoop();
-    for (auto& t : threads) t.join();
+    Stats all = RunWorkers();
     const auto hits_after = TierHits(*clients_[0]);
-    Stats all;
-    for (auto& w : workers_) all.Merge(w->total);
     std::array<uint64_t, 3> tier_hits;
     for (int t = 0; t < 3; ++t) tier_hits[t] = hits_after[t] - hits_before[t];
     Report(all, tier_hits);
@@ -373,6 +362,14 @@ class Bench {
                   std::chrono::duration<double>(Clock::now() - t0).count(),
                   (unsigned long long)failed.load());
     }
+    Stats all = RunWorkers();
+    Report(all, {0, 0, 0});
+    return all.validation_failures == 0 ? 0 : 1;
+  }
+
+  // Runs threads x connections workers with the progress lines; returns the measured totals.
+  Stats RunWorkers() {
+    const int nworkers = c_.threads * c_.connections;
     workers_.resize(nworkers);
     for (auto& w : workers_) w = std::make_unique<Worker>();
     std::vector<std::thread> threads;
@@ -382,10 +379,10 @@ class Bench {
     for (int i = 0; i < nworkers; ++i) threads.emplace_back([this, i] { WorkerLoop(i); });
     ProgressLoop();
     for (auto& t : threads) t.join();
+    end_ = Clock::now();
     Stats all;
     for (auto& w : workers_) all.Merge(w->total);
-    Report(all, {0, 0, 0});
-    return all.validation_failures == 0 ? 0 : 1;
+    return all;
   }
 
   uint64_t ValueSize(Random& rng) const {
@@ -657,8 +654,7 @@ class Bench {
 
   void Report(const Stats& s, const std::array<uint64_t, 3>& tier_hits) {
     const double secs = std::max(
-        1e-9,
-        std::chrono::duration<double>(Clock::now() - std::max(measure_from_, start_)).count());
+        1e-9, std::chrono::duration<double>(end_ - std::max(measure_from_, start_)).count());
     uint64_t ops = 0, errs = 0;
     for (int i = 0; i < kOpCount; ++i) ops += s.ops[i];
     for (auto& [k, v] : s.errors) errs += v;
@@ -723,7 +719,7 @@ class Bench {
   std::vector<std::unique_ptr<Worker>> workers_;
   std::atomic<uint64_t> issued_{0};
   std::atomic<bool> stop_{false};
-  Clock::time_point start_, measure_from_;
+  Clock::time_point start_, measure_from_, end_;
 };
 
 }  // namespace

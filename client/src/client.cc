@@ -38,6 +38,18 @@ std::shared_ptr<T> Share(T value) {
   return std::make_shared<T>(std::move(value));
 }
 
+// Decodes a reply: its header, then its body with `decode` (which fills the reply status and
+// its own outputs); returns the first failure, else the status the node replied with.
+template <typename Decode>
+Status ParseReply(const Incoming& msg, Decode&& decode) {
+  w::Header h;
+  std::string_view body;
+  w::ReplyStatus rs;
+  GKV_RETURN_IF_ERROR(w::DecodeMessage(msg.header().data(), msg.header().size(), &h, &body));
+  GKV_RETURN_IF_ERROR(decode(body, &rs));
+  return rs.ToStatus();
+}
+
 }  // namespace
 
 struct Client::Impl {
@@ -189,12 +201,9 @@ struct Client::Impl {
   // after it on the endpoint; a refusal fails everything pending on that node.
   void SendHello(int node) {
     auto on_reply = [this, node](const PendingPtr& p, std::unique_ptr<Incoming> msg) {
-      w::Header h;
-      std::string_view body;
-      w::ReplyStatus rs;
-      Status s = w::DecodeMessage(msg->header().data(), msg->header().size(), &h, &body);
-      if (s.ok()) s = w::DecodeStatusReply(body, &rs);
-      if (s.ok()) s = rs.ToStatus();
+      Status s = ParseReply(*msg, [&](std::string_view body, w::ReplyStatus* rs) {
+        return w::DecodeStatusReply(body, rs);
+      });
       Complete(p, [] {});
       if (!s.ok()) FailNode(node, s, false);
     };
@@ -287,13 +296,10 @@ struct Client::Impl {
                  std::function<void(Result<Value>)> done) {
     auto on_reply = [this, user_dst, capacity, dst_kind, done](const PendingPtr& p,
                                                                std::unique_ptr<Incoming> msg) {
-      w::Header h;
-      std::string_view body;
-      w::ReplyStatus rs;
       w::ObjectMeta meta;
-      Status s = w::DecodeMessage(msg->header().data(), msg->header().size(), &h, &body);
-      if (s.ok()) s = w::DecodeObjectReply(body, &rs, &meta);
-      if (s.ok()) s = rs.ToStatus();
+      Status s = ParseReply(*msg, [&](std::string_view body, w::ReplyStatus* rs) {
+        return w::DecodeObjectReply(body, rs, &meta);
+      });
       if (s.ok() && meta.size != msg->payload_size()) {
         s = Status::ProtocolError("reply carries a payload of the wrong size");
       }
@@ -363,13 +369,10 @@ struct Client::Impl {
                  Clock::time_point deadline, std::function<void(Result<uint64_t>)> done) {
     w::PutRequest req{key, o.tensor, size};
     auto on_reply = [this, done, keepalive](const PendingPtr& p, std::unique_ptr<Incoming> msg) {
-      w::Header h;
-      std::string_view body;
-      w::ReplyStatus rs;
       uint64_t version = 0;
-      Status s = w::DecodeMessage(msg->header().data(), msg->header().size(), &h, &body);
-      if (s.ok()) s = w::DecodePutReply(body, &rs, &version);
-      if (s.ok()) s = rs.ToStatus();
+      Status s = ParseReply(*msg, [&](std::string_view body, w::ReplyStatus* rs) {
+        return w::DecodePutReply(body, rs, &version);
+      });
       if (!s.ok()) return Fail(p, s);
       Complete(p, [done, version] { done(version); });
     };
@@ -384,12 +387,9 @@ struct Client::Impl {
                              std::function<void(Result<std::shared_ptr<std::string>>)> done) {
     auto on_reply = [this, done, request_payload](const PendingPtr& p,
                                                   std::unique_ptr<Incoming> msg) {
-      w::Header h;
-      std::string_view rbody;
-      w::ReplyStatus rs;
-      Status s = w::DecodeMessage(msg->header().data(), msg->header().size(), &h, &rbody);
-      if (s.ok()) s = w::DecodeStatusReply(rbody, &rs);
-      if (s.ok()) s = rs.ToStatus();
+      Status s = ParseReply(*msg, [&](std::string_view body, w::ReplyStatus* rs) {
+        return w::DecodeStatusReply(body, rs);
+      });
       if (!s.ok()) return Fail(p, s);
       auto buf = std::make_shared<std::string>();
       buf->resize(msg->payload_size());
@@ -537,12 +537,9 @@ Status Client::Delete(std::string_view key, std::chrono::milliseconds timeout) {
         if (--remaining == 0) all.set_value();
       };
       auto on_reply = [I, finish](const Impl::PendingPtr& p, std::unique_ptr<Incoming> msg) {
-        w::Header h;
-        std::string_view body;
-        w::ReplyStatus rs;
-        Status s = w::DecodeMessage(msg->header().data(), msg->header().size(), &h, &body);
-        if (s.ok()) s = w::DecodeStatusReply(body, &rs);
-        if (s.ok()) s = rs.ToStatus();
+        Status s = ParseReply(*msg, [&](std::string_view body, w::ReplyStatus* rs) {
+          return w::DecodeStatusReply(body, rs);
+        });
         I->Complete(p, [finish, s] { finish(s); });
       };
       I->Issue(nodes[i], w::Opcode::kDelete, 0, w::EncodeKeyRequest(key), nullptr, 0,
@@ -566,13 +563,10 @@ Result<ValueInfo> Client::Stat(std::string_view key, std::chrono::milliseconds t
   auto future = promise.get_future();
   I->transport->Post([&, key = std::string(key)] {
     auto on_reply = [I, &promise](const Impl::PendingPtr& p, std::unique_ptr<Incoming> msg) {
-      w::Header h;
-      std::string_view body;
-      w::ReplyStatus rs;
       w::ObjectMeta meta;
-      Status s = w::DecodeMessage(msg->header().data(), msg->header().size(), &h, &body);
-      if (s.ok()) s = w::DecodeObjectReply(body, &rs, &meta);
-      if (s.ok()) s = rs.ToStatus();
+      Status s = ParseReply(*msg, [&](std::string_view body, w::ReplyStatus* rs) {
+        return w::DecodeObjectReply(body, rs, &meta);
+      });
       if (!s.ok()) return I->Fail(p, s);
       I->Complete(p, [&promise, meta] { promise.set_value(ToInfo(meta)); });
     };
@@ -729,13 +723,10 @@ Result<std::string> Client::Ping(int node, std::chrono::milliseconds timeout) {
   auto future = promise.get_future();
   I->transport->Post([&] {
     auto on_reply = [I, &promise](const Impl::PendingPtr& p, std::unique_ptr<Incoming> msg) {
-      w::Header h;
-      std::string_view body;
-      w::ReplyStatus rs;
       std::string id;
-      Status s = w::DecodeMessage(msg->header().data(), msg->header().size(), &h, &body);
-      if (s.ok()) s = w::DecodePingReply(body, &rs, &id);
-      if (s.ok()) s = rs.ToStatus();
+      Status s = ParseReply(*msg, [&](std::string_view body, w::ReplyStatus* rs) {
+        return w::DecodePingReply(body, rs, &id);
+      });
       if (!s.ok()) return I->Fail(p, s);
       I->Complete(p, [&promise, id] { promise.set_value(id); });
     };
