@@ -2,6 +2,8 @@
 // usable GPU and run in scripts/gpu-check.sh on a GPU machine.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
+
 #include "gkv/cache/tiered_cache.h"
 #include "gkv/cuda.h"
 #include "gkv/random.h"
@@ -14,7 +16,11 @@ namespace {
 class GpuTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (!ProbeCuda().usable) GTEST_SKIP() << "no usable GPU: " << ProbeCuda().reason;
+    if (ProbeCuda().usable) return;
+    // On the GPU machine (scripts/gpu-check.sh run sets GKV_REQUIRE_GPU) a missing GPU is a
+    // broken setup and must fail, not skip.
+    if (std::getenv("GKV_REQUIRE_GPU")) FAIL() << "GKV_REQUIRE_GPU is set: " << ProbeCuda().reason;
+    GTEST_SKIP() << "no usable GPU: " << ProbeCuda().reason;
   }
 };
 
