@@ -2,6 +2,7 @@
 
 #include <cstring>
 #include <queue>
+#include <random>
 #include <unordered_map>
 
 #include "gkv/cuda.h"
@@ -266,14 +267,21 @@ struct Client::Impl {
   void DoGet(std::string key, void* user_dst, size_t capacity, MemoryKind dst_kind,
              Clock::time_point deadline, bool fail_open, std::function<void(Result<Value>)> done) {
     auto nodes = std::make_shared<std::vector<int>>(ring->NodesFor(key, options.replicas));
-    GetFrom(std::move(key), nodes, 0, user_dst, capacity, dst_kind, deadline,
-            [fail_open, done](Result<Value> r) {
-              if (!r.ok() && fail_open && NodeFailure(r.status())) {
-                return done(Status::NotFound("no live node answered (fail-open): " +
-                                             r.status().ToString()));
-              }
-              done(std::move(r));
-            });
+    std::function<void(Result<Value>)> finish = [fail_open, done](Result<Value> r) {
+      if (!r.ok() && fail_open && NodeFailure(r.status())) {
+        return done(Status::NotFound("no live node answered (fail-open): " +
+                                     r.status().ToString()));
+      }
+      done(std::move(r));
+    };
+    auto normal = [this, key, nodes, user_dst, capacity, dst_kind, deadline, finish] {
+      GetFrom(key, nodes, 0, user_dst, capacity, dst_kind, deadline, finish);
+    };
+    if (!hints.empty() &&
+        TryReplicaRead(key, user_dst, capacity, dst_kind, deadline, finish, normal)) {
+      return;
+    }
+    normal();
   }
 
   void GetFrom(std::string key, std::shared_ptr<std::vector<int>> nodes, size_t i, void* user_dst,
@@ -291,15 +299,18 @@ struct Client::Impl {
     GetOnNode(node, key, user_dst, capacity, dst_kind, deadline, next);
   }
 
+  // replica_version != 0: read the copy of exactly that version a replica node holds.
   void GetOnNode(int node, const std::string& key, void* user_dst, size_t capacity,
                  MemoryKind dst_kind, Clock::time_point deadline,
-                 std::function<void(Result<Value>)> done) {
-    auto on_reply = [this, user_dst, capacity, dst_kind, done](const PendingPtr& p,
-                                                               std::unique_ptr<Incoming> msg) {
+                 std::function<void(Result<Value>)> done, uint64_t replica_version = 0) {
+    auto on_reply = [this, key, replica_version, user_dst, capacity, dst_kind, done](
+                        const PendingPtr& p, std::unique_ptr<Incoming> msg) {
       w::ObjectMeta meta;
+      std::vector<uint16_t> hint;
       Status s = ParseReply(*msg, [&](std::string_view body, w::ReplyStatus* rs) {
-        return w::DecodeObjectReply(body, rs, &meta);
+        return w::DecodeObjectReply(body, rs, &meta, &hint);
       });
+      if (s.ok() && replica_version == 0) RememberHint(key, meta.version, std::move(hint));
       if (s.ok() && meta.size != msg->payload_size()) {
         s = Status::ProtocolError("reply carries a payload of the wrong size");
       }
@@ -331,8 +342,63 @@ struct Client::Impl {
                        Complete(p, [value, done] { done(std::move(*value)); });
                      });
     };
+    if (replica_version != 0) {
+      Issue(node, w::Opcode::kGet, w::kFlagReplicaRead, w::EncodeReplicaGet(key, replica_version),
+            nullptr, 0, MemoryKind::kHost, deadline, on_reply, [done](Status s) { done(s); });
+      return;
+    }
     Issue(node, w::Opcode::kGet, 0, w::EncodeKeyRequest(key), nullptr, 0, MemoryKind::kHost,
           deadline, on_reply, [done](Status s) { done(s); });
+  }
+
+  // --- hot-key hints: which nodes hold a copy of which version (worker thread) ---
+  static constexpr auto kHintTtl = std::chrono::seconds(1);
+  struct Hint {
+    std::vector<uint16_t> nodes;
+    uint64_t version = 0;
+    Clock::time_point expires;
+  };
+  std::unordered_map<std::string, Hint> hints;
+  std::mt19937_64 hint_rng{0x9e3779b97f4a7c15ULL};
+
+  void RememberHint(const std::string& key, uint64_t version, std::vector<uint16_t> nodes) {
+    if (nodes.empty()) {
+      hints.erase(key);
+      return;
+    }
+    if (hints.size() > 65536) hints.clear();  // a bounded table of the hot few
+    for (uint16_t n : nodes) {
+      if (n >= cluster.nodes.size()) return;  // a hint from a node with another cluster file
+    }
+    hints[key] = Hint{std::move(nodes), version, Clock::now() + kHintTtl};
+  }
+
+  // Spreads reads of a hinted key over its primary and its copies; a copy that misses or has
+  // gone falls back to the normal path without the caller seeing an error.
+  bool TryReplicaRead(const std::string& key, void* user_dst, size_t capacity,
+                      MemoryKind dst_kind, Clock::time_point deadline,
+                      const std::function<void(Result<Value>)>& done,
+                      const std::function<void()>& fallback) {
+    auto it = hints.find(key);
+    if (it == hints.end()) return false;
+    if (Clock::now() >= it->second.expires) {
+      hints.erase(it);
+      return false;
+    }
+    const Hint& h = it->second;
+    const size_t pick = hint_rng() % (h.nodes.size() + 1);
+    if (pick == 0) return false;  // the primary's turn
+    const int node = h.nodes[pick - 1];
+    if (IsDown(node)) return false;
+    GetOnNode(
+        node, key, user_dst, capacity, dst_kind, deadline,
+        [this, key, done, fallback](Result<Value> r) {
+          if (r.ok()) return done(std::move(r));
+          hints.erase(key);
+          fallback();
+        },
+        h.version);
+    return true;
   }
 
   // Writes to every replica of the key. Succeeds when at least one replica stored it (the

@@ -18,6 +18,8 @@ int main(int argc, char** argv) {
                                      disk_capacity = "16GiB", log_level = "info", listen;
   int threads = 4;
   int metrics_port = 0;
+  double hot_rate = 0, cool_rate = 0, replica_share = 0.10;
+  int hot_replicas = 2;
   std::vector<int> gpus = {0};
   std::string promotion_window_ms = "10000";
   app.add_option("--cluster", cluster_file, "cluster file (YAML)")->required();
@@ -32,6 +34,14 @@ int main(int argc, char** argv) {
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error");
   app.add_option("--metrics-port", metrics_port, "serve Prometheus metrics on this port (/metrics)")
       ->check(CLI::Range(0, 65535));
+  app.add_option("--replicate-hot", hot_rate,
+                 "copy keys read more than this many times a second to other nodes (0: off)");
+  app.add_option("--replicate-cool", cool_rate,
+                 "drop the copies when the rate falls under this (default: a quarter of the hot rate)");
+  app.add_option("--hot-replicas", hot_replicas, "copies of a hot key (next nodes on the ring)")
+      ->check(CLI::Range(1, 16));
+  app.add_option("--replica-share", replica_share,
+                 "share of the GPU and host tiers kept for copies of other nodes' hot keys");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -50,6 +60,10 @@ int main(int argc, char** argv) {
   options.node_id = node_id;
   options.executor_threads = threads;
   options.metrics_port = static_cast<uint16_t>(metrics_port);
+  options.hot_reads_per_s = hot_rate;
+  options.cool_reads_per_s = cool_rate;
+  options.hot_replicas = hot_replicas;
+  options.replica_share = replica_share;
   for (auto [text, out] : {std::pair{&gpu_mem, &options.cache.gpu_capacity},
                            std::pair{&host_mem, &options.cache.host_capacity},
                            std::pair{&disk_capacity, &options.cache.disk_capacity}}) {

@@ -12,6 +12,8 @@
 #include "gkv/size.h"
 #include "gkv/transport/protocol.h"
 #include "gkv/transport/ucx_transport.h"
+#include "gkv/hash.h"
+#include "hot_keys.h"
 #include "server_stats.h"
 #include "thread_pool.h"
 
@@ -57,6 +59,37 @@ struct Server::Impl {
   std::atomic<int64_t> in_flight{0};
   ServerCounters counters;
   std::once_flag stop_once;
+
+  // --- adaptive replication ---
+  std::unique_ptr<TieredCache> replica_cache;  // copies held for other primaries (memory only)
+  std::unique_ptr<HashRing> ring;
+  int self_index = 0;
+  HotKeySketch sketch;
+  struct ReplicaSet {
+    std::vector<int> nodes;  // nodes holding a copy of `version`
+    uint64_t version = 0;
+    bool pending = true;     // copies being made; no hints until done
+    bool cancelled = false;  // written meanwhile: the copies are dropped when they land
+  };
+  std::unordered_map<std::string, ReplicaSet> registry;       // as primary
+  // Keys whose copies a write just invalidated: not copied again until then, so a key that is
+  // written often does not churn copies on every write.
+  std::unordered_map<std::string, Clock::time_point> copy_again_after;
+  std::unordered_map<std::string, uint64_t> replica_version;  // as replica: version held
+  std::unordered_map<std::string, uint64_t> replica_floor;    // as replica: invalidated up to
+  struct PeerCall {
+    int node;
+    Clock::time_point deadline;
+    std::function<void(Status, std::string_view body)> done;
+  };
+  std::vector<ConnId> peer_conn;
+  std::unordered_map<ConnId, int> peer_of_conn;
+  std::unordered_map<uint64_t, PeerCall> peer_calls;
+  uint64_t next_peer_call = 1;
+  std::vector<std::pair<Clock::time_point, std::function<void()>>> timers;
+  Clock::time_point last_decay = Clock::now();
+
+  bool replication_on() const { return options.hot_reads_per_s > 0; }
 
   // I/O-thread state.
   std::unordered_map<ConnId, bool> authenticated;
@@ -106,7 +139,8 @@ struct Server::Impl {
 
   // --- dispatch (I/O thread) ---
   void OnMessage(std::unique_ptr<Incoming> msg) {
-    if (msg->am_id() != w::kAmRequest) return;  // a server never expects replies
+    if (msg->am_id() == w::kAmReply) return OnPeerReply(std::move(msg));  // replication calls
+    if (msg->am_id() != w::kAmRequest) return;
     Req r;
     r.conn = msg->conn();
     r.start = Clock::now();
@@ -148,6 +182,10 @@ struct Server::Impl {
         return HandleMultiPut(r, std::move(msg));
       case w::Opcode::kStats:
         return HandleStats(r);
+      case w::Opcode::kReplicaPut:
+        return HandleReplicaPut(r, body, std::move(msg));
+      case w::Opcode::kInvalidate:
+        return HandleInvalidate(r, body);
     }
   }
 
@@ -203,8 +241,10 @@ struct Server::Impl {
         uint64_t version = 0;
         if ((op->req.h.flags & w::kFlagDurable) == 0 &&
             cache->TryCommitInMemory(&op->handle, &version) == TieredCache::FastPath::kServed) {
-          return Reply(op->req, Status::OK(), w::EncodePutReply(Status::OK(), version), nullptr, 0,
-                       MemoryKind::kHost, nullptr);
+          return AfterWrite({op->put.key}, [this, op, version] {
+            Reply(op->req, Status::OK(), w::EncodePutReply(Status::OK(), version), nullptr, 0,
+                  MemoryKind::kHost, nullptr);
+          });
         }
         executors->Submit([this, op] { CommitAndReply(op); });
       });
@@ -259,21 +299,39 @@ struct Server::Impl {
         s = v.status();
     }
     PostReply([this, op, s, version] {
-      Reply(op->req, s, w::EncodePutReply(s, version), nullptr, 0, MemoryKind::kHost, nullptr);
+      AfterWrite({op->put.key}, [this, op, s, version] {
+        Reply(op->req, s, w::EncodePutReply(s, version), nullptr, 0, MemoryKind::kHost, nullptr);
+      });
     });
   }
 
-  void SendObject(const Req& r, std::shared_ptr<ReadHandle> handle, const void* data,
-                  MemoryKind kind, std::shared_ptr<std::string> staging) {
+  // Nodes holding a copy of exactly `version` of `key`, for the GET reply's hint.
+  std::vector<uint16_t> HintFor(const std::string& key, uint64_t version) const {
+    std::vector<uint16_t> hint;
+    auto it = registry.find(key);
+    if (it == registry.end() || it->second.pending || it->second.cancelled ||
+        it->second.version != version) {
+      return hint;
+    }
+    for (int n : it->second.nodes) hint.push_back(static_cast<uint16_t>(n));
+    return hint;
+  }
+
+  void SendObject(const Req& r, const std::string& key, std::shared_ptr<ReadHandle> handle,
+                  const void* data, MemoryKind kind, std::shared_ptr<std::string> staging) {
     // The handle keeps the entry pinned until UCX is done with its bytes.
-    Reply(r, Status::OK(), w::EncodeObjectReply(Status::OK(), ToWire(handle->info())), data,
-          handle->size(), kind, [handle, staging] {});
+    Reply(r, Status::OK(),
+          w::EncodeObjectReply(Status::OK(), ToWire(handle->info()),
+                               HintFor(key, handle->info().version)),
+          data, handle->size(), kind, [handle, staging] {});
   }
 
   void HandleGet(const Req& r, std::string_view body) {
+    if (r.h.flags & w::kFlagReplicaRead) return HandleReplicaGet(r, body);
     std::string key;
     Status s = w::DecodeKeyRequest(body, &key);
     if (!s.ok()) return ReplyStatus(r, s);
+    if (replication_on()) CountRead(key);
     // Hot path: an object in host memory (or in GPU memory that UCX can send) is answered right
     // here on the I/O thread; anything that may block goes to an executor.
     {
@@ -286,7 +344,7 @@ struct Server::Impl {
       if (fp == TieredCache::FastPath::kServed &&
           (fast.memory_kind() == MemoryKind::kHost || transport->device_memory_supported())) {
         auto handle = std::make_shared<ReadHandle>(std::move(fast));
-        return SendObject(r, handle, handle->data(), handle->memory_kind(), nullptr);
+        return SendObject(r, key, handle, handle->data(), handle->memory_kind(), nullptr);
       }
     }
     executors->Submit([this, r, key = std::move(key)] {
@@ -309,8 +367,9 @@ struct Server::Impl {
         data = staging->data();
         kind = MemoryKind::kHost;
       }
-      PostReply(
-          [this, r, handle, staging, data, kind] { SendObject(r, handle, data, kind, staging); });
+      PostReply([this, r, key, handle, staging, data, kind] {
+        SendObject(r, key, handle, data, kind, staging);
+      });
     });
   }
 
@@ -321,7 +380,8 @@ struct Server::Impl {
     executors->Submit([this, r, key = std::move(key)] {
       if (r.h.opcode == w::Opcode::kDelete) {
         Status ds = cache->Delete(key);
-        return PostReply([this, r, ds] { ReplyStatus(r, ds); });
+        return PostReply(
+            [this, r, ds, key] { AfterWrite({key}, [this, r, ds] { ReplyStatus(r, ds); }); });
       }
       auto st = cache->Stat(key);
       Status status = st.status();
@@ -395,14 +455,18 @@ struct Server::Impl {
         off += items[i].size;
       }
       auto payload = std::make_shared<std::string>(w::EncodeBatchPutResults(results));
-      PostReply([this, r, payload] { ReplyPayload(r, payload); });
+      std::vector<std::string> keys;
+      for (auto& it : items) keys.push_back(it.key);
+      PostReply([this, r, payload, keys = std::move(keys)] {
+        AfterWrite(keys, [this, r, payload] { ReplyPayload(r, payload); });
+      });
     });
   }
 
   void HandleStats(const Req& r) {
     executors->Submit([this, r] {
-      auto payload =
-          std::make_shared<std::string>(RenderStatsJson(self.id, cache->GetStats(), counters));
+      auto payload = std::make_shared<std::string>(RenderStatsJson(
+          self.id, cache->GetStats(), counters, replica_cache ? replica_cache->GetStats() : CacheStats{}));
       PostReply([this, r, payload] { ReplyPayload(r, payload); });
     });
   }
@@ -410,6 +474,13 @@ struct Server::Impl {
   // I/O thread, every loop: one log line when the node is under eviction pressure.
   void OnTick() {
     const auto now = Clock::now();
+    if (!peer_calls.empty()) ExpirePeerCalls(now);
+    if (!timers.empty()) RunTimers(now);
+    if (replication_on() && now - last_decay >= std::chrono::seconds(1)) {
+      last_decay = now;
+      sketch.Decay();
+      CoolDown();
+    }
     if (now - last_pressure_check < std::chrono::seconds(10)) return;
     last_pressure_check = now;
     executors->Submit([this] {
@@ -431,10 +502,327 @@ struct Server::Impl {
     });
   }
 
+  // ---------------- adaptive replication (I/O thread unless noted) ----------------
+
+  // Counts a read of a key this node serves as primary; starts copying it when it turns hot.
+  void CountRead(const std::string& key) {
+    const uint32_t est = sketch.Add(HashKey(key));
+    // Decay halves the counts every second: a steady R reads/s settles near 2R.
+    if (est < 2 * options.hot_reads_per_s || registry.find(key) != registry.end()) return;
+    auto wait = copy_again_after.find(key);
+    if (wait != copy_again_after.end()) {
+      if (Clock::now() < wait->second) return;
+      copy_again_after.erase(wait);
+    }
+    StartReplication(key);
+  }
+
+  std::vector<int> ReplicaTargets(const std::string& key) const {
+    std::vector<int> out;
+    for (int n : ring->NodesFor(key, options.hot_replicas + 1)) {
+      if (n != self_index && static_cast<int>(out.size()) < options.hot_replicas) out.push_back(n);
+    }
+    return out;
+  }
+
+  void StartReplication(const std::string& key) {
+    std::vector<int> targets = ReplicaTargets(key);
+    if (targets.empty()) return;
+    registry[key] = ReplicaSet{};
+    executors->Submit([this, key, targets] {
+      auto got = cache->Acquire(key);
+      if (!got.ok()) {
+        return PostReply([this, key] { registry.erase(key); });
+      }
+      auto bytes = std::make_shared<std::string>(got->size(), '\0');
+      Status cs = cache->CopyBytes(bytes->data(), MemoryKind::kHost, got->data(),
+                                   got->memory_kind(), got->size());
+      const ObjectInfo info = got->info();
+      *got = ReadHandle();
+      PostReply([this, key, targets, bytes, info, cs] {
+        if (!cs.ok()) {
+          registry.erase(key);
+          return;
+        }
+        auto results = std::make_shared<std::vector<int>>();
+        auto remaining = std::make_shared<size_t>(targets.size());
+        for (int node : targets) {
+          std::string body = w::EncodeReplicaPut({key, info.tensor, info.size}, info.version);
+          CallPeer(node, w::Opcode::kReplicaPut, std::move(body), bytes,
+                   [this, key, node, info, results, remaining, bytes](Status s, std::string_view) {
+                     if (s.ok()) results->push_back(node);
+                     if (--*remaining == 0) ReplicationDone(key, info.version, *results);
+                   });
+        }
+      });
+    });
+  }
+
+  void ReplicationDone(const std::string& key, uint64_t version, const std::vector<int>& nodes) {
+    auto it = registry.find(key);
+    if (it == registry.end()) return;
+    if (it->second.cancelled || nodes.empty()) {
+      // Written while the copies were made: they are of an old version and never hinted;
+      // drop them anyway so they do not take replica room.
+      for (int n : nodes) CallPeer(n, w::Opcode::kInvalidate, w::EncodeInvalidate(key, version), nullptr, [](Status, std::string_view) {});
+      registry.erase(it);
+      return;
+    }
+    it->second.pending = false;
+    it->second.nodes = nodes;
+    it->second.version = version;
+    counters.replicas_created.fetch_add(nodes.size(), std::memory_order_relaxed);
+    std::string list;
+    for (int n : nodes) list += (list.empty() ? "" : ",") + options.cluster.nodes[n].id;
+    GKV_LOG_INFO("replicating hot key '{}' (version {}) to {}", key, version, list);
+  }
+
+  // Before a write or delete of `keys` is acknowledged: every copy of an older version becomes
+  // unreadable. Runs `reply` when that holds (at once for keys that are not replicated).
+  void AfterWrite(const std::vector<std::string>& keys, std::function<void()> reply) {
+    if (registry.empty()) return reply();
+    auto remaining = std::make_shared<size_t>(1);
+    auto any_failed = std::make_shared<bool>(false);
+    auto finish = [this, remaining, any_failed, reply] {
+      if (--*remaining > 0) return;
+      if (!*any_failed) return reply();
+      // A replica node that did not confirm may still serve clients holding a hint; hints live
+      // kHintTtl on the client, so wait that out (plus a deadline's margin) before acknowledging.
+      timers.push_back({Clock::now() + std::chrono::milliseconds(1500), reply});
+    };
+    for (const std::string& key : keys) {
+      auto it = registry.find(key);
+      if (it == registry.end()) continue;
+      copy_again_after[key] = Clock::now() + std::chrono::seconds(2);
+      if (it->second.pending) {
+        it->second.cancelled = true;
+        continue;
+      }
+      const ReplicaSet set = it->second;
+      registry.erase(it);
+      counters.replicas_dropped.fetch_add(set.nodes.size(), std::memory_order_relaxed);
+      for (int n : set.nodes) {
+        ++*remaining;
+        CallPeer(n, w::Opcode::kInvalidate, w::EncodeInvalidate(key, set.version), nullptr,
+                 [finish, any_failed](Status s, std::string_view) {
+                   if (!s.ok()) *any_failed = true;
+                   finish();
+                 });
+      }
+    }
+    finish();
+  }
+
+  // Once a second, after the decay: copies of keys that cooled down are dropped.
+  void CoolDown() {
+    const double cool = options.cool_reads_per_s > 0 ? options.cool_reads_per_s
+                                                     : options.hot_reads_per_s / 4;
+    const auto now = Clock::now();
+    for (auto it = copy_again_after.begin(); it != copy_again_after.end();) {
+      it = it->second <= now ? copy_again_after.erase(it) : std::next(it);
+    }
+    std::vector<std::string> cold;
+    for (auto& [key, set] : registry) {
+      if (!set.pending && sketch.Estimate(HashKey(key)) < 2 * cool) cold.push_back(key);
+    }
+    for (const std::string& key : cold) {
+      ReplicaSet set = registry[key];
+      registry.erase(key);
+      counters.replicas_dropped.fetch_add(set.nodes.size(), std::memory_order_relaxed);
+      GKV_LOG_INFO("dropping the copies of cooled key '{}' (version {})", key, set.version);
+      for (int n : set.nodes) {
+        CallPeer(n, w::Opcode::kInvalidate, w::EncodeInvalidate(key, set.version), nullptr,
+                 [](Status, std::string_view) {});
+      }
+    }
+  }
+
+  static std::string ReplicaKey(const std::string& key, uint64_t version) {
+    std::string k = key;
+    k.push_back('\0');
+    k.append(reinterpret_cast<const char*>(&version), sizeof version);
+    return k;
+  }
+
+  // As a replica node: install a copy (unless a newer invalidation already covers it).
+  void HandleReplicaPut(const Req& r, std::string_view body, std::unique_ptr<Incoming> msg) {
+    w::PutRequest put;
+    uint64_t version = 0;
+    Status s = w::DecodeReplicaPut(body, &put, &version);
+    if (s.ok() && put.size != msg->payload_size()) s = Status::ProtocolError("replica size mismatch");
+    if (s.ok() && !replica_cache) s = Status::NotSupported("replication is off on this node");
+    if (!s.ok()) return ReplyStatus(r, s);
+    auto buf = std::make_shared<std::string>(put.size, '\0');
+    transport->Receive(std::move(msg), buf->data(), MemoryKind::kHost,
+                       [this, r, put, version, buf](Status rs) {
+                         if (!rs.ok()) return ReplyStatus(r, rs);
+                         auto fl = replica_floor.find(put.key);
+                         if (fl != replica_floor.end() && fl->second >= version) {
+                           return ReplyStatus(r, Status::OK());  // already invalidated
+                         }
+                         executors->Submit([this, r, put, version, buf] {
+                           auto p = replica_cache->Put(ReplicaKey(put.key, version), buf->data(),
+                                                       put.size, put.tensor);
+                           Status ps = p.status();
+                           PostReply([this, r, put, version, ps] {
+                             if (ps.ok()) InstallReplica(put.key, version);
+                             ReplyStatus(r, ps);
+                           });
+                         });
+                       });
+  }
+
+  void InstallReplica(const std::string& key, uint64_t version) {
+    auto fl = replica_floor.find(key);
+    uint64_t& current = replica_version[key];
+    if ((fl != replica_floor.end() && fl->second >= version) || current > version) {
+      DropReplicaCopy(key, version);  // landed after its invalidation, or older than what we hold
+      return;
+    }
+    if (current != 0 && current != version) DropReplicaCopy(key, current);
+    current = version;
+    counters.replica_installs.fetch_add(1, std::memory_order_relaxed);
+  }
+
+  void DropReplicaCopy(const std::string& key, uint64_t version) {
+    executors->Submit([this, rk = ReplicaKey(key, version)] { (void)replica_cache->Delete(rk); });
+  }
+
+  void HandleInvalidate(const Req& r, std::string_view body) {
+    std::string key;
+    uint64_t version = 0;
+    Status s = w::DecodeInvalidate(body, &key, &version);
+    if (!s.ok()) return ReplyStatus(r, s);
+    uint64_t& floor = replica_floor[key];
+    floor = std::max(floor, version);
+    auto it = replica_version.find(key);
+    if (it != replica_version.end() && it->second <= floor) {
+      if (replica_cache) DropReplicaCopy(key, it->second);
+      replica_version.erase(it);
+    }
+    ReplyStatus(r, Status::OK());
+  }
+
+  // As a replica node: serve a copy only for the exact version the client's hint named, and
+  // never one an invalidation has covered.
+  void HandleReplicaGet(const Req& r, std::string_view body) {
+    std::string key;
+    uint64_t version = 0;
+    Status s = w::DecodeReplicaGet(body, &key, &version);
+    if (!s.ok()) return ReplyStatus(r, s);
+    Status miss = Status::NotFound("no replica of that version here");
+    auto it = replica_version.find(key);
+    auto fl = replica_floor.find(key);
+    ReadHandle h;
+    if (!replica_cache || it == replica_version.end() || it->second != version ||
+        (fl != replica_floor.end() && fl->second >= version) ||
+        replica_cache->TryAcquireFromMemory(ReplicaKey(key, version), &h) !=
+            TieredCache::FastPath::kServed ||
+        (h.memory_kind() == MemoryKind::kDevice && !transport->device_memory_supported())) {
+      return Reply(r, miss, w::EncodeObjectReply(miss, {}), nullptr, 0, MemoryKind::kHost, nullptr);
+    }
+    counters.replica_reads.fetch_add(1, std::memory_order_relaxed);
+    auto handle = std::make_shared<ReadHandle>(std::move(h));
+    w::ObjectMeta meta = ToWire(handle->info());
+    meta.version = version;  // the primary's version, not this cache's own counter
+    Reply(r, Status::OK(), w::EncodeObjectReply(Status::OK(), meta), handle->data(),
+          handle->size(), handle->memory_kind(), [handle] {});
+  }
+
+  // --- requests to peer nodes ---
+  Result<ConnId> PeerConn(int node) {
+    if (peer_conn[node] != 0 && transport->IsOpen(peer_conn[node])) return peer_conn[node];
+    const NodeInfo& n = options.cluster.nodes[node];
+    GKV_ASSIGN_OR_RETURN(ConnId conn, transport->Connect(n.host, n.port));
+    peer_conn[node] = conn;
+    peer_of_conn[conn] = node;
+    if (!options.cluster.secret.empty()) {
+      transport->Send(conn, w::kAmRequest,
+                      w::EncodeMessage({w::Opcode::kHello, 0, 0},
+                                       w::EncodeHello(options.cluster.secret)),
+                      nullptr, 0, MemoryKind::kHost, [](Status) {});
+    }
+    return conn;
+  }
+
+  void CallPeer(int node, w::Opcode op, std::string body, std::shared_ptr<std::string> payload,
+                std::function<void(Status, std::string_view)> done) {
+    auto conn = PeerConn(node);
+    if (!conn.ok()) return done(conn.status(), {});
+    const uint64_t id = next_peer_call++;
+    peer_calls[id] = PeerCall{node, Clock::now() + std::chrono::milliseconds(500), done};
+    transport->Send(*conn, w::kAmRequest, w::EncodeMessage({op, 0, id}, body),
+                    payload ? payload->data() : nullptr, payload ? payload->size() : 0,
+                    MemoryKind::kHost, [this, id, payload](Status s) {
+                      if (s.ok() || s.code() == StatusCode::kAborted) return;
+                      auto it = peer_calls.find(id);
+                      if (it == peer_calls.end()) return;
+                      auto cb = std::move(it->second.done);
+                      peer_calls.erase(it);
+                      cb(s, {});
+                    });
+  }
+
+  void OnPeerReply(std::unique_ptr<Incoming> msg) {
+    w::Header h;
+    std::string_view body;
+    if (!w::DecodeMessage(msg->header().data(), msg->header().size(), &h, &body).ok()) return;
+    auto it = peer_calls.find(h.request_id);
+    if (it == peer_calls.end()) return;
+    auto cb = std::move(it->second.done);
+    peer_calls.erase(it);
+    w::ReplyStatus rs;
+    Status s = w::DecodeStatusReply(body, &rs);
+    cb(s.ok() ? rs.ToStatus() : s, body);
+  }
+
+  void ExpirePeerCalls(Clock::time_point now) {
+    std::vector<uint64_t> expired;
+    for (auto& [id, call] : peer_calls) {
+      if (call.deadline <= now) expired.push_back(id);
+    }
+    for (uint64_t id : expired) {
+      auto cb = std::move(peer_calls[id].done);
+      peer_calls.erase(id);
+      cb(Status::Timeout("peer did not answer"), {});
+    }
+  }
+
+  void RunTimers(Clock::time_point now) {
+    std::vector<std::function<void()>> due;
+    for (auto it = timers.begin(); it != timers.end();) {
+      if (it->first <= now) {
+        due.push_back(std::move(it->second));
+        it = timers.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    for (auto& fn : due) fn();
+  }
+
+  void OnPeerDisconnect(ConnId conn) {
+    auto it = peer_of_conn.find(conn);
+    if (it == peer_of_conn.end()) return;
+    const int node = it->second;
+    peer_of_conn.erase(it);
+    if (peer_conn[node] == conn) peer_conn[node] = 0;
+    std::vector<uint64_t> failed;
+    for (auto& [id, call] : peer_calls) {
+      if (call.node == node) failed.push_back(id);
+    }
+    for (uint64_t id : failed) {
+      auto cb = std::move(peer_calls[id].done);
+      peer_calls.erase(id);
+      cb(Status::Unavailable("peer connection lost"), {});
+    }
+  }
+
   Status StartMetrics() {
     metrics_http = std::make_unique<httplib::Server>();
     metrics_http->Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
-      res.set_content(RenderPrometheus(self.id, cache->GetStats(), counters),
+      res.set_content(RenderPrometheus(self.id, cache->GetStats(), counters,
+                                       replica_cache ? replica_cache->GetStats() : CacheStats{}),
                       "text/plain; version=0.0.4");
     });
     metrics_bound_port = options.metrics_port;
@@ -459,7 +847,28 @@ Result<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
     return Status::InvalidArgument("node '" + options.node_id + "' is not in the cluster file");
   }
   impl->self = options.cluster.nodes[idx];
-  auto cache = TieredCache::Open(options.cache);
+  impl->self_index = idx;
+  impl->ring = std::make_unique<HashRing>(options.cluster.nodes);
+  impl->peer_conn.assign(options.cluster.nodes.size(), 0);
+  CacheOptions own = options.cache;
+  if (options.hot_reads_per_s > 0) {
+    if (options.replica_share <= 0 || options.replica_share >= 1 || options.hot_replicas < 1) {
+      return Status::InvalidArgument("replica share must be in (0, 1) and hot replicas >= 1");
+    }
+    // Copies held for other primaries get their own share of each memory tier and no disk.
+    CacheOptions rep = options.cache;
+    rep.gpu_capacity = static_cast<uint64_t>(options.cache.gpu_capacity * options.replica_share);
+    rep.host_capacity = static_cast<uint64_t>(options.cache.host_capacity * options.replica_share);
+    rep.disk_path.clear();
+    rep.disk_capacity = 0;
+    rep.max_key_size = options.cache.max_key_size + 9;  // key, a zero byte, the version
+    own.gpu_capacity -= rep.gpu_capacity;
+    own.host_capacity -= rep.host_capacity;
+    auto rc = TieredCache::Open(rep);
+    if (!rc.ok()) return rc.status().WithContext("opening the replica cache");
+    impl->replica_cache = std::move(*rc);
+  }
+  auto cache = TieredCache::Open(own);
   if (!cache.ok()) return cache.status().WithContext("opening the cache");
   impl->cache = std::move(*cache);
   impl->executors = std::make_unique<ThreadPool>(std::max(1, options.executor_threads));
@@ -476,6 +885,7 @@ Result<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
   };
   handlers.on_disconnect = [raw](ConnId id, const Status& s) {
     raw->authenticated.erase(id);
+    raw->OnPeerDisconnect(id);
     GKV_LOG_DEBUG("client connection {} closed: {}", id, s.ToString());
   };
   handlers.on_tick = [raw] { raw->OnTick(); };

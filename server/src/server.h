@@ -10,6 +10,11 @@
 // -> worker: reply with the new version.
 // Shutdown (Stop): new requests get Unavailable, in-flight ones finish, the cache writes back
 // memory entries to disk (Flush), then the transport and the cache close.
+// Adaptive replication (docs/ARCHITECTURE.md, "Hot keys"): the primary counts reads in a
+// decaying sketch, copies a hot key's current version to the next nodes on the ring
+// (REPLICA_PUT), and hints those nodes in its GET replies; clients then spread reads over them.
+// A write or delete of a replicated key makes every copy unreadable (INVALIDATE) before it is
+// acknowledged. Replica nodes serve a copy only for the exact version a hint named.
 // Access control: when the cluster file has a secret, a connection's first message must be a
 // HELLO carrying it; anything else (or a wrong secret) gets PermissionDenied, is counted, and the
 // connection is closed. The secret is never logged.
@@ -38,6 +43,16 @@ struct ServerOptions {
   // Largest batch request or batch reply payload the node buffers (MGET/MPUT); larger ones are
   // refused with NoSpace so a client can't make the node allocate without bound.
   uint64_t max_batch_bytes = 256ull << 20;
+
+  // Adaptive replication of hot keys; off while hot_reads_per_s is 0. A key this node owns that
+  // is read more than hot_reads_per_s is copied to the next `hot_replicas` nodes on the ring;
+  // the copies are dropped when its rate falls under cool_reads_per_s (default a quarter of the
+  // hot rate: hysteresis). Copies this node holds for others live in their own memory budget,
+  // `replica_share` of the GPU and host tiers, so they never take room from the node's own data.
+  double hot_reads_per_s = 0;
+  double cool_reads_per_s = 0;
+  int hot_replicas = 2;
+  double replica_share = 0.10;
 };
 
 class Server {

@@ -9,7 +9,7 @@ namespace w = wire;
 namespace {
 
 constexpr int kFirstOp = static_cast<int>(w::Opcode::kPing);
-constexpr int kLastOp = static_cast<int>(w::Opcode::kHello);
+constexpr int kLastOp = static_cast<int>(w::Opcode::kInvalidate);
 
 std::string TierLabel(int t) { return std::string(TierName(static_cast<gkv::Tier>(t))); }
 
@@ -30,7 +30,7 @@ uint64_t TierMisses(const CacheStats& c, int t) {
 }  // namespace
 
 std::string RenderStatsJson(const std::string& node_id, const CacheStats& st,
-                            const ServerCounters& counters) {
+                            const ServerCounters& counters, const CacheStats& rep) {
   std::string j = "{\"node\":\"" + node_id + "\",\"tiers\":{";
   for (int t = 0; t < kTierCount; ++t) {
     const TierStats& ts = st.tiers[t];
@@ -76,7 +76,18 @@ std::string RenderStatsJson(const std::string& node_id, const CacheStats& st,
     j += "\"" + std::string(StatusCodeName(static_cast<StatusCode>(c))) +
          "\":" + std::to_string(counters.errors[c].load());
   }
-  j += "},\"latency_us\":{";
+  j += "},\"replication\":{\"created\":" + std::to_string(counters.replicas_created.load());
+  j += ",\"dropped\":" + std::to_string(counters.replicas_dropped.load());
+  j += ",\"installed\":" + std::to_string(counters.replica_installs.load());
+  j += ",\"reads_served\":" + std::to_string(counters.replica_reads.load());
+  j += ",\"tiers\":{";
+  for (int t = 0; t < 2; ++t) {
+    if (t) j += ",";
+    j += "\"" + TierLabel(t) + "\":{\"capacity_bytes\":" + std::to_string(rep.tiers[t].capacity) +
+         ",\"used_bytes\":" + std::to_string(rep.tiers[t].used_bytes) +
+         ",\"objects\":" + std::to_string(rep.tiers[t].objects) + "}";
+  }
+  j += "}},\"latency_us\":{";
   first = true;
   for (int op = kFirstOp; op <= kLastOp; ++op) {
     Histogram h = counters.LatencyOf(op);
@@ -93,7 +104,7 @@ std::string RenderStatsJson(const std::string& node_id, const CacheStats& st,
 }
 
 std::string RenderPrometheus(const std::string& node_id, const CacheStats& st,
-                             const ServerCounters& counters) {
+                             const ServerCounters& counters, const CacheStats& rep) {
   std::string o;
   const std::string node = "node=\"" + node_id + "\"";
   auto family = [&](const char* name, const char* type, const char* help) {
@@ -173,6 +184,16 @@ std::string RenderPrometheus(const std::string& node_id, const CacheStats& st,
   sample("gkv_auth_failures_total", "", counters.auth_failures.load());
   family("gkv_connections_accepted_total", "counter", "Connections accepted.");
   sample("gkv_connections_accepted_total", "", counters.connections_accepted.load());
+  family("gkv_replicas_created_total", "counter", "Copies of this node's hot keys made on other nodes.");
+  sample("gkv_replicas_created_total", "", counters.replicas_created.load());
+  family("gkv_replicas_dropped_total", "counter", "Copies withdrawn (cooled down, or invalidated by a write).");
+  sample("gkv_replicas_dropped_total", "", counters.replicas_dropped.load());
+  family("gkv_replica_reads_total", "counter", "Reads this node served from copies it holds for other primaries.");
+  sample("gkv_replica_reads_total", "", counters.replica_reads.load());
+  family("gkv_replica_used_bytes", "gauge", "Bytes of copies held for other primaries, by tier.");
+  for (int t = 0; t < 2; ++t) {
+    sample("gkv_replica_used_bytes", "tier=\"" + TierLabel(t) + "\"", rep.tiers[t].used_bytes);
+  }
   family("gkv_requests_total", "counter", "Requests received, by operation.");
   for (int op = kFirstOp; op <= kLastOp; ++op) {
     sample("gkv_requests_total",

@@ -24,6 +24,10 @@ struct ServerCounters {
   std::atomic<uint64_t> protocol_errors{0};
   std::atomic<uint64_t> auth_failures{0};
   std::atomic<uint64_t> connections_accepted{0};
+  // Adaptive replication: copies this node made of its hot keys (created) and withdrew (dropped),
+  // copies it installed for other primaries, and reads it served from those copies.
+  std::atomic<uint64_t> replicas_created{0}, replicas_dropped{0};
+  std::atomic<uint64_t> replica_installs{0}, replica_reads{0};
 
   void RecordLatency(wire::Opcode op, uint64_t ns) {
     std::lock_guard<std::mutex> lock(latency_mu);
@@ -39,9 +43,10 @@ struct ServerCounters {
   Histogram latency[kOpSlots];
 };
 
+// `replicas` is the cache of copies held for other primaries (all zero when replication is off).
 std::string RenderStatsJson(const std::string& node_id, const CacheStats& cache,
-                            const ServerCounters& counters);
+                            const ServerCounters& counters, const CacheStats& replicas);
 std::string RenderPrometheus(const std::string& node_id, const CacheStats& cache,
-                             const ServerCounters& counters);
+                             const ServerCounters& counters, const CacheStats& replicas);
 
 }  // namespace gkv

@@ -96,7 +96,7 @@ Status DecodeMessage(const void* data, size_t size, Header* h, std::string_view*
                                  " is not supported (this side speaks 1)");
   }
   if (opcode < static_cast<uint8_t>(Opcode::kPing) ||
-      opcode > static_cast<uint8_t>(Opcode::kHello)) {
+      opcode > static_cast<uint8_t>(Opcode::kInvalidate)) {
     return Status::ProtocolError("unknown opcode " + std::to_string(opcode));
   }
   if (body_len != r.remaining()) {
@@ -215,20 +215,73 @@ Status DecodeStatusReply(std::string_view body, ReplyStatus* status) {
   return Status::OK();
 }
 
-std::string EncodeObjectReply(const Status& s, const ObjectMeta& meta) {
+std::string EncodeObjectReply(const Status& s, const ObjectMeta& meta,
+                              const std::vector<uint16_t>& replica_hint) {
   std::string out;
   ByteWriter w(&out);
   WriteStatus(w, s);
-  if (s.ok()) WriteMeta(w, meta);
+  if (s.ok()) {
+    WriteMeta(w, meta);
+    if (!replica_hint.empty()) {
+      w.U8(static_cast<uint8_t>(replica_hint.size()));
+      for (uint16_t n : replica_hint) w.U16(n);
+    }
+  }
   return out;
 }
 
-Status DecodeObjectReply(std::string_view body, ReplyStatus* status, ObjectMeta* meta) {
+Status DecodeObjectReply(std::string_view body, ReplyStatus* status, ObjectMeta* meta,
+                         std::vector<uint16_t>* replica_hint) {
   ByteReader r(body);
   if (!ReadStatus(r, status)) return Malformed("object reply");
   if (status->code == StatusCode::kOk && !ReadMeta(r, meta)) return Malformed("object reply");
+  if (status->code == StatusCode::kOk && r.remaining() > 0) {
+    uint8_t n = 0;
+    if (!r.U8(&n) || r.remaining() != 2u * n) return Malformed("object reply (replica hint)");
+    std::vector<uint16_t> nodes(n);
+    for (auto& v : nodes) r.U16(&v);
+    if (replica_hint) *replica_hint = std::move(nodes);
+  }
   if (r.remaining() != 0) return Malformed("object reply");
   return Status::OK();
+}
+
+std::string EncodeReplicaGet(std::string_view key, uint64_t version) {
+  std::string out;
+  ByteWriter w(&out);
+  w.String(key);
+  w.U64(version);
+  return out;
+}
+
+Status DecodeReplicaGet(std::string_view body, std::string* key, uint64_t* version) {
+  ByteReader r(body);
+  if (!r.String(key, kMaxKeySize) || !r.U64(version) || r.remaining() != 0) {
+    return Malformed("replica get");
+  }
+  return Status::OK();
+}
+
+std::string EncodeReplicaPut(const PutRequest& p, uint64_t version) {
+  std::string out = EncodePutRequest(p);
+  ByteWriter(&out).U64(version);
+  return out;
+}
+
+Status DecodeReplicaPut(std::string_view body, PutRequest* p, uint64_t* version) {
+  if (body.size() < 8) return Malformed("replica put");
+  GKV_RETURN_IF_ERROR(DecodePutRequest(body.substr(0, body.size() - 8), p));
+  ByteReader r(body.substr(body.size() - 8));
+  r.U64(version);
+  return Status::OK();
+}
+
+std::string EncodeInvalidate(std::string_view key, uint64_t version) {
+  return EncodeReplicaGet(key, version);
+}
+
+Status DecodeInvalidate(std::string_view body, std::string* key, uint64_t* version) {
+  return DecodeReplicaGet(body, key, version);
 }
 
 std::string EncodePutReply(const Status& s, uint64_t version) {

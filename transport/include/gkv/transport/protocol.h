@@ -39,12 +39,15 @@ enum class Opcode : uint8_t {
   kMultiGet = 6,
   kMultiPut = 7,
   kStats = 8,
-  kHello = 9,  // first message on a connection when the cluster has a secret
+  kHello = 9,       // first message on a connection when the cluster has a secret
+  kReplicaPut = 10,  // primary -> replica node: install a copy of a hot key's version
+  kInvalidate = 11,  // primary -> replica node: drop copies of a key up to a version
 };
 std::string_view OpcodeName(Opcode op);
 
 // Header flags.
-inline constexpr uint16_t kFlagDurable = 1 << 0;  // put/multiput: write through to disk
+inline constexpr uint16_t kFlagDurable = 1 << 0;      // put/multiput: write through to disk
+inline constexpr uint16_t kFlagReplicaRead = 1 << 1;  // get: read a replica copy (body adds u64 version)
 
 struct Header {
   Opcode opcode = Opcode::kPing;
@@ -110,8 +113,23 @@ std::string EncodeStatusReply(const Status& s);
 Status DecodeStatusReply(std::string_view body, ReplyStatus* status);
 
 // Get and Stat: status, then (when OK) the object's metadata. Get's payload is the value.
-std::string EncodeObjectReply(const Status& s, const ObjectMeta& meta);
-Status DecodeObjectReply(std::string_view body, ReplyStatus* status, ObjectMeta* meta);
+// A primary's GET reply for a replicated key adds a hint: u8 count, count x u16 node index (into
+// the cluster file's node list) of nodes holding a copy of exactly meta.version.
+std::string EncodeObjectReply(const Status& s, const ObjectMeta& meta,
+                              const std::vector<uint16_t>& replica_hint = {});
+Status DecodeObjectReply(std::string_view body, ReplyStatus* status, ObjectMeta* meta,
+                         std::vector<uint16_t>* replica_hint = nullptr);
+
+// Replica read (GET with kFlagReplicaRead): key and the version the hint named.
+std::string EncodeReplicaGet(std::string_view key, uint64_t version);
+Status DecodeReplicaGet(std::string_view body, std::string* key, uint64_t* version);
+
+// ReplicaPut: key, version (the primary's), tensor, size; the payload is the value.
+// Invalidate: key, version: copies of versions <= it must become unreadable.
+std::string EncodeReplicaPut(const PutRequest& r, uint64_t version);
+Status DecodeReplicaPut(std::string_view body, PutRequest* r, uint64_t* version);
+std::string EncodeInvalidate(std::string_view key, uint64_t version);
+Status DecodeInvalidate(std::string_view body, std::string* key, uint64_t* version);
 
 // Put: status, then (when OK) the new version.
 std::string EncodePutReply(const Status& s, uint64_t version);
