@@ -269,8 +269,8 @@ struct Client::Impl {
     auto nodes = std::make_shared<std::vector<int>>(ring->NodesFor(key, options.replicas));
     std::function<void(Result<Value>)> finish = [fail_open, done](Result<Value> r) {
       if (!r.ok() && fail_open && NodeFailure(r.status())) {
-        return done(Status::NotFound("no live node answered (fail-open): " +
-                                     r.status().ToString()));
+        return done(
+            Status::NotFound("no live node answered (fail-open): " + r.status().ToString()));
       }
       done(std::move(r));
     };
@@ -375,9 +375,8 @@ struct Client::Impl {
 
   // Spreads reads of a hinted key over its primary and its copies; a copy that misses or has
   // gone falls back to the normal path without the caller seeing an error.
-  bool TryReplicaRead(const std::string& key, void* user_dst, size_t capacity,
-                      MemoryKind dst_kind, Clock::time_point deadline,
-                      const std::function<void(Result<Value>)>& done,
+  bool TryReplicaRead(const std::string& key, void* user_dst, size_t capacity, MemoryKind dst_kind,
+                      Clock::time_point deadline, const std::function<void(Result<Value>)>& done,
                       const std::function<void()>& fallback) {
     auto it = hints.find(key);
     if (it == hints.end()) return false;

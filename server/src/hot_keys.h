@@ -34,7 +34,8 @@ class HotKeySketch {
     return est;
   }
   void Decay() {
-    for (auto& c : counters_) c.store(c.load(std::memory_order_relaxed) / 2, std::memory_order_relaxed);
+    for (auto& c : counters_)
+      c.store(c.load(std::memory_order_relaxed) / 2, std::memory_order_relaxed);
   }
 
  private:

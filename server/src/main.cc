@@ -36,8 +36,9 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0, 65535));
   app.add_option("--replicate-hot", hot_rate,
                  "copy keys read more than this many times a second to other nodes (0: off)");
-  app.add_option("--replicate-cool", cool_rate,
-                 "drop the copies when the rate falls under this (default: a quarter of the hot rate)");
+  app.add_option(
+      "--replicate-cool", cool_rate,
+      "drop the copies when the rate falls under this (default: a quarter of the hot rate)");
   app.add_option("--hot-replicas", hot_replicas, "copies of a hot key (next nodes on the ring)")
       ->check(CLI::Range(1, 16));
   app.add_option("--replica-share", replica_share,

@@ -8,11 +8,11 @@
 #include <thread>
 #include <unordered_map>
 
+#include "gkv/hash.h"
 #include "gkv/log.h"
 #include "gkv/size.h"
 #include "gkv/transport/protocol.h"
 #include "gkv/transport/ucx_transport.h"
-#include "gkv/hash.h"
 #include "hot_keys.h"
 #include "server_stats.h"
 #include "thread_pool.h"
@@ -71,7 +71,7 @@ struct Server::Impl {
     bool pending = true;     // copies being made; no hints until done
     bool cancelled = false;  // written meanwhile: the copies are dropped when they land
   };
-  std::unordered_map<std::string, ReplicaSet> registry;       // as primary
+  std::unordered_map<std::string, ReplicaSet> registry;  // as primary
   // Keys whose copies a write just invalidated: not copied again until then, so a key that is
   // written often does not churn copies on every write.
   std::unordered_map<std::string, Clock::time_point> copy_again_after;
@@ -465,8 +465,9 @@ struct Server::Impl {
 
   void HandleStats(const Req& r) {
     executors->Submit([this, r] {
-      auto payload = std::make_shared<std::string>(RenderStatsJson(
-          self.id, cache->GetStats(), counters, replica_cache ? replica_cache->GetStats() : CacheStats{}));
+      auto payload = std::make_shared<std::string>(
+          RenderStatsJson(self.id, cache->GetStats(), counters,
+                          replica_cache ? replica_cache->GetStats() : CacheStats{}));
       PostReply([this, r, payload] { ReplyPayload(r, payload); });
     });
   }
@@ -564,7 +565,9 @@ struct Server::Impl {
     if (it->second.cancelled || nodes.empty()) {
       // Written while the copies were made: they are of an old version and never hinted;
       // drop them anyway so they do not take replica room.
-      for (int n : nodes) CallPeer(n, w::Opcode::kInvalidate, w::EncodeInvalidate(key, version), nullptr, [](Status, std::string_view) {});
+      for (int n : nodes)
+        CallPeer(n, w::Opcode::kInvalidate, w::EncodeInvalidate(key, version), nullptr,
+                 [](Status, std::string_view) {});
       registry.erase(it);
       return;
     }
@@ -615,8 +618,8 @@ struct Server::Impl {
 
   // Once a second, after the decay: copies of keys that cooled down are dropped.
   void CoolDown() {
-    const double cool = options.cool_reads_per_s > 0 ? options.cool_reads_per_s
-                                                     : options.hot_reads_per_s / 4;
+    const double cool =
+        options.cool_reads_per_s > 0 ? options.cool_reads_per_s : options.hot_reads_per_s / 4;
     const auto now = Clock::now();
     for (auto it = copy_again_after.begin(); it != copy_again_after.end();) {
       it = it->second <= now ? copy_again_after.erase(it) : std::next(it);
@@ -649,27 +652,28 @@ struct Server::Impl {
     w::PutRequest put;
     uint64_t version = 0;
     Status s = w::DecodeReplicaPut(body, &put, &version);
-    if (s.ok() && put.size != msg->payload_size()) s = Status::ProtocolError("replica size mismatch");
+    if (s.ok() && put.size != msg->payload_size())
+      s = Status::ProtocolError("replica size mismatch");
     if (s.ok() && !replica_cache) s = Status::NotSupported("replication is off on this node");
     if (!s.ok()) return ReplyStatus(r, s);
     auto buf = std::make_shared<std::string>(put.size, '\0');
-    transport->Receive(std::move(msg), buf->data(), MemoryKind::kHost,
-                       [this, r, put, version, buf](Status rs) {
-                         if (!rs.ok()) return ReplyStatus(r, rs);
-                         auto fl = replica_floor.find(put.key);
-                         if (fl != replica_floor.end() && fl->second >= version) {
-                           return ReplyStatus(r, Status::OK());  // already invalidated
-                         }
-                         executors->Submit([this, r, put, version, buf] {
-                           auto p = replica_cache->Put(ReplicaKey(put.key, version), buf->data(),
-                                                       put.size, put.tensor);
-                           Status ps = p.status();
-                           PostReply([this, r, put, version, ps] {
-                             if (ps.ok()) InstallReplica(put.key, version);
-                             ReplyStatus(r, ps);
-                           });
-                         });
-                       });
+    transport->Receive(
+        std::move(msg), buf->data(), MemoryKind::kHost, [this, r, put, version, buf](Status rs) {
+          if (!rs.ok()) return ReplyStatus(r, rs);
+          auto fl = replica_floor.find(put.key);
+          if (fl != replica_floor.end() && fl->second >= version) {
+            return ReplyStatus(r, Status::OK());  // already invalidated
+          }
+          executors->Submit([this, r, put, version, buf] {
+            auto p =
+                replica_cache->Put(ReplicaKey(put.key, version), buf->data(), put.size, put.tensor);
+            Status ps = p.status();
+            PostReply([this, r, put, version, ps] {
+              if (ps.ok()) InstallReplica(put.key, version);
+              ReplyStatus(r, ps);
+            });
+          });
+        });
   }
 
   void InstallReplica(const std::string& key, uint64_t version) {
@@ -725,8 +729,8 @@ struct Server::Impl {
     auto handle = std::make_shared<ReadHandle>(std::move(h));
     w::ObjectMeta meta = ToWire(handle->info());
     meta.version = version;  // the primary's version, not this cache's own counter
-    Reply(r, Status::OK(), w::EncodeObjectReply(Status::OK(), meta), handle->data(),
-          handle->size(), handle->memory_kind(), [handle] {});
+    Reply(r, Status::OK(), w::EncodeObjectReply(Status::OK(), meta), handle->data(), handle->size(),
+          handle->memory_kind(), [handle] {});
   }
 
   // --- requests to peer nodes ---
@@ -737,10 +741,10 @@ struct Server::Impl {
     peer_conn[node] = conn;
     peer_of_conn[conn] = node;
     if (!options.cluster.secret.empty()) {
-      transport->Send(conn, w::kAmRequest,
-                      w::EncodeMessage({w::Opcode::kHello, 0, 0},
-                                       w::EncodeHello(options.cluster.secret)),
-                      nullptr, 0, MemoryKind::kHost, [](Status) {});
+      transport->Send(
+          conn, w::kAmRequest,
+          w::EncodeMessage({w::Opcode::kHello, 0, 0}, w::EncodeHello(options.cluster.secret)),
+          nullptr, 0, MemoryKind::kHost, [](Status) {});
     }
     return conn;
   }

@@ -184,11 +184,14 @@ std::string RenderPrometheus(const std::string& node_id, const CacheStats& st,
   sample("gkv_auth_failures_total", "", counters.auth_failures.load());
   family("gkv_connections_accepted_total", "counter", "Connections accepted.");
   sample("gkv_connections_accepted_total", "", counters.connections_accepted.load());
-  family("gkv_replicas_created_total", "counter", "Copies of this node's hot keys made on other nodes.");
+  family("gkv_replicas_created_total", "counter",
+         "Copies of this node's hot keys made on other nodes.");
   sample("gkv_replicas_created_total", "", counters.replicas_created.load());
-  family("gkv_replicas_dropped_total", "counter", "Copies withdrawn (cooled down, or invalidated by a write).");
+  family("gkv_replicas_dropped_total", "counter",
+         "Copies withdrawn (cooled down, or invalidated by a write).");
   sample("gkv_replicas_dropped_total", "", counters.replicas_dropped.load());
-  family("gkv_replica_reads_total", "counter", "Reads this node served from copies it holds for other primaries.");
+  family("gkv_replica_reads_total", "counter",
+         "Reads this node served from copies it holds for other primaries.");
   sample("gkv_replica_reads_total", "", counters.replica_reads.load());
   family("gkv_replica_used_bytes", "gauge", "Bytes of copies held for other primaries, by tier.");
   for (int t = 0; t < 2; ++t) {

@@ -39,15 +39,16 @@ enum class Opcode : uint8_t {
   kMultiGet = 6,
   kMultiPut = 7,
   kStats = 8,
-  kHello = 9,       // first message on a connection when the cluster has a secret
+  kHello = 9,        // first message on a connection when the cluster has a secret
   kReplicaPut = 10,  // primary -> replica node: install a copy of a hot key's version
   kInvalidate = 11,  // primary -> replica node: drop copies of a key up to a version
 };
 std::string_view OpcodeName(Opcode op);
 
 // Header flags.
-inline constexpr uint16_t kFlagDurable = 1 << 0;      // put/multiput: write through to disk
-inline constexpr uint16_t kFlagReplicaRead = 1 << 1;  // get: read a replica copy (body adds u64 version)
+inline constexpr uint16_t kFlagDurable = 1 << 0;  // put/multiput: write through to disk
+inline constexpr uint16_t kFlagReplicaRead =
+    1 << 1;  // get: read a replica copy (body adds u64 version)
 
 struct Header {
   Opcode opcode = Opcode::kPing;

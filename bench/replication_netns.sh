@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# The effect of adaptive replication when one node's network is the bottleneck.
+#
+# Three gkv nodes, each in its own network namespace (gkvbN) on a bridge, behind a veth pair
+# whose node side is limited by tc (token bucket, RATE, default 400mbit) — so the node holding the hottest keys
+# saturates its link first. gkv-bench runs in the root namespace with --key-dist zipf:1.1, once
+# with replication off and once with it on, and the script prints throughput and the share of
+# reads served by the busiest node for both. Everything it creates (namespaces, veths, tc
+# qdiscs, processes) is removed on exit. Needs root, iproute2 and build/.
+#   bench/replication_netns.sh [SECONDS] [RATE] [HOT_READS_PER_S]
+# Addresses: 10.77.0.1 (the bridge, where gkv-bench runs) and 10.77.0.11-13 (the nodes): the
+# script's own test hosts.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SECS=${1:-15}
+RATE=${2:-400mbit}
+HOT=${3:-20}   # reads/s that make a key hot
+N=3
+DIR=$(mktemp -d /tmp/gkv-netns-XXXXXX)
+PIDS=()
+
+cleanup() {
+  for p in "${PIDS[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
+  for p in "${PIDS[@]}"; do wait "$p" 2>/dev/null || true; done
+  for i in $(seq 0 $((N - 1))); do
+    ip link del "gkvb$i-h" 2>/dev/null || true
+    ip netns del "gkvb$i" 2>/dev/null || true
+  done
+  ip link del gkvb-br 2>/dev/null || true
+  rm -rf "$DIR"
+}
+trap cleanup EXIT
+command -v ip > /dev/null || { echo "needs iproute2" >&2; exit 2; }
+[ "$(id -u)" -eq 0 ] || { echo "needs root (network namespaces)" >&2; exit 2; }
+[ -x build/bin/gkv-server ] || scripts/build.sh
+
+ip link add gkvb-br type bridge
+ip addr add 10.77.0.1/24 dev gkvb-br
+ip link set gkvb-br up
+for i in $(seq 0 $((N - 1))); do
+  ip netns add "gkvb$i"
+  ip link add "gkvb$i-h" type veth peer name "gkvb$i-n"
+  ip link set "gkvb$i-n" netns "gkvb$i"
+  ip link set "gkvb$i-h" master gkvb-br
+  ip link set "gkvb$i-h" up
+  ip netns exec "gkvb$i" ip addr add "10.77.0.$((11 + i))/24" dev "gkvb$i-n"
+  ip netns exec "gkvb$i" ip link set "gkvb$i-n" up
+  ip netns exec "gkvb$i" ip link set lo up
+  # The node's outgoing link (its replies, and its copies to other nodes) is the bottleneck.
+  ip netns exec "gkvb$i" tc qdisc add dev "gkvb$i-n" root tbf rate "$RATE" burst 256kb latency 50ms
+done
+
+run() {  # label extra-server-args...
+  local label=$1
+  shift
+  echo "nodes:" > "$DIR/cluster.yaml"
+  for i in $(seq 0 $((N - 1))); do
+    echo "  - {id: n$i, address: 10.77.0.$((11 + i)):7000}" >> "$DIR/cluster.yaml"
+  done
+  PIDS=()
+  for i in $(seq 0 $((N - 1))); do
+    # Every namespace has its own 127.0.0.1, which UCX would take for a shared one (same host):
+    # keep UCX on the veths.
+    UCX_NET_DEVICES="gkvb$i-n" ip netns exec "gkvb$i" build/bin/gkv-server --cluster "$DIR/cluster.yaml" --node "n$i" \
+      --host-mem 512MiB --threads 2 "$@" > "$DIR/$label-node$i.log" 2>&1 &
+    PIDS+=($!)
+  done
+  for i in $(seq 0 $((N - 1))); do
+    for _ in $(seq 1 100); do grep -q "up on" "$DIR/$label-node$i.log" && break; sleep 0.1; done
+  done
+  export UCX_NET_DEVICES=gkvb-br
+  build/bin/gkv-bench --cluster "$DIR/cluster.yaml" --threads 2 --connections 4 --keys 1000 \
+    --key-dist zipf:1.1 --value-size 64KiB --ratio 1:0 --duration "$SECS" --warmup 3 \
+    --json "$DIR/$label.json" > "$DIR/$label.bench.log" 2>&1 ||
+    { tail -n 20 "$DIR/$label.bench.log" "$DIR/$label"-node*.log >&2; return 1; }
+  build/bin/gkv --cluster "$DIR/cluster.yaml" stats --json > "$DIR/$label.stats.json"
+  for p in "${PIDS[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
+  for p in "${PIDS[@]}"; do wait "$p" 2>/dev/null || true; done
+  PIDS=()
+  python3 - "$label" "$DIR/$label.json" "$DIR/$label.stats.json" <<'PY'
+import json, sys
+label, bench, stats = sys.argv[1:4]
+b = json.load(open(bench))
+nodes = json.load(open(stats))
+gets = {n["node"]: n["ops"]["get"] for n in nodes}
+served = {n["node"]: n.get("replication", {}).get("reads_served", 0) for n in nodes}
+total = sum(gets.values())
+busiest = max(gets, key=gets.get)
+lat = b["latency_us"]["get"]
+print(f"{label:16s} {b['ops_per_s']:10.0f} ops/s {b['gb_per_s']:7.3f} GB/s  p50 {lat['p50']:8.0f} us"
+      f"  p99 {lat['p99']:8.0f} us  busiest {busiest} {100*gets[busiest]/total:5.1f}% of reads"
+      f"  per node {dict(gets)}  served by copies {sum(served.values())}")
+PY
+}
+
+echo "3 nodes, node egress limited to $RATE each; gkv-bench zipf:1.1, 64 KiB values, ${SECS}s"
+run replication-off
+run replication-on --replicate-hot "$HOT" --hot-replicas 2
