@@ -339,6 +339,27 @@ struct TieredCache::Impl {
     }
   }
 
+  // Makes `e` the key's entry, unless a newer version is there already (then `e` dies at once
+  // and false is returned). *old receives the entry it replaced. REQUIRES: the key's shard lock
+  // and the placement lock.
+  bool Publish(Shard& s, const std::shared_ptr<Entry>& e, std::shared_ptr<Entry>* old) {
+    LinkLru(e.get());
+    counters.puts++;
+    auto it = s.map.find(e->key);
+    if (it != s.map.end() && it->second->version > e->version) {
+      Kill(e.get());
+      return false;
+    }
+    if (it != s.map.end()) {
+      *old = it->second;
+      Kill(old->get());
+      it->second = e;
+    } else {
+      s.map.emplace(e->key, e);
+    }
+    return true;
+  }
+
   bool WouldPromote(const Entry* e, Clock::time_point now) const {
     return e->reads_in_tier >= 1 && now - e->last_read <= options.promotion_window &&
            TopMemoryTierFor(e->size) < e->tier;
@@ -604,21 +625,8 @@ Result<uint64_t> TieredCache::Commit(WriteHandle h, bool durable) {
       h.arena_ = nullptr;  // ownership moves to the entry
       h.data_ = nullptr;
     }
-    I.LinkLru(e.get());
-    I.counters.puts++;
-    auto it = s.map.find(e->key);
-    if (it != s.map.end() && it->second->version > e->version) {
-      superseded = true;  // a newer commit won the race; this one is already overwritten
-      I.Kill(e.get());
-    } else {
-      if (it != s.map.end()) {
-        old = it->second;
-        I.Kill(old.get());
-        it->second = e;
-      } else {
-        s.map.emplace(e->key, e);
-      }
-    }
+    // A newer commit may have won the race: then this one is already overwritten.
+    superseded = !I.Publish(s, e, &old);
   }
   h.cache_ = nullptr;
   // A replaced version must not survive on disk: a restart would serve it.
@@ -683,16 +691,8 @@ TieredCache::FastPath TieredCache::TryCommitInMemory(WriteHandle* h, uint64_t* v
     h->arena_ = nullptr;
     h->data_ = nullptr;
     h->cache_ = nullptr;
-    I.LinkLru(e.get());
-    I.counters.puts++;
-    // Versions are taken under the shard lock here, so nothing newer can be in the map.
-    if (it != s.map.end()) {
-      old = it->second;
-      I.Kill(old.get());
-      it->second = e;
-    } else {
-      s.map.emplace(e->key, e);
-    }
+    // The version was taken under the shard lock, so nothing newer can be in the map.
+    I.Publish(s, e, &old);
     *version = e->version;
   }
   return FastPath::kServed;

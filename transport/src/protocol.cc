@@ -64,6 +64,10 @@ std::string_view OpcodeName(Opcode op) {
       return "stats";
     case Opcode::kHello:
       return "hello";
+    case Opcode::kReplicaPut:
+      return "replica_put";
+    case Opcode::kInvalidate:
+      return "invalidate";
   }
   return "unknown";
 }
