@@ -1,6 +1,7 @@
 // gkv-server: one node of a gkv cluster.
 //   gkv-server --cluster FILE --node ID [--gpu-mem SIZE] [--host-mem SIZE] [--disk DIR]
 //              [--disk-capacity SIZE] [--threads N] [--metrics-port N] [--log-level L]
+//              [--replicate-hot R [--replicate-cool R] [--hot-replicas N] [--replica-share F]]
 // SIGTERM or SIGINT: stop accepting, finish what is in flight, write back to disk, exit 0.
 // Exit codes: 0 clean stop, 1 could not start (message on stderr), 2 bad usage.
 #include <signal.h>
