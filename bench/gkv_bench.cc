@@ -392,7 +392,6 @@ class Bench {
   // Writes every key once (MultiPut batches), so reads find data.
   void Load() {
     const auto t0 = Clock::now();
-    Random rng(c_.seed ^ 0x10ad);
     std::atomic<uint64_t> next{0}, failed{0}, bytes{0};
     std::vector<std::thread> loaders;
     for (int t = 0; t < c_.threads; ++t) {
@@ -434,7 +433,6 @@ class Bench {
     double secs = std::chrono::duration<double>(Clock::now() - t0).count();
     std::printf("load: %llu keys, %s in %.1f s (%llu failed)\n", (unsigned long long)c_.keys,
                 FormatSize(bytes.load()).c_str(), secs, (unsigned long long)failed.load());
-    (void)rng;
   }
 
   void AckSeq(uint64_t k, uint64_t seq) {
@@ -737,13 +735,12 @@ int main(int argc, char** argv) {
   CLI::App app{"gkv-bench: load tester for a gkv cluster"};
   Config c;
   std::string ratio = "9:1", key_dist = "uniform", value_size = "4KiB", memory = "host";
-  int batch = 1;
   std::string batch_range;
   auto* o_threads = app.add_option("--threads", c.threads, "client threads (each its own Client)");
   auto* o_conn = app.add_option("--connections", c.connections, "concurrent requesters per thread");
-  auto* o_dur = app.add_option("--duration", c.duration, "measured seconds (after warm-up)");
-  auto* o_req = app.add_option("--requests", c.requests, "total requests instead of a duration");
-  auto* o_warm = app.add_option("--warmup", c.warmup, "warm-up seconds, not measured");
+  app.add_option("--duration", c.duration, "measured seconds (after warm-up)");
+  app.add_option("--requests", c.requests, "total requests instead of a duration");
+  app.add_option("--warmup", c.warmup, "warm-up seconds, not measured");
   auto* o_ratio = app.add_option("--ratio", ratio, "GET:PUT");
   auto* o_keys = app.add_option("--keys", c.keys, "number of distinct keys");
   auto* o_dist =
@@ -795,9 +792,6 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "gkv-bench: unknown workload '%s'\n", c.workload.c_str());
     return 2;
   }
-  (void)o_dur;
-  (void)o_req;
-  (void)o_warm;
   if (!ParseRatio(ratio, &c.ratio_get, &c.ratio_put)) {
     std::fprintf(stderr, "gkv-bench: bad --ratio '%s'\n", ratio.c_str());
     return 2;
@@ -815,7 +809,6 @@ int main(int argc, char** argv) {
     c.batch_min = static_cast<int>(lo);
     c.batch_max = static_cast<int>(hi);
   }
-  (void)batch;
   if (key_dist == "uniform")
     c.dist = KeyDist::kUniform;
   else if (key_dist == "sequential")

@@ -14,6 +14,7 @@
 #include <fstream>
 #include <memory>
 #include <random>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -24,14 +25,17 @@
 namespace gkv::testing {
 
 // A free port below the kernel's ephemeral range (32768+), so client connections of tests
-// running in parallel can't take it between the pick and the node's bind. Random, then
-// checked by binding it.
+// running in parallel can't take it between the pick and the node's bind. Random, checked by
+// binding it, and never handed out twice in one process (two nodes of one cluster are not
+// bound yet when their ports are picked).
 inline uint16_t FreePort() {
+  static std::set<uint16_t> handed_out;
   static std::mt19937 rng(
       static_cast<unsigned>(getpid()) * 2654435761u ^
       static_cast<unsigned>(std::chrono::steady_clock::now().time_since_epoch().count()));
   for (int attempt = 0; attempt < 1000; ++attempt) {
     const uint16_t port = static_cast<uint16_t>(20000 + rng() % 12000);
+    if (handed_out.count(port)) continue;
     int fd = socket(AF_INET, SOCK_STREAM, 0);
     sockaddr_in addr{};
     addr.sin_family = AF_INET;
@@ -39,7 +43,10 @@ inline uint16_t FreePort() {
     addr.sin_port = htons(port);
     const bool ok = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
     close(fd);
-    if (ok) return port;
+    if (ok) {
+      handed_out.insert(port);
+      return port;
+    }
   }
   ADD_FAILURE() << "no free port found";
   return 0;

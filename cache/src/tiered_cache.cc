@@ -749,15 +749,8 @@ Result<ReadHandle> TieredCache::Acquire(std::string_view key) {
           continue;
         }
       }
-      I.Touch(e);
-      I.tiers[static_cast<int>(e->tier)].hits++;
-      e->pins++;
       ReadHandle h;
-      h.cache_ = this;
-      h.data_ = e->data;
-      h.kind_ = e->arena->kind();
-      h.info_ = ObjectInfo{e->size, e->version, e->tensor, e->tier, e->on_disk};
-      h.entry_ = std::static_pointer_cast<void>(sp);
+      PinForRead(sp, &h);
       lock.unlock();
       I.DrainEvictions();
       return h;
@@ -824,6 +817,19 @@ Result<ReadHandle> TieredCache::Acquire(std::string_view key) {
   return Status::Aborted("key kept changing during the read (" + retry_reason + "); try again");
 }
 
+void TieredCache::PinForRead(const std::shared_ptr<void>& entry, ReadHandle* out) {
+  Impl& I = *impl_;
+  Entry* e = static_cast<Entry*>(entry.get());
+  I.Touch(e);
+  I.tiers[static_cast<int>(e->tier)].hits++;
+  e->pins++;
+  out->cache_ = this;
+  out->data_ = e->data;
+  out->kind_ = e->arena->kind();
+  out->info_ = ObjectInfo{e->size, e->version, e->tensor, e->tier, e->on_disk};
+  out->entry_ = entry;
+}
+
 TieredCache::FastPath TieredCache::TryAcquireFromMemory(std::string_view key, ReadHandle* out) {
   Impl& I = *impl_;
   std::shared_ptr<Entry> sp = I.Lookup(key);
@@ -836,15 +842,8 @@ TieredCache::FastPath TieredCache::TryAcquireFromMemory(std::string_view key, Re
   const auto now = Clock::now();
   if (!e->live || e->tier == Tier::kDisk || I.WouldPromote(e, now)) return FastPath::kNeedsSlowPath;
   I.Admit(e, now);
-  I.Touch(e);
-  I.tiers[static_cast<int>(e->tier)].hits++;
-  e->pins++;
   *out = ReadHandle();
-  out->cache_ = this;
-  out->data_ = e->data;
-  out->kind_ = e->arena->kind();
-  out->info_ = ObjectInfo{e->size, e->version, e->tensor, e->tier, e->on_disk};
-  out->entry_ = std::static_pointer_cast<void>(sp);
+  PinForRead(sp, out);
   return FastPath::kServed;
 }
 

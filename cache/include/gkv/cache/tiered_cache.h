@@ -230,6 +230,9 @@ class TieredCache {
   friend class ReadHandle;
   friend class WriteHandle;
   explicit TieredCache(std::unique_ptr<Impl> impl);
+  // Pins a live memory-tier entry for a read: LRU touch, hit count, pin, handle fields.
+  // REQUIRES: the placement lock; `out` holds nothing.
+  void PinForRead(const std::shared_ptr<void>& entry, ReadHandle* out);
   std::unique_ptr<Impl> impl_;
 };
 

@@ -54,7 +54,6 @@ class Incoming {
  private:
   friend class UcxTransport;
   Incoming() = default;
-  struct Impl;
   void* transport_ = nullptr;  // UcxTransport::Impl
   ConnId conn_ = 0;
   unsigned am_id_ = 0;
