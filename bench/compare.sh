@@ -13,7 +13,6 @@ CONNS=${3:-2}
 need=()
 command -v redis-server > /dev/null || need+=(redis-server)
 command -v memcached > /dev/null || need+=(memcached)
-command -v ucx_perftest > /dev/null || need+=(ucx-utils)
 if ((${#need[@]})); then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" > /dev/null
 fi
@@ -55,10 +54,10 @@ run() {  # system size op keys -> json
 }
 perf_bw() {  # bytes -> MB/s of ucp_am_bw over tcp
   local p; p=$(port)
-  UCX_TLS=tcp ucx_perftest -p "$p" > /dev/null 2>&1 &
+  UCX_TLS=tcp scripts/ucx.sh ucx_perftest -p "$p" > /dev/null 2>&1 &
   local s=$!
   sleep 0.5
-  UCX_TLS=tcp ucx_perftest 127.0.0.1 -p "$p" -t ucp_am_bw -s "$1" -n "$2" -w 20 2>&1 |
+  UCX_TLS=tcp scripts/ucx.sh ucx_perftest 127.0.0.1 -p "$p" -t ucp_am_bw -s "$1" -n "$2" -w 20 2>&1 |
     awk '/^Final/{print $7}'
   wait "$s" 2>/dev/null || true
 }

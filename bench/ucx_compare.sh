@@ -3,23 +3,25 @@
 #   - get and put bandwidth for 1 MiB and 16 MiB values (one client thread, one node)
 #     vs ucx_perftest ucp_am_bw at the same size
 #   - get latency p50/p99 for 4 KiB values vs ucx_perftest ucp_am_lat round trip (2 x one-way)
-# Both sides run with UCX_TLS=tcp (gkv's endpoints use PEER error handling, which on UCX 1.13
-# keeps same-host traffic on tcp anyway). Needs build/ (scripts/build.sh) and ucx-utils.
+# Both sides run with UCX_TLS=tcp by default (set UCX_TLS to compare another transport set).
+# ucx_perftest is the one of the UCX gkv links (scripts/ucx.sh). Needs build/ (scripts/build.sh).
 #   bench/ucx_compare.sh [SECONDS_PER_POINT]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SECS=${1:-5}
 export UCX_TLS=${UCX_TLS:-tcp}
 DIR=$(mktemp -d /tmp/gkv-ucxcmp-XXXXXX)
-trap 'scripts/cluster.sh stop "$DIR" >/dev/null 2>&1 || true; pkill -f "ucx_perftest -p $PORT" 2>/dev/null || true; rm -rf "$DIR"' EXIT
+PERF_SERVER_PID=""
+trap 'scripts/cluster.sh stop "$DIR" >/dev/null 2>&1 || true; [ -n "$PERF_SERVER_PID" ] && kill "$PERF_SERVER_PID" 2>/dev/null; rm -rf "$DIR"' EXIT
 PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 
 perftest() {  # test size iterations -> prints the "Final:" line
-  ucx_perftest -p "$PORT" > "$DIR/perf-server.log" 2>&1 &
-  local spid=$!
+  scripts/ucx.sh ucx_perftest -p "$PORT" > "$DIR/perf-server.log" 2>&1 &
+  PERF_SERVER_PID=$!
   sleep 0.5
-  ucx_perftest 127.0.0.1 -p "$PORT" -t "$1" -s "$2" -n "$3" -w 50 2>&1 | grep '^Final' || true
-  wait "$spid" 2>/dev/null || true
+  scripts/ucx.sh ucx_perftest 127.0.0.1 -p "$PORT" -t "$1" -s "$2" -n "$3" -w 50 2>&1 | grep '^Final' || true
+  wait "$PERF_SERVER_PID" 2>/dev/null || true
+  PERF_SERVER_PID=""
 }
 # Final: iterations 50% avg overall avg_bw overall_bw avg_mr overall_mr (latency in us, MB/s)
 perf_bw() { perftest ucp_am_bw "$1" "$2" | awk '{print $7}'; }          # MB/s

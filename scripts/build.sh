@@ -6,7 +6,10 @@ cd "$(dirname "$0")/.."
 "$PWD/scripts/deps.sh"
 BUILD_DIR=${GKV_BUILD_DIR:-build}
 mkdir -p "$BUILD_DIR"
-cmake -S . -B "$BUILD_DIR" -G Ninja "$@" > "$BUILD_DIR/configure.log" 2>&1 || {
+# GKV_UCX_PREFIX: a site's UCX (>= 1.16) instead of the libucx-cu13 wheel in .venv/.
+ucx_args=()
+if [ -n "${GKV_UCX_PREFIX:-}" ]; then ucx_args=("-DGKV_UCX_PREFIX=$GKV_UCX_PREFIX"); fi
+cmake -S . -B "$BUILD_DIR" -G Ninja "${ucx_args[@]}" "$@" > "$BUILD_DIR/configure.log" 2>&1 || {
   cat "$BUILD_DIR/configure.log"
   exit 1
 }

@@ -29,10 +29,15 @@ prepare() {
     esac
   done
   strip --strip-unneeded "$BUNDLE"/lib/* 2>/dev/null || true
-  # UCX loads its transports as modules at run time; ship them too.
-  if [ -d /usr/lib/x86_64-linux-gnu/ucx ]; then
-    cp -rL /usr/lib/x86_64-linux-gnu/ucx "$BUNDLE/lib/ucx"
-  fi
+  # UCX loads its transports (cuda_copy, cuda_ipc, cma, ...) as modules from lib/ucx beside
+  # libucs; the wheel's CUDA modules need the CUDA runtime it vendors (libucx_cu13.libs).
+  local ucx_prefix
+  ucx_prefix=$(sed -n 's/^GKV_UCX_PREFIX:PATH=//p' build-gpu/CMakeCache.txt)
+  cp -rL "$ucx_prefix/lib/ucx" "$BUNDLE/lib/ucx"
+  rm -f "$BUNDLE"/lib/ucx/*.a "$BUNDLE"/lib/ucx/*.la "$BUNDLE"/lib/ucx/libucx_perftest_cuda*
+  if [ -d "$ucx_prefix/../libucx_cu13.libs" ]; then cp -L "$ucx_prefix"/../libucx_cu13.libs/* "$BUNDLE/lib/"; fi
+  mkdir -p "$BUNDLE/ucx-bin"
+  cp -L "$ucx_prefix/bin/ucx_info" "$ucx_prefix/bin/ucx_perftest" "$BUNDLE/ucx-bin/"
   du -sh "$BUNDLE"
 }
 

@@ -507,6 +507,8 @@ Result<std::unique_ptr<Client>> Client::Open(const ClientOptions& options) {
   UcxTransport::Options topts;
   topts.poll_interval = std::chrono::milliseconds(1);
   GKV_ASSIGN_OR_RETURN(impl->transport, UcxTransport::Create(topts, std::move(handlers)));
+  GKV_LOG_INFO("client of {} nodes ready ({})", impl->cluster.nodes.size(),
+               impl->transport->Describe());
   return std::unique_ptr<Client>(new Client(std::move(impl)));
 }
 

@@ -901,9 +901,9 @@ Result<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
   auto tier = [&](Tier t) {
     return I.cache->tier_enabled(t) ? FormatSize(I.cache->tier_capacity(t)) : std::string("off");
   };
-  GKV_LOG_INFO("node {} up on {}:{} (gpu {}, host {}, disk {}){}{}", I.self.id, topts.listen_host,
+  GKV_LOG_INFO("node {} up on {}:{} (gpu {}, host {}, disk {}; {}){}", I.self.id, topts.listen_host,
                I.transport->listen_port(), tier(Tier::kGpu), tier(Tier::kHost), tier(Tier::kDisk),
-               I.transport->device_memory_supported() ? "; UCX moves device memory" : "",
+               I.transport->Describe(),
                options.cluster.secret.empty() ? "" : "; clients must present the cluster secret");
   return std::unique_ptr<Server>(new Server(std::move(impl)));
 }

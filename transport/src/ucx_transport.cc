@@ -515,6 +515,13 @@ void UcxTransport::Post(std::function<void()> task) {
   (void)!write(impl_->event_fd, &one, sizeof one);
 }
 
+std::string UcxTransport::ucx_version() { return ucp_get_version_string(); }
+
+std::string UcxTransport::Describe() const {
+  return "UCX " + ucx_version() + ", moves CUDA memory: " +
+         (device_memory_supported() ? "yes" : "no");
+}
+
 bool UcxTransport::device_memory_supported() const { return impl_->cuda_supported; }
 uint16_t UcxTransport::listen_port() const { return impl_->bound_port; }
 size_t UcxTransport::max_header_size() const { return impl_->max_header; }

@@ -95,6 +95,10 @@ class UcxTransport {
   void Post(std::function<void()> task);
   // True when this UCX build can move CUDA device memory itself (context memory types).
   bool device_memory_supported() const;
+  // The UCX library's version string ("1.22.0"), as loaded at run time.
+  static std::string ucx_version();
+  // One phrase for start lines: "UCX 1.22.0, moves CUDA memory: yes".
+  std::string Describe() const;
   uint16_t listen_port() const;
   size_t max_header_size() const;
   bool OnWorkerThread() const;
