@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -89,6 +90,7 @@ class Cluster {
   std::string log_file(int i) const { return dir_.Sub("node" + std::to_string(i) + ".log"); }
   int size() const { return static_cast<int>(pids_.size()); }
 
+  // Call from the test's main thread: the node is killed when the thread that forked it ends.
   void StartNode(int i) {
     std::vector<std::string> args = {
         GKV_SERVER_BIN, "--cluster",    cluster_file_, "--node", "n" + std::to_string(i),
@@ -102,8 +104,12 @@ class Cluster {
     }
     pid_t pid = fork();
     if (pid == 0) {
+      // A node never outlives the test process that started it (a crashed test leaves no
+      // server behind), and it keeps no pipe of the test's open (stdout goes to the log too).
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
       std::string log = log_file(i);
       FILE* out = freopen(log.c_str(), "a", stderr);
+      out = freopen(log.c_str(), "a", stdout);
       (void)out;
       std::vector<char*> argv;
       for (auto& a : args) argv.push_back(a.data());

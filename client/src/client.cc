@@ -591,17 +591,25 @@ Result<uint64_t> Client::Put(std::string_view key, const void* data, size_t size
 
 Status Client::Delete(std::string_view key, std::chrono::milliseconds timeout) {
   Impl* I = impl_.get();
-  auto deadline = I->DeadlineFrom(timeout);
-  const auto nodes = I->ring->NodesFor(key, I->options.replicas);
-  // Every replica; OK if any deleted it, NotFound if none had it, else the first error.
-  std::vector<Status> results(nodes.size());
-  size_t remaining = nodes.size();
-  std::promise<void> all;
-  I->transport->Post([&, key = std::string(key)] {
-    for (size_t i = 0; i < nodes.size(); ++i) {
-      auto finish = [&, i](Status s) {
-        results[i] = s;
-        if (--remaining == 0) all.set_value();
+  // Shared with the I/O thread, which may finish every replica's request (a node that is down
+  // fails at once) before its loop over them is done: nothing it touches may live on this
+  // caller's stack.
+  struct Call {
+    std::vector<int> nodes;
+    std::vector<Status> results;
+    size_t remaining = 0;
+    std::promise<void> all;
+  };
+  auto call = std::make_shared<Call>();
+  call->nodes = I->ring->NodesFor(key, I->options.replicas);
+  call->results.resize(call->nodes.size());
+  call->remaining = call->nodes.size();
+  auto done = call->all.get_future();
+  I->transport->Post([I, call, key = std::string(key), deadline = I->DeadlineFrom(timeout)] {
+    for (size_t i = 0; i < call->nodes.size(); ++i) {
+      auto finish = [call, i](Status s) {
+        call->results[i] = s;
+        if (--call->remaining == 0) call->all.set_value();
       };
       auto on_reply = [I, finish](const Impl::PendingPtr& p, std::unique_ptr<Incoming> msg) {
         Status s = ParseReply(*msg, [&](std::string_view body, w::ReplyStatus* rs) {
@@ -609,18 +617,19 @@ Status Client::Delete(std::string_view key, std::chrono::milliseconds timeout) {
         });
         I->Complete(p, [finish, s] { finish(s); });
       };
-      I->Issue(nodes[i], w::Opcode::kDelete, 0, w::EncodeKeyRequest(key), nullptr, 0,
+      I->Issue(call->nodes[i], w::Opcode::kDelete, 0, w::EncodeKeyRequest(key), nullptr, 0,
                MemoryKind::kHost, deadline, on_reply, finish);
     }
   });
-  all.get_future().wait();
-  for (const Status& s : results) {
+  done.wait();
+  // Every replica; OK if any deleted it, NotFound if none had it, else the first error.
+  for (const Status& s : call->results) {
     if (s.ok()) return s;
   }
-  for (const Status& s : results) {
+  for (const Status& s : call->results) {
     if (!s.IsNotFound()) return s;
   }
-  return results[0];
+  return call->results[0];
 }
 
 Result<ValueInfo> Client::Stat(std::string_view key, std::chrono::milliseconds timeout) {
@@ -646,37 +655,49 @@ Result<ValueInfo> Client::Stat(std::string_view key, std::chrono::milliseconds t
 std::vector<Result<Value>> Client::MultiGet(const std::vector<std::string>& keys,
                                             const GetOptions& o) {
   Impl* I = impl_.get();
-  std::vector<Result<Value>> results;
-  results.reserve(keys.size());
-  for (size_t i = 0; i < keys.size(); ++i) results.emplace_back(Status::Aborted("not sent"));
-  if (keys.empty()) return results;
+  // Shared with the I/O thread (see Delete): it may finish the last node's request before its
+  // loop over the nodes is done.
+  struct Batch {
+    std::vector<Result<Value>> results;
+    std::vector<std::vector<size_t>> by_node;  // indices into keys, grouped by node
+    std::vector<std::shared_ptr<std::string>> payloads;
+    int remaining = 0;
+    std::promise<void> all_done;
+  };
+  auto batch = std::make_shared<Batch>();
+  batch->results.reserve(keys.size());
+  for (size_t i = 0; i < keys.size(); ++i) batch->results.emplace_back(Status::Aborted("not sent"));
+  if (keys.empty()) return std::move(batch->results);
   // Group by node: one message per node.
-  std::vector<std::vector<size_t>> by_node(I->cluster.nodes.size());
-  for (size_t i = 0; i < keys.size(); ++i) by_node[I->ring->NodeFor(keys[i])].push_back(i);
-  auto deadline = I->DeadlineFrom(o.timeout);
-  std::promise<void> all_done;
-  int remaining = 0;
-  for (auto& v : by_node) remaining += v.empty() ? 0 : 1;
-  I->transport->Post([&] {
-    for (size_t n = 0; n < by_node.size(); ++n) {
-      if (by_node[n].empty()) continue;
-      std::vector<std::string> node_keys;
-      for (size_t i : by_node[n]) node_keys.push_back(keys[i]);
-      auto payload = std::make_shared<std::string>(w::EncodeKeyList(node_keys));
-      const std::vector<size_t>* idx = &by_node[n];
+  batch->by_node.resize(I->cluster.nodes.size());
+  batch->payloads.resize(I->cluster.nodes.size());
+  for (size_t i = 0; i < keys.size(); ++i) batch->by_node[I->ring->NodeFor(keys[i])].push_back(i);
+  for (size_t n = 0; n < batch->by_node.size(); ++n) {
+    if (batch->by_node[n].empty()) continue;
+    std::vector<std::string> node_keys;
+    node_keys.reserve(batch->by_node[n].size());
+    for (size_t i : batch->by_node[n]) node_keys.push_back(keys[i]);
+    batch->payloads[n] = std::make_shared<std::string>(w::EncodeKeyList(node_keys));
+    batch->remaining++;
+  }
+  auto done = batch->all_done.get_future();
+  I->transport->Post([I, batch, deadline = I->DeadlineFrom(o.timeout)] {
+    for (size_t n = 0; n < batch->by_node.size(); ++n) {
+      if (batch->by_node[n].empty()) continue;
       I->IssueWithPayloadReply(
-          static_cast<int>(n), w::Opcode::kMultiGet, 0, "", payload, deadline,
-          [&, idx](Result<std::shared_ptr<std::string>> r) {
+          static_cast<int>(n), w::Opcode::kMultiGet, 0, "", batch->payloads[n], deadline,
+          [batch, n](Result<std::shared_ptr<std::string>> r) {
+            const std::vector<size_t>& idx = batch->by_node[n];
             std::vector<w::BatchGetResult> res;
             size_t block = 0;
             Status s = r.status();
             if (s.ok()) s = w::DecodeBatchGetBlock(**r, &res, &block);
-            if (s.ok() && res.size() != idx->size()) {
+            if (s.ok() && res.size() != idx.size()) {
               s = Status::ProtocolError("batch reply has the wrong number of results");
             }
             size_t off = block;
-            for (size_t j = 0; j < idx->size(); ++j) {
-              Result<Value>& out = results[(*idx)[j]];
+            for (size_t j = 0; j < idx.size(); ++j) {
+              Result<Value>& out = batch->results[idx[j]];
               if (!s.ok()) {
                 out = s;
                 continue;
@@ -694,11 +715,12 @@ std::vector<Result<Value>> Client::MultiGet(const std::vector<std::string>& keys
               off += v.info_.size;
               out = std::move(v);
             }
-            if (--remaining == 0) all_done.set_value();
+            if (--batch->remaining == 0) batch->all_done.set_value();
           });
     }
   });
-  all_done.get_future().wait();
+  done.wait();
+  std::vector<Result<Value>> results = std::move(batch->results);
   // Keys whose node failed: one by one through Get, which tries the other replicas.
   for (size_t i = 0; i < keys.size(); ++i) {
     if (results[i].ok() || !Impl::NodeFailure(results[i].status())) continue;
@@ -714,56 +736,77 @@ std::vector<Result<Value>> Client::MultiGet(const std::vector<std::string>& keys
 std::vector<Result<uint64_t>> Client::MultiPut(const std::vector<PutItem>& items,
                                                const PutOptions& o) {
   Impl* I = impl_.get();
-  std::vector<Result<uint64_t>> results(items.size(), Status::Aborted("not sent"));
-  if (items.empty()) return results;
-  // Every replica of every item: one message per node.
-  std::vector<std::vector<size_t>> by_node(I->cluster.nodes.size());
+  // Shared with the I/O thread (see Delete).
+  struct Batch {
+    std::vector<Result<uint64_t>> results;
+    std::vector<bool> failed_here;             // refused before sending (staging failed)
+    std::vector<std::vector<size_t>> by_node;  // indices into items, grouped by node
+    std::vector<std::shared_ptr<std::string>> payloads;
+    int remaining = 0;
+    std::promise<void> all_done;
+  };
+  auto batch = std::make_shared<Batch>();
+  batch->results.assign(items.size(), Status::Aborted("not sent"));
+  batch->failed_here.assign(items.size(), false);
+  if (items.empty()) return std::move(batch->results);
+  // Device items are staged once, before grouping: an item whose copy fails is not sent to any
+  // node (a zero-filled stand-in must never be stored, and no node's success may hide the error).
+  std::vector<std::unique_ptr<std::byte[]>> staged(items.size());
   for (size_t i = 0; i < items.size(); ++i) {
-    for (int n : I->ring->NodesFor(items[i].key, I->options.replicas)) by_node[n].push_back(i);
+    if (items[i].size == 0 || Resolve(o.memory, items[i].data) != MemoryKind::kDevice) continue;
+    staged[i].reset(new std::byte[items[i].size]);
+    Status s = CudaCopySync(staged[i].get(), items[i].data, items[i].size);
+    if (!s.ok()) {
+      batch->results[i] = s;
+      batch->failed_here[i] = true;
+    }
+  }
+  // Every replica of every item: one message per node.
+  batch->by_node.resize(I->cluster.nodes.size());
+  batch->payloads.resize(I->cluster.nodes.size());
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (batch->failed_here[i]) continue;
+    for (int n : I->ring->NodesFor(items[i].key, I->options.replicas)) {
+      batch->by_node[n].push_back(i);
+    }
   }
   // Each node's message: metadata block, then the values (gathered here, in the caller).
-  std::vector<std::shared_ptr<std::string>> payloads(by_node.size());
-  for (size_t n = 0; n < by_node.size(); ++n) {
-    if (by_node[n].empty()) continue;
+  for (size_t n = 0; n < batch->by_node.size(); ++n) {
+    if (batch->by_node[n].empty()) continue;
     std::vector<w::BatchPutItem> meta;
     size_t total = 0;
-    for (size_t i : by_node[n]) {
+    for (size_t i : batch->by_node[n]) {
       meta.push_back({items[i].key, items[i].tensor, items[i].size});
       total += items[i].size;
     }
     auto p = std::make_shared<std::string>(w::EncodeBatchPutBlock(meta));
     p->reserve(p->size() + total);
-    for (size_t i : by_node[n]) {
-      const size_t at = p->size();
-      p->resize(at + items[i].size);
-      if (Resolve(o.memory, items[i].data) == MemoryKind::kDevice) {
-        Status s = CudaCopySync(p->data() + at, items[i].data, items[i].size);
-        if (!s.ok()) results[i] = s;
-      } else if (items[i].size) {
-        std::memcpy(p->data() + at, items[i].data, items[i].size);
-      }
+    for (size_t i : batch->by_node[n]) {
+      const char* src = staged[i] ? reinterpret_cast<const char*>(staged[i].get())
+                                  : static_cast<const char*>(items[i].data);
+      if (items[i].size) p->append(src, items[i].size);
     }
-    payloads[n] = p;
+    batch->payloads[n] = p;
+    batch->remaining++;
   }
-  auto deadline = I->DeadlineFrom(o.timeout);
-  std::promise<void> all_done;
-  int remaining = 0;
-  for (auto& v : by_node) remaining += v.empty() ? 0 : 1;
-  I->transport->Post([&] {
-    for (size_t n = 0; n < by_node.size(); ++n) {
-      if (by_node[n].empty()) continue;
-      const std::vector<size_t>* idx = &by_node[n];
+  if (batch->remaining == 0) return std::move(batch->results);
+  auto done = batch->all_done.get_future();
+  I->transport->Post([I, batch, deadline = I->DeadlineFrom(o.timeout),
+                      flags = o.durable ? w::kFlagDurable : uint16_t{0}] {
+    for (size_t n = 0; n < batch->by_node.size(); ++n) {
+      if (batch->by_node[n].empty()) continue;
       I->IssueWithPayloadReply(
-          static_cast<int>(n), w::Opcode::kMultiPut, o.durable ? w::kFlagDurable : 0, "",
-          payloads[n], deadline, [&, idx](Result<std::shared_ptr<std::string>> r) {
+          static_cast<int>(n), w::Opcode::kMultiPut, flags, "", batch->payloads[n], deadline,
+          [batch, n](Result<std::shared_ptr<std::string>> r) {
+            const std::vector<size_t>& idx = batch->by_node[n];
             std::vector<w::BatchPutResult> res;
             Status s = r.status();
             if (s.ok()) s = w::DecodeBatchPutResults(**r, &res);
-            if (s.ok() && res.size() != idx->size()) {
+            if (s.ok() && res.size() != idx.size()) {
               s = Status::ProtocolError("batch reply has the wrong number of results");
             }
-            for (size_t j = 0; j < idx->size(); ++j) {
-              Result<uint64_t>& out = results[(*idx)[j]];
+            for (size_t j = 0; j < idx.size(); ++j) {
+              Result<uint64_t>& out = batch->results[idx[j]];
               if (out.ok()) continue;  // another replica stored it already
               if (!s.ok())
                 out = s;
@@ -772,12 +815,12 @@ std::vector<Result<uint64_t>> Client::MultiPut(const std::vector<PutItem>& items
               else
                 out = res[j].version;
             }
-            if (--remaining == 0) all_done.set_value();
+            if (--batch->remaining == 0) batch->all_done.set_value();
           });
     }
   });
-  all_done.get_future().wait();
-  return results;
+  done.wait();
+  return std::move(batch->results);
 }
 
 Result<std::string> Client::Ping(int node, std::chrono::milliseconds timeout) {

@@ -921,8 +921,14 @@ void Server::Stop() {
       I->metrics_http->stop();
       if (I->metrics_thread.joinable()) I->metrics_thread.join();
     }
-    I->executors.reset();  // runs what is queued
-    I->transport.reset();  // closes endpoints, listener, worker
+    // Phases, so that no callback ever reaches something already gone: (1) intake stopped
+    // above (new requests get Unavailable); (2) the listener and every endpoint close while the
+    // executors still run, since completions that arrive meanwhile hand work to them; (3) the
+    // executors finish what is queued (replies they post now are dropped: the connections are
+    // gone); (4) the worker and context go; (5) memory is written back to the disk tier.
+    I->transport->Stop();
+    I->executors.reset();
+    I->transport.reset();
     Status fs = I->cache->Flush();
     if (!fs.ok()) GKV_LOG_ERROR("flush at shutdown failed: {}", fs.ToString());
     GKV_LOG_INFO("node {} stopped", I->self.id);

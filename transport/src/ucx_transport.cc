@@ -115,13 +115,20 @@ struct UcxTransport::Impl {
 
   std::mutex post_mu;
   std::vector<std::function<void()>> posted;  // guarded by post_mu
+  bool post_closed = false;  // guarded by post_mu: the loop has ended, Post drops its task
 
   // Worker-thread state.
   ConnId next_conn = 1;
   std::unordered_map<ConnId, Conn> conns;
   std::unordered_map<ucp_ep_h, ConnId> conn_by_ep;
   std::vector<std::function<void()>> deferred;  // callbacks to run after progress returns
-  std::vector<void*> closing;                   // ep close requests in flight
+  // Endpoint close requests in flight, each with its error-handler argument, which UCX may
+  // still use until the close completes (then both go).
+  struct Closing {
+    void* request;
+    std::unique_ptr<ErrorArg> err_arg;
+  };
+  std::vector<Closing> closing;
 
   ~Impl() {
     if (listener) ucp_listener_destroy(listener);
@@ -402,23 +409,27 @@ struct UcxTransport::Impl {
     auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
     while (!closing.empty() && std::chrono::steady_clock::now() < deadline) {
       ucp_worker_progress(worker);
-      for (auto it = closing.begin(); it != closing.end();) {
-        if (ucp_request_check_status(*it) != UCS_INPROGRESS) {
-          ucp_request_free(*it);
-          it = closing.erase(it);
-        } else {
-          ++it;
-        }
-      }
+      ReapClosed();
       RunDeferred();
       RunPosted();
     }
-    for (void* r : closing) {
-      ucp_request_cancel(worker, r);
-      ucp_request_free(r);
+    for (Closing& c : closing) {
+      ucp_request_cancel(worker, c.request);
+      ucp_request_free(c.request);
     }
     closing.clear();
     RunDeferred();
+  }
+
+  void ReapClosed() {
+    for (auto c = closing.begin(); c != closing.end();) {
+      if (ucp_request_check_status(c->request) != UCS_INPROGRESS) {
+        ucp_request_free(c->request);
+        c = closing.erase(c);
+      } else {
+        ++c;
+      }
+    }
   }
 
   void CloseInternal(ConnId id, bool force) {
@@ -427,25 +438,17 @@ struct UcxTransport::Impl {
     ucp_ep_h ep = it->second.ep;
     force = force || it->second.failed;
     conn_by_ep.erase(ep);
-    // The error handler's argument must outlive the endpoint: keep it until shutdown.
-    retired_args.push_back(std::move(it->second.err_arg));
+    // The error handler's argument must outlive the endpoint: it goes when the close is done.
+    std::unique_ptr<ErrorArg> err_arg = std::move(it->second.err_arg);
     conns.erase(it);
     ucp_request_param_t p{};
     p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
     p.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
     void* req = ucp_ep_close_nbx(ep, &p);
-    if (UCS_PTR_IS_PTR(req)) closing.push_back(req);
+    if (UCS_PTR_IS_PTR(req)) closing.push_back({req, std::move(err_arg)});
     // Close requests are reaped here in normal operation too.
-    for (auto c = closing.begin(); c != closing.end();) {
-      if (ucp_request_check_status(*c) != UCS_INPROGRESS) {
-        ucp_request_free(*c);
-        c = closing.erase(c);
-      } else {
-        ++c;
-      }
-    }
+    ReapClosed();
   }
-  std::vector<std::unique_ptr<ErrorArg>> retired_args;
 };
 
 // ---------------- Incoming ----------------
@@ -460,6 +463,8 @@ Incoming::~Incoming() {
     release();
   } else {
     std::lock_guard<std::mutex> lock(impl->post_mu);
+    // After Stop the worker no longer runs; destroying it frees what it still held.
+    if (impl->post_closed) return;
     impl->posted.push_back(release);
     uint64_t one = 1;
     (void)!write(impl->event_fd, &one, sizeof one);
@@ -499,16 +504,29 @@ Result<std::unique_ptr<UcxTransport>> UcxTransport::Create(const Options& option
   return t;
 }
 
-UcxTransport::~UcxTransport() {
+UcxTransport::~UcxTransport() { Stop(); }
+
+void UcxTransport::Stop() {
+  if (!impl_->thread.joinable()) return;
   impl_->stopping.store(true, std::memory_order_release);
   uint64_t one = 1;
   (void)!write(impl_->event_fd, &one, sizeof one);
-  if (impl_->thread.joinable()) impl_->thread.join();
+  impl_->thread.join();
+  std::vector<std::function<void()>> leftover;
+  {
+    std::lock_guard<std::mutex> lock(impl_->post_mu);
+    impl_->post_closed = true;
+    leftover.swap(impl_->posted);
+  }
+  // Destroyed outside the lock: the tasks may own messages, whose destructors take it.
+  leftover.clear();
 }
 
 void UcxTransport::Post(std::function<void()> task) {
   {
     std::lock_guard<std::mutex> lock(impl_->post_mu);
+    // After Stop the task is dropped: destroyed when this function returns, outside the lock.
+    if (impl_->post_closed) return;
     impl_->posted.push_back(std::move(task));
   }
   uint64_t one = 1;

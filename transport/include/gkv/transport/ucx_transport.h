@@ -91,7 +91,15 @@ class UcxTransport {
   UcxTransport(const UcxTransport&) = delete;
   UcxTransport& operator=(const UcxTransport&) = delete;
 
+  // --- any thread but the worker ---
+  // Stops the worker thread: the listener goes, every endpoint is closed (flushed for a grace
+  // period, then forced), and the callbacks that completes run on the worker thread as usual,
+  // so whatever they hand to other threads must still be alive during this call. Afterwards
+  // Post() drops its task. Idempotent; the destructor calls it. Not concurrently with itself.
+  void Stop();
+
   // --- any thread ---
+  // Runs `task` on the worker thread; after Stop() the task is destroyed unrun.
   void Post(std::function<void()> task);
   // True when this UCX build can move CUDA device memory itself (context memory types).
   bool device_memory_supported() const;
