@@ -59,6 +59,7 @@ struct NodeSpec {
   bool disk = true;
   std::vector<std::string> extra_args;
   std::string secret;    // written to the cluster file when set
+  std::string peer_secret;  // likewise
   bool metrics = false;  // give each node a free --metrics-port
 };
 
@@ -74,6 +75,7 @@ class Cluster {
       f << "  - {id: n" << i << ", address: 127.0.0.1:" << ports_[i] << "}\n";
     }
     if (!spec_.secret.empty()) f << "secret: \"" << spec_.secret << "\"\n";
+    if (!spec_.peer_secret.empty()) f << "peer_secret: \"" << spec_.peer_secret << "\"\n";
     f.close();
     for (int i = 0; i < n; ++i) metrics_ports_.push_back(spec_.metrics ? FreePort() : 0);
     pids_.assign(n, -1);

@@ -9,6 +9,8 @@
 
 #include <atomic>
 #include <future>
+#include <map>
+#include <mutex>
 #include <thread>
 
 #include "cluster_harness.h"
@@ -152,6 +154,160 @@ TEST(GuaranteesTest, SigtermUnderLoadExitsZeroAndKeepsWrittenBackData) {
                      << cluster.ReadLog(1);
     EXPECT_NE(cluster.ReadLog(1).find("stopped"), std::string::npos);
   }
+}
+
+// A bare UCX connection to one node that sends raw requests and collects the replies' codes.
+class RawConnection {
+ public:
+  explicit RawConnection(uint16_t port) {
+    UcxTransport::Handlers h;
+    h.on_message = [this](std::unique_ptr<Incoming> m) {
+      wire::Header hd;
+      std::string_view body;
+      StatusCode code = StatusCode::kOk;
+      if (wire::DecodeMessage(m->header().data(), m->header().size(), &hd, &body).ok() &&
+          !body.empty()) {
+        code = static_cast<StatusCode>(body[0]);  // every reply body starts with its status
+      }
+      std::lock_guard<std::mutex> lock(mu_);
+      codes_[hd.request_id] = code;
+    };
+    auto t = UcxTransport::Create({}, std::move(h));
+    EXPECT_TRUE(t.ok()) << t.status().ToString();
+    transport_ = std::move(*t);
+    std::promise<void> connected;
+    transport_->Post([&] {
+      auto c = transport_->Connect("127.0.0.1", port);
+      EXPECT_TRUE(c.ok());
+      conn_ = c.ok() ? *c : 0;
+      connected.set_value();
+    });
+    connected.get_future().wait();
+  }
+
+  // Sends one request (or, with am_id kAmReply, a reply-shaped message) with a payload.
+  void Send(wire::Opcode op, std::string body, uint64_t id, std::string payload = "",
+            unsigned am_id = wire::kAmRequest) {
+    auto keep = std::make_shared<std::string>(std::move(payload));
+    std::string header = wire::EncodeMessage({op, 0, id}, body);
+    transport_->Post([this, header, keep, am_id] {
+      transport_->Send(conn_, am_id, header, keep->data(), keep->size(), MemoryKind::kHost,
+                       [keep](Status) {});
+    });
+  }
+
+  // The status code of the reply to `id`, waiting up to 3 s; kAborted if none came.
+  StatusCode WaitReply(uint64_t id) {
+    for (int i = 0; i < 300; ++i) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        auto it = codes_.find(id);
+        if (it != codes_.end()) return it->second;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return StatusCode::kAborted;
+  }
+
+ private:
+  std::unique_ptr<UcxTransport> transport_;
+  ConnId conn_ = 0;
+  std::mutex mu_;
+  std::map<uint64_t, StatusCode> codes_;
+};
+
+uint64_t StatsCounter(Client& c, int node, const std::string& name) {
+  auto stats = c.NodeStats(node);
+  if (!stats.ok()) return ~0ull;
+  auto at = stats->find("\"" + name + "\":");
+  if (at == std::string::npos) return ~0ull;
+  return std::stoull(stats->substr(at + name.size() + 3));
+}
+
+// Issue 12 item 12: the replication protocol is closed to connections that are not nodes.
+TEST(GuaranteesTest, ReplicationMessagesAreRefusedFromClientsAndForgedRepliesIgnored) {
+  NodeSpec spec;
+  spec.peer_secret = "nodes-only";
+  spec.extra_args = {"--replicate-hot", "5"};
+  Cluster cluster(3, spec);
+  auto client = cluster.NewClient();
+  ASSERT_TRUE(client);
+  const std::string key = KeyOn(*client, 0);
+  ASSERT_TRUE(client->Put(key, "v1", 2).ok());
+  RawConnection raw(client->cluster().nodes[1].port);
+  // As a client: REPLICA_PUT and INVALIDATE are refused, the payload never installed.
+  raw.Send(wire::Opcode::kReplicaPut, wire::EncodeReplicaPut({key, {}, 6}, 99), 1, "forged");
+  EXPECT_EQ(raw.WaitReply(1), StatusCode::kPermissionDenied);
+  raw.Send(wire::Opcode::kInvalidate, wire::EncodeInvalidate(key, 1ull << 60), 2);
+  EXPECT_EQ(raw.WaitReply(2), StatusCode::kPermissionDenied);
+  // Claiming to be a node without the peer secret (or as an unknown node) is refused.
+  raw.Send(wire::Opcode::kPeerHello, wire::EncodePeerHello("n0", "guess"), 3);
+  EXPECT_EQ(raw.WaitReply(3), StatusCode::kPermissionDenied);
+  RawConnection raw2(client->cluster().nodes[1].port);
+  raw2.Send(wire::Opcode::kPeerHello, wire::EncodePeerHello("n9", "nodes-only"), 4);
+  EXPECT_EQ(raw2.WaitReply(4), StatusCode::kPermissionDenied);
+  EXPECT_GE(StatsCounter(*client, 1, "auth_failures"), 2u);
+  // Reply-shaped messages from a client connection (answering calls the node never made to it)
+  // are dropped; the node keeps serving.
+  RawConnection raw3(client->cluster().nodes[0].port);
+  for (uint64_t id = 0; id < 64; ++id) {
+    raw3.Send(wire::Opcode::kInvalidate, wire::EncodeStatusReply(Status::OK()), id, "",
+              wire::kAmReply);
+  }
+  // The real nodes still replicate between themselves: the hot key gets copies.
+  bool copied = false;
+  for (int i = 0; i < 3000 && !copied; ++i) {
+    ASSERT_TRUE(client->Get(key).ok());
+    if (i % 200 == 199) copied = StatsCounter(*client, 0, "replicas_created") > 0;
+  }
+  EXPECT_TRUE(copied) << cluster.ReadLog(0);
+  auto got = client->Get(key);
+  ASSERT_TRUE(got.ok());
+  EXPECT_EQ(got->view(), "v1");
+}
+
+// Issue 12 item 2: a value over the node's limit is refused before anything is reserved.
+TEST(GuaranteesTest, OversizeValuesAreRefusedWithInvalidArgument) {
+  NodeSpec spec;
+  spec.extra_args = {"--max-value-size", "1MiB"};
+  Cluster cluster(1, spec);
+  auto client = cluster.NewClient();
+  ASSERT_TRUE(client);
+  std::string big((1 << 20) + 1, 'b');
+  auto put = client->Put("big", big.data(), big.size());
+  EXPECT_EQ(put.status().code(), StatusCode::kInvalidArgument) << put.status().ToString();
+  EXPECT_NE(put.status().ToString().find("maximum value size"), std::string::npos);
+  std::vector<PutItem> items = {{"small", "s", 1, {}}, {"big", big.data(), big.size(), {}}};
+  auto many = client->MultiPut(items);
+  EXPECT_EQ(many[1].status().code(), StatusCode::kInvalidArgument) << many[1].status().ToString();
+  EXPECT_TRUE(client->Put("fits", big.data(), 1 << 20).ok());
+  EXPECT_EQ(client->Get("big").status().code(), StatusCode::kNotFound);
+}
+
+// Issue 12 item 13: the small ones.
+TEST(GuaranteesTest, ClientRefusesBadArgumentsAndNodeCountsEveryProtocolError) {
+  Cluster cluster(1);
+  auto client = cluster.NewClient();
+  ASSERT_TRUE(client);
+  ASSERT_TRUE(client->Put("five", "12345", 5).ok());
+  // GetInto a null buffer: nothing can be delivered, so InvalidArgument (not ok).
+  auto into = client->GetInto("five", nullptr, 0);
+  EXPECT_EQ(into.status().code(), StatusCode::kInvalidArgument) << into.status().ToString();
+  ASSERT_TRUE(client->Put("empty", "", 0).ok());
+  EXPECT_TRUE(client->GetInto("empty", nullptr, 0).ok());
+  // A rank-9 shape is the caller's mistake: InvalidArgument, never sent.
+  PutOptions rank9;
+  rank9.tensor = {DType::kU8, {1, 1, 1, 1, 1, 1, 1, 1, 5}};
+  auto put = client->Put("rank9", "12345", 5, rank9);
+  EXPECT_EQ(put.status().code(), StatusCode::kInvalidArgument) << put.status().ToString();
+  std::vector<PutItem> items = {{"rank9", "12345", 5, rank9.tensor}};
+  EXPECT_EQ(client->MultiPut(items)[0].status().code(), StatusCode::kInvalidArgument);
+  // Requests whose body fails to decode count as protocol errors, one each.
+  const uint64_t before = StatsCounter(*client, 0, "protocol_errors");
+  RawConnection raw(client->cluster().nodes[0].port);
+  for (uint64_t id = 1; id <= 6; ++id) raw.Send(wire::Opcode::kGet, "\x01", id);
+  for (uint64_t id = 1; id <= 6; ++id) EXPECT_EQ(raw.WaitReply(id), StatusCode::kProtocolError);
+  EXPECT_EQ(StatsCounter(*client, 0, "protocol_errors"), before + 6);
 }
 
 }  // namespace

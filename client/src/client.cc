@@ -540,6 +540,13 @@ Result<Value> Client::Get(std::string_view key, const GetOptions& o) {
 Result<ValueInfo> Client::GetInto(std::string_view key, void* dst, size_t capacity,
                                   const GetOptions& o) {
   Impl* I = impl_.get();
+  // A null buffer holds no bytes: it receives a 0-byte value, anything larger is refused as too
+  // small (a null destination means "allocate" only inside Get).
+  static std::byte no_buffer;
+  if (dst == nullptr) {
+    if (capacity != 0) return Status::InvalidArgument("null buffer with a nonzero capacity");
+    dst = &no_buffer;
+  }
   const MemoryKind kind = Resolve(o.memory, dst);
   auto deadline = I->DeadlineFrom(o.timeout);
   std::promise<Result<ValueInfo>> promise;
@@ -559,6 +566,8 @@ Result<ValueInfo> Client::GetInto(std::string_view key, void* dst, size_t capaci
 void Client::PutAsync(std::string_view key, const void* data, size_t size, const PutOptions& o,
                       std::function<void(Result<uint64_t>)> callback) {
   Impl* I = impl_.get();
+  // Refused here, with the reason, rather than sent and answered protocol_error.
+  if (Status vs = o.tensor.Validate(size); !vs.ok()) return callback(vs);
   MemoryKind kind = Resolve(o.memory, data);
   std::shared_ptr<std::byte[]> staging;
   if (kind == MemoryKind::kDevice && !I->transport->device_memory_supported()) {
@@ -749,11 +758,17 @@ std::vector<Result<uint64_t>> Client::MultiPut(const std::vector<PutItem>& items
   batch->results.assign(items.size(), Status::Aborted("not sent"));
   batch->failed_here.assign(items.size(), false);
   if (items.empty()) return std::move(batch->results);
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (Status vs = items[i].tensor.Validate(items[i].size); !vs.ok()) {
+      batch->results[i] = vs;
+      batch->failed_here[i] = true;
+    }
+  }
   // Device items are staged once, before grouping: an item whose copy fails is not sent to any
   // node (a zero-filled stand-in must never be stored, and no node's success may hide the error).
   std::vector<std::unique_ptr<std::byte[]>> staged(items.size());
   for (size_t i = 0; i < items.size(); ++i) {
-    if (items[i].size == 0 || Resolve(o.memory, items[i].data) != MemoryKind::kDevice) continue;
+    if (batch->failed_here[i] || items[i].size == 0 || Resolve(o.memory, items[i].data) != MemoryKind::kDevice) continue;
     staged[i].reset(new std::byte[items[i].size]);
     Status s = CudaCopySync(staged[i].get(), items[i].data, items[i].size);
     if (!s.ok()) {

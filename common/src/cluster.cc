@@ -78,6 +78,15 @@ Result<ClusterConfig> ParseClusterYaml(std::string_view text) {
       }
       config.secret = v;
     }
+    if (root["peer_secret"]) config.peer_secret = root["peer_secret"].as<std::string>();
+    if (root["peer_secret_env"]) {
+      std::string name = root["peer_secret_env"].as<std::string>();
+      const char* v = std::getenv(name.c_str());
+      if (!v || !*v) {
+        return Status::InvalidArgument("peer_secret_env names '" + name + "', which is not set");
+      }
+      config.peer_secret = v;
+    }
     return config;
   } catch (const YAML::Exception& e) {
     return Status::InvalidArgument(std::string("cluster file: ") + e.what());

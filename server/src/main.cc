@@ -1,6 +1,7 @@
 // gkv-server: one node of a gkv cluster.
 //   gkv-server --cluster FILE --node ID [--gpu-mem SIZE] [--host-mem SIZE] [--disk DIR]
 //              [--disk-capacity SIZE] [--threads N] [--metrics-port N] [--log-level L]
+//              [--max-value-size SIZE]
 //              [--replicate-hot R [--replicate-cool R] [--hot-replicas N] [--replica-share F]]
 // SIGTERM or SIGINT: stop accepting, finish what is in flight, write back to disk, exit 0.
 // Exit codes: 0 clean stop, 1 could not start (message on stderr), 2 bad usage.
@@ -16,7 +17,8 @@
 int main(int argc, char** argv) {
   CLI::App app{"gkv-server: one node of a gkv GPU key-value and tensor cache"};
   std::string cluster_file, node_id, gpu_mem = "0", host_mem = "1GiB", disk_dir,
-                                     disk_capacity = "16GiB", log_level = "info", listen;
+                                     disk_capacity = "16GiB", log_level = "info", listen,
+                                     max_value_size = "2GiB";
   int threads = 4;
   int metrics_port = 0;
   double hot_rate = 0, cool_rate = 0, replica_share = 0.10;
@@ -35,6 +37,8 @@ int main(int argc, char** argv) {
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error");
   app.add_option("--metrics-port", metrics_port, "serve Prometheus metrics on this port (/metrics)")
       ->check(CLI::Range(0, 65535));
+  app.add_option("--max-value-size", max_value_size,
+                 "largest value the node accepts (below 4 GiB, RocksDB's limit)");
   app.add_option("--replicate-hot", hot_rate,
                  "copy keys read more than this many times a second to other nodes (0: off)");
   app.add_option(
@@ -68,13 +72,20 @@ int main(int argc, char** argv) {
   options.replica_share = replica_share;
   for (auto [text, out] : {std::pair{&gpu_mem, &options.cache.gpu_capacity},
                            std::pair{&host_mem, &options.cache.host_capacity},
-                           std::pair{&disk_capacity, &options.cache.disk_capacity}}) {
+                           std::pair{&disk_capacity, &options.cache.disk_capacity},
+                           std::pair{&max_value_size, &options.max_value_size}}) {
     auto v = gkv::ParseSize(*text);
     if (!v.ok()) {
       std::fprintf(stderr, "gkv-server: %s\n", v.status().ToString().c_str());
       return 2;
     }
     *out = *v;
+  }
+  if (options.max_value_size == 0 ||
+      options.max_value_size > gkv::ServerOptions::kMaxValueSizeLimit) {
+    std::fprintf(stderr, "gkv-server: --max-value-size must be between 1 B and %s\n",
+                 gkv::FormatSize(gkv::ServerOptions::kMaxValueSizeLimit).c_str());
+    return 2;
   }
   options.cache.gpu_devices = gpus;
   options.cache.disk_path = disk_dir;

@@ -76,9 +76,24 @@ struct Server::Impl {
   // written often does not churn copies on every write.
   std::unordered_map<std::string, Clock::time_point> copy_again_after;
   std::unordered_map<std::string, uint64_t> replica_version;  // as replica: version held
-  std::unordered_map<std::string, uint64_t> replica_floor;    // as replica: invalidated up to
+  // As replica: invalidated up to `version`. A floor only has to outlive the hints and the
+  // installs in flight that could name an older version (hints live 1 s on clients, installs
+  // are sent with a 500 ms deadline), so floors expire after kFloorLifetime: the table is bounded
+  // by the invalidation rate, not by the number of keys ever invalidated.
+  struct Floor {
+    uint64_t version = 0;
+    Clock::time_point set_at;
+  };
+  static constexpr auto kFloorLifetime = std::chrono::seconds(10);
+  std::unordered_map<std::string, Floor> replica_floor;
+  Clock::time_point last_floor_prune = Clock::now();
+  bool CoveredByFloor(const std::string& key, uint64_t version) const {
+    auto fl = replica_floor.find(key);
+    return fl != replica_floor.end() && fl->second.version >= version;
+  }
   struct PeerCall {
     int node;
+    ConnId conn;  // a reply counts only on the connection the call went out on
     Clock::time_point deadline;
     std::function<void(Status, std::string_view body)> done;
   };
@@ -93,6 +108,9 @@ struct Server::Impl {
 
   // I/O-thread state.
   std::unordered_map<ConnId, bool> authenticated;
+  // Accepted connections whose peer said PEER_HELLO (with the peer secret, where the cluster has
+  // one): the only ones allowed REPLICA_PUT and INVALIDATE. Value: the node's index.
+  std::unordered_map<ConnId, int> peer_node_of_conn;
   Clock::time_point last_pressure_check = Clock::now();
   uint64_t last_spills = 0, last_drops = 0;
 
@@ -101,6 +119,10 @@ struct Server::Impl {
              MemoryKind kind, std::function<void()> after) {
     if (!status.ok()) {
       counters.errors[static_cast<int>(status.code())].fetch_add(1, std::memory_order_relaxed);
+      // Every request answered protocol_error counts, whether its header or its body was bad.
+      if (status.code() == StatusCode::kProtocolError) {
+        counters.protocol_errors.fetch_add(1, std::memory_order_relaxed);
+      }
     }
     counters.bytes_out.fetch_add(size, std::memory_order_relaxed);
     transport->Send(
@@ -139,7 +161,7 @@ struct Server::Impl {
 
   // --- dispatch (I/O thread) ---
   void OnMessage(std::unique_ptr<Incoming> msg) {
-    if (msg->am_id() == w::kAmReply) return OnPeerReply(std::move(msg));  // replication calls
+    if (msg->am_id() == w::kAmReply) return OnPeerReply(std::move(msg));  // our peer calls
     if (msg->am_id() != w::kAmRequest) return;
     Req r;
     r.conn = msg->conn();
@@ -152,13 +174,13 @@ struct Server::Impl {
     }
     in_flight.fetch_add(1, std::memory_order_acq_rel);
     if (!s.ok()) {
-      counters.protocol_errors.fetch_add(1, std::memory_order_relaxed);
       GKV_LOG_DEBUG("malformed request on connection {}: {}", r.conn, s.ToString());
       r.h.opcode = w::Opcode::kPing;
       return ReplyStatus(r, s);
     }
     counters.ops[static_cast<int>(r.h.opcode)].fetch_add(1, std::memory_order_relaxed);
     counters.bytes_in.fetch_add(msg->payload_size(), std::memory_order_relaxed);
+    if (r.h.opcode == w::Opcode::kPeerHello) return AuthenticatePeer(r, body);
     if (!options.cluster.secret.empty() && !authenticated[r.conn]) return Authenticate(r, body);
     if (stopping.load(std::memory_order_acquire)) {
       return ReplyStatus(r, Status::Unavailable("node is shutting down"));
@@ -183,10 +205,53 @@ struct Server::Impl {
       case w::Opcode::kStats:
         return HandleStats(r);
       case w::Opcode::kReplicaPut:
+        if (!PeerOnly(r)) return;
         return HandleReplicaPut(r, body, std::move(msg));
       case w::Opcode::kInvalidate:
+        if (!PeerOnly(r)) return;
         return HandleInvalidate(r, body);
+      case w::Opcode::kPeerHello:
+        return;  // handled above
     }
+  }
+
+  // Replication messages come from nodes of this cluster that identified themselves, and only
+  // while replication is on; anything else is refused (and its payload released unreceived).
+  bool PeerOnly(const Req& r) {
+    if (peer_node_of_conn.count(r.conn) == 0) {
+      ReplyStatus(r, Status::PermissionDenied(
+                         "replication messages are accepted from peer nodes only (PEER_HELLO)"));
+      return false;
+    }
+    if (!replication_on()) {
+      ReplyStatus(r, Status::NotSupported("replication is off on this node"));
+      return false;
+    }
+    return true;
+  }
+
+  void AuthenticatePeer(const Req& r, std::string_view body) {
+    std::string node_id, proof;
+    Status s = w::DecodePeerHello(body, &node_id, &proof);
+    const int node = s.ok() ? options.cluster.FindNode(node_id) : -1;
+    const std::string& want = options.cluster.effective_peer_secret();
+    if (s.ok() && node >= 0 && node != self_index && (want.empty() || SecretEquals(proof, want))) {
+      peer_node_of_conn[r.conn] = node;
+      authenticated[r.conn] = true;  // a node of the cluster may also use the client protocol
+      return ReplyStatus(r, Status::OK());
+    }
+    counters.auth_failures.fetch_add(1, std::memory_order_relaxed);
+    GKV_LOG_WARN("refused peer connection {}: {}", r.conn,
+                 !s.ok()     ? "malformed peer hello"
+                 : node < 0  ? "unknown node id"
+                 : node == self_index ? "claims this node's own id"
+                                      : "wrong peer secret");
+    const ConnId conn = r.conn;
+    Status denied = Status::PermissionDenied("not a node of this cluster");
+    Reply(r, denied, w::EncodeStatusReply(denied), nullptr, 0, MemoryKind::kHost, [this, conn] {
+      authenticated.erase(conn);
+      transport->Close(conn, /*force=*/false);
+    });
   }
 
   void Authenticate(const Req& r, std::string_view body) {
@@ -224,6 +289,7 @@ struct Server::Impl {
       s = Status::ProtocolError("put declares " + std::to_string(op->put.size) +
                                 " bytes but carries " + std::to_string(msg->payload_size()));
     }
+    if (s.ok()) s = CheckValueSize(op->put.size);
     if (!s.ok()) return ReplyStatus(r, s);  // msg dropped: an unreceived payload is released
     op->msg = std::move(msg);
     // Hot path, all on the I/O thread: free room in a memory tier, receive straight into it,
@@ -281,6 +347,13 @@ struct Server::Impl {
         });
       });
     });
+  }
+
+  Status CheckValueSize(uint64_t size) const {
+    if (size <= options.max_value_size) return Status::OK();
+    return Status::InvalidArgument("value of " + FormatSize(size) +
+                                   " exceeds the node's maximum value size of " +
+                                   FormatSize(options.max_value_size));
   }
 
   // Executor thread: copy from staging if any, commit (write-through when durable), reply.
@@ -443,6 +516,7 @@ struct Server::Impl {
       std::vector<w::BatchPutItem> items;
       size_t block = 0;
       if (s.ok()) s = w::DecodeBatchPutBlock(*buf, &items, &block);
+      for (size_t i = 0; s.ok() && i < items.size(); ++i) s = CheckValueSize(items[i].size);
       if (!s.ok()) return PostReply([this, r, s] { ReplyStatus(r, s); });
       std::vector<w::BatchPutResult> results(items.size());
       size_t off = block;
@@ -481,6 +555,7 @@ struct Server::Impl {
       last_decay = now;
       sketch.Decay();
       CoolDown();
+      PruneFloors(now);
     }
     if (now - last_pressure_check < std::chrono::seconds(10)) return;
     last_pressure_check = now;
@@ -640,6 +715,12 @@ struct Server::Impl {
     }
   }
 
+  void PruneFloors(Clock::time_point now) {
+    for (auto it = replica_floor.begin(); it != replica_floor.end();) {
+      it = now - it->second.set_at > kFloorLifetime ? replica_floor.erase(it) : std::next(it);
+    }
+  }
+
   static std::string ReplicaKey(const std::string& key, uint64_t version) {
     std::string k = key;
     k.push_back('\0');
@@ -655,13 +736,17 @@ struct Server::Impl {
     if (s.ok() && put.size != msg->payload_size())
       s = Status::ProtocolError("replica size mismatch");
     if (s.ok() && !replica_cache) s = Status::NotSupported("replication is off on this node");
+    if (s.ok()) s = CheckValueSize(put.size);
+    // Within the replica budget: a copy larger than the largest replica tier can never fit.
+    if (s.ok() && put.size > replica_cache->max_object_size()) {
+      s = Status::NoSpace("replica of " + FormatSize(put.size) + " exceeds the replica budget");
+    }
     if (!s.ok()) return ReplyStatus(r, s);
     auto buf = std::make_shared<std::string>(put.size, '\0');
     transport->Receive(
         std::move(msg), buf->data(), MemoryKind::kHost, [this, r, put, version, buf](Status rs) {
           if (!rs.ok()) return ReplyStatus(r, rs);
-          auto fl = replica_floor.find(put.key);
-          if (fl != replica_floor.end() && fl->second >= version) {
+          if (CoveredByFloor(put.key, version)) {
             return ReplyStatus(r, Status::OK());  // already invalidated
           }
           executors->Submit([this, r, put, version, buf] {
@@ -677,9 +762,9 @@ struct Server::Impl {
   }
 
   void InstallReplica(const std::string& key, uint64_t version) {
-    auto fl = replica_floor.find(key);
+    const bool covered = CoveredByFloor(key, version);
     uint64_t& current = replica_version[key];
-    if ((fl != replica_floor.end() && fl->second >= version) || current > version) {
+    if (covered || current > version) {
       DropReplicaCopy(key, version);  // landed after its invalidation, or older than what we hold
       return;
     }
@@ -697,10 +782,11 @@ struct Server::Impl {
     uint64_t version = 0;
     Status s = w::DecodeInvalidate(body, &key, &version);
     if (!s.ok()) return ReplyStatus(r, s);
-    uint64_t& floor = replica_floor[key];
-    floor = std::max(floor, version);
+    Floor& floor = replica_floor[key];
+    floor.version = std::max(floor.version, version);
+    floor.set_at = Clock::now();
     auto it = replica_version.find(key);
-    if (it != replica_version.end() && it->second <= floor) {
+    if (it != replica_version.end() && it->second <= floor.version) {
       if (replica_cache) DropReplicaCopy(key, it->second);
       replica_version.erase(it);
     }
@@ -716,10 +802,9 @@ struct Server::Impl {
     if (!s.ok()) return ReplyStatus(r, s);
     Status miss = Status::NotFound("no replica of that version here");
     auto it = replica_version.find(key);
-    auto fl = replica_floor.find(key);
     ReadHandle h;
     if (!replica_cache || it == replica_version.end() || it->second != version ||
-        (fl != replica_floor.end() && fl->second >= version) ||
+        CoveredByFloor(key, version) ||
         replica_cache->TryAcquireFromMemory(ReplicaKey(key, version), &h) !=
             TieredCache::FastPath::kServed ||
         (h.memory_kind() == MemoryKind::kDevice && !transport->device_memory_supported())) {
@@ -740,12 +825,13 @@ struct Server::Impl {
     GKV_ASSIGN_OR_RETURN(ConnId conn, transport->Connect(n.host, n.port));
     peer_conn[node] = conn;
     peer_of_conn[conn] = node;
-    if (!options.cluster.secret.empty()) {
-      transport->Send(
-          conn, w::kAmRequest,
-          w::EncodeMessage({w::Opcode::kHello, 0, 0}, w::EncodeHello(options.cluster.secret)),
-          nullptr, 0, MemoryKind::kHost, [](Status) {});
-    }
+    // First on the endpoint (ordered before every call): who this node is. Its reply (id 0)
+    // matches no call and is dropped; a refusal closes the connection, failing the calls.
+    transport->Send(conn, w::kAmRequest,
+                    w::EncodeMessage({w::Opcode::kPeerHello, 0, 0},
+                                     w::EncodePeerHello(self.id,
+                                                        options.cluster.effective_peer_secret())),
+                    nullptr, 0, MemoryKind::kHost, [](Status) {});
     return conn;
   }
 
@@ -754,7 +840,7 @@ struct Server::Impl {
     auto conn = PeerConn(node);
     if (!conn.ok()) return done(conn.status(), {});
     const uint64_t id = next_peer_call++;
-    peer_calls[id] = PeerCall{node, Clock::now() + std::chrono::milliseconds(500), done};
+    peer_calls[id] = PeerCall{node, *conn, Clock::now() + std::chrono::milliseconds(500), done};
     transport->Send(*conn, w::kAmRequest, w::EncodeMessage({op, 0, id}, body),
                     payload ? payload->data() : nullptr, payload ? payload->size() : 0,
                     MemoryKind::kHost, [this, id, payload](Status s) {
@@ -771,8 +857,11 @@ struct Server::Impl {
     w::Header h;
     std::string_view body;
     if (!w::DecodeMessage(msg->header().data(), msg->header().size(), &h, &body).ok()) return;
+    // Only on a connection this node opened to a peer, and only for a call made on it: a client
+    // (or any other connection) can never answer a pending INVALIDATE or REPLICA_PUT.
+    if (peer_of_conn.count(msg->conn()) == 0) return;
     auto it = peer_calls.find(h.request_id);
-    if (it == peer_calls.end()) return;
+    if (it == peer_calls.end() || it->second.conn != msg->conn()) return;
     auto cb = std::move(it->second.done);
     peer_calls.erase(it);
     w::ReplyStatus rs;
@@ -889,6 +978,7 @@ Result<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
   };
   handlers.on_disconnect = [raw](ConnId id, const Status& s) {
     raw->authenticated.erase(id);
+    raw->peer_node_of_conn.erase(id);
     raw->OnPeerDisconnect(id);
     GKV_LOG_DEBUG("client connection {} closed: {}", id, s.ToString());
   };

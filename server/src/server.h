@@ -43,6 +43,11 @@ struct ServerOptions {
   // Largest batch request or batch reply payload the node buffers (MGET/MPUT); larger ones are
   // refused with NoSpace so a client can't make the node allocate without bound.
   uint64_t max_batch_bytes = 256ull << 20;
+  // Largest single value the node accepts (PUT, each MPUT item, replica copies), checked before
+  // anything is allocated or reserved; larger ones get InvalidArgument. RocksDB refuses values
+  // of 4 GiB or more, so the limit stays below that.
+  uint64_t max_value_size = 2ull << 30;
+  static constexpr uint64_t kMaxValueSizeLimit = (4ull << 30) - (1ull << 20);
 
   // Adaptive replication of hot keys; off while hot_reads_per_s is 0. A key this node owns that
   // is read more than hot_reads_per_s is copied to the next `hot_replicas` nodes on the ring;

@@ -68,6 +68,8 @@ std::string_view OpcodeName(Opcode op) {
       return "replica_put";
     case Opcode::kInvalidate:
       return "invalidate";
+    case Opcode::kPeerHello:
+      return "peer_hello";
   }
   return "unknown";
 }
@@ -100,7 +102,7 @@ Status DecodeMessage(const void* data, size_t size, Header* h, std::string_view*
                                  " is not supported (this side speaks 1)");
   }
   if (opcode < static_cast<uint8_t>(Opcode::kPing) ||
-      opcode > static_cast<uint8_t>(Opcode::kInvalidate)) {
+      opcode > static_cast<uint8_t>(Opcode::kPeerHello)) {
     return Status::ProtocolError("unknown opcode " + std::to_string(opcode));
   }
   if (body_len != r.remaining()) {
@@ -147,6 +149,23 @@ std::string EncodeHello(std::string_view secret) { return EncodeKeyRequest(secre
 Status DecodeHello(std::string_view body, std::string* secret) {
   ByteReader r(body);
   if (!r.String(secret, kMaxMessageText) || r.remaining() != 0) return Malformed("hello");
+  return Status::OK();
+}
+
+std::string EncodePeerHello(std::string_view node_id, std::string_view peer_secret) {
+  std::string out;
+  ByteWriter w(&out);
+  w.String(node_id);
+  w.String(peer_secret);
+  return out;
+}
+
+Status DecodePeerHello(std::string_view body, std::string* node_id, std::string* peer_secret) {
+  ByteReader r(body);
+  if (!r.String(node_id, kMaxMessageText) || !r.String(peer_secret, kMaxMessageText) ||
+      r.remaining() != 0) {
+    return Malformed("peer hello");
+  }
   return Status::OK();
 }
 

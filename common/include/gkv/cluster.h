@@ -5,6 +5,7 @@
 //     - {id: n0, address: 127.0.0.1:7000, weight: 2}
 //     - {id: n1, address: 127.0.0.1:7001}          # weight defaults to 1
 //   secret: ...        # optional shared secret (or secret_env: NAME to read it from the env)
+//   peer_secret: ...   # optional, nodes only: what nodes present to each other (peer_secret_env)
 //
 // HashRing: xxHash3 positions, `vnodes_per_weight * weight` virtual nodes per node, so a node's
 // share of the key space follows its weight (set it from the node's memory). A key belongs to
@@ -32,6 +33,13 @@ struct NodeInfo {
 struct ClusterConfig {
   std::vector<NodeInfo> nodes;
   std::string secret;  // empty: no access control
+  // What a node presents to another node (PEER_HELLO) to be allowed the replication messages.
+  // Empty: the cluster secret serves (so any holder of it may act as a node); set it (or
+  // peer_secret_env) in the nodes' cluster file only, to keep clients out of the peer protocol.
+  std::string peer_secret;
+  const std::string& effective_peer_secret() const {
+    return peer_secret.empty() ? secret : peer_secret;
+  }
 
   // Index into nodes, or -1.
   int FindNode(std::string_view id) const;

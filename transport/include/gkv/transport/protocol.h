@@ -42,6 +42,7 @@ enum class Opcode : uint8_t {
   kHello = 9,        // first message on a connection when the cluster has a secret
   kReplicaPut = 10,  // primary -> replica node: install a copy of a hot key's version
   kInvalidate = 11,  // primary -> replica node: drop copies of a key up to a version
+  kPeerHello = 12,   // first message on a node -> node connection: the caller's node id
 };
 std::string_view OpcodeName(Opcode op);
 
@@ -87,6 +88,9 @@ Status DecodeKeyRequest(std::string_view body, std::string* key);
 // Hello: the cluster secret.
 std::string EncodeHello(std::string_view secret);
 Status DecodeHello(std::string_view body, std::string* secret);
+// Peer hello: the calling node's id and the peer secret (empty when the cluster has none).
+std::string EncodePeerHello(std::string_view node_id, std::string_view peer_secret);
+Status DecodePeerHello(std::string_view body, std::string* node_id, std::string* peer_secret);
 
 // MultiGet: the body is empty; the payload is this block.
 std::string EncodeKeyList(const std::vector<std::string>& keys);
