@@ -400,9 +400,11 @@ struct Client::Impl {
     return true;
   }
 
-  // Writes to every replica of the key. Succeeds when at least one replica stored it (the
-  // version is the first successful replica's in ring order); replicas that were down miss the
-  // write (see docs/ARCHITECTURE.md, "Failures").
+  // Writes to every replica of the key and answers with the primary's outcome once every
+  // replica has answered (or failed): acknowledged means the primary stored it, so the next read
+  // (which goes to the primary first) sees it. A primary that fails (down, NoSpace, late) fails
+  // the put even where other replicas stored it; replicas that miss a write the primary took keep
+  // an older value until it is written again (see docs/ARCHITECTURE.md, "Failures").
   void DoPut(std::string key, const void* data, size_t size, MemoryKind kind,
              std::shared_ptr<std::byte[]> keepalive, const PutOptions& o,
              Clock::time_point deadline, std::function<void(Result<uint64_t>)> done) {
@@ -421,10 +423,7 @@ struct Client::Impl {
                 [fan, i, done](Result<uint64_t> r) {
                   fan->results[i] = std::move(r);
                   if (--fan->remaining > 0) return;
-                  for (auto& res : fan->results) {
-                    if (res.ok()) return done(*res);
-                  }
-                  done(fan->results[0].status());
+                  done(std::move(fan->results[0]));
                 });
     }
   }
@@ -631,13 +630,8 @@ Status Client::Delete(std::string_view key, std::chrono::milliseconds timeout) {
     }
   });
   done.wait();
-  // Every replica; OK if any deleted it, NotFound if none had it, else the first error.
-  for (const Status& s : call->results) {
-    if (s.ok()) return s;
-  }
-  for (const Status& s : call->results) {
-    if (!s.IsNotFound()) return s;
-  }
+  // Sent to every replica; the primary's answer is the outcome (as for Put): a delete the
+  // primary did not confirm is not acknowledged, since reads go to the primary first.
   return call->results[0];
 }
 
@@ -749,6 +743,7 @@ std::vector<Result<uint64_t>> Client::MultiPut(const std::vector<PutItem>& items
   struct Batch {
     std::vector<Result<uint64_t>> results;
     std::vector<bool> failed_here;             // refused before sending (staging failed)
+    std::vector<int> primary;                  // the node whose answer is the item's outcome
     std::vector<std::vector<size_t>> by_node;  // indices into items, grouped by node
     std::vector<std::shared_ptr<std::string>> payloads;
     int remaining = 0;
@@ -758,7 +753,9 @@ std::vector<Result<uint64_t>> Client::MultiPut(const std::vector<PutItem>& items
   batch->results.assign(items.size(), Status::Aborted("not sent"));
   batch->failed_here.assign(items.size(), false);
   if (items.empty()) return std::move(batch->results);
+  batch->primary.resize(items.size());
   for (size_t i = 0; i < items.size(); ++i) {
+    batch->primary[i] = I->ring->NodeFor(items[i].key);
     if (Status vs = items[i].tensor.Validate(items[i].size); !vs.ok()) {
       batch->results[i] = vs;
       batch->failed_here[i] = true;
@@ -821,8 +818,9 @@ std::vector<Result<uint64_t>> Client::MultiPut(const std::vector<PutItem>& items
               s = Status::ProtocolError("batch reply has the wrong number of results");
             }
             for (size_t j = 0; j < idx.size(); ++j) {
+              // As for Put: the primary's answer is the item's outcome.
+              if (batch->primary[idx[j]] != static_cast<int>(n)) continue;
               Result<uint64_t>& out = batch->results[idx[j]];
-              if (out.ok()) continue;  // another replica stored it already
               if (!s.ok())
                 out = s;
               else if (res[j].code != StatusCode::kOk)
