@@ -57,6 +57,7 @@ struct NodeSpec {
   std::string host_mem = "256MiB";
   std::string disk_capacity = "1GiB";
   bool disk = true;
+  int threads = 2;  // --threads (executors)
   std::vector<std::string> extra_args;
   std::string secret;    // written to the cluster file when set
   std::string peer_secret;  // likewise
@@ -96,7 +97,7 @@ class Cluster {
   void StartNode(int i) {
     std::vector<std::string> args = {
         GKV_SERVER_BIN, "--cluster",    cluster_file_, "--node", "n" + std::to_string(i),
-        "--host-mem",   spec_.host_mem, "--threads",   "2"};
+        "--host-mem",   spec_.host_mem, "--threads",   std::to_string(spec_.threads)};
     if (spec_.disk) {
       args.insert(args.end(), {"--disk", disk_dir(i), "--disk-capacity", spec_.disk_capacity});
     }

@@ -159,9 +159,11 @@ TEST(GuaranteesTest, SigtermUnderLoadExitsZeroAndKeepsWrittenBackData) {
 // A bare UCX connection to one node that sends raw requests and collects the replies' codes.
 class RawConnection {
  public:
-  explicit RawConnection(uint16_t port) {
+  // keep_messages: hold every reply unreceived (a hung client that never takes its payloads).
+  explicit RawConnection(uint16_t port, bool keep_messages = false) {
     UcxTransport::Handlers h;
-    h.on_message = [this](std::unique_ptr<Incoming> m) {
+    h.on_disconnect = [this](ConnId, const Status&) { disconnected_ = true; };
+    h.on_message = [this, keep_messages](std::unique_ptr<Incoming> m) {
       wire::Header hd;
       std::string_view body;
       StatusCode code = StatusCode::kOk;
@@ -171,6 +173,7 @@ class RawConnection {
       }
       std::lock_guard<std::mutex> lock(mu_);
       codes_[hd.request_id] = code;
+      if (keep_messages) kept_.push_back(std::move(m));
     };
     auto t = UcxTransport::Create({}, std::move(h));
     EXPECT_TRUE(t.ok()) << t.status().ToString();
@@ -187,9 +190,9 @@ class RawConnection {
 
   // Sends one request (or, with am_id kAmReply, a reply-shaped message) with a payload.
   void Send(wire::Opcode op, std::string body, uint64_t id, std::string payload = "",
-            unsigned am_id = wire::kAmRequest) {
+            unsigned am_id = wire::kAmRequest, uint32_t budget_ms = 0) {
     auto keep = std::make_shared<std::string>(std::move(payload));
-    std::string header = wire::EncodeMessage({op, 0, id}, body);
+    std::string header = wire::EncodeMessage({op, 0, id, budget_ms}, body);
     transport_->Post([this, header, keep, am_id] {
       transport_->Send(conn_, am_id, header, keep->data(), keep->size(), MemoryKind::kHost,
                        [keep](Status) {});
@@ -209,7 +212,22 @@ class RawConnection {
     return StatusCode::kAborted;
   }
 
+  bool disconnected() const { return disconnected_.load(); }
+
+  ~RawConnection() {
+    // Kept messages go on the worker thread, before it stops.
+    std::promise<void> released;
+    transport_->Post([&] {
+      std::lock_guard<std::mutex> lock(mu_);
+      kept_.clear();
+      released.set_value();
+    });
+    released.get_future().wait();
+  }
+
  private:
+  std::atomic<bool> disconnected_{false};
+  std::vector<std::unique_ptr<Incoming>> kept_;
   std::unique_ptr<UcxTransport> transport_;
   ConnId conn_ = 0;
   std::mutex mu_;
@@ -308,6 +326,112 @@ TEST(GuaranteesTest, ClientRefusesBadArgumentsAndNodeCountsEveryProtocolError) {
   for (uint64_t id = 1; id <= 6; ++id) raw.Send(wire::Opcode::kGet, "\x01", id);
   for (uint64_t id = 1; id <= 6; ++id) EXPECT_EQ(raw.WaitReply(id), StatusCode::kProtocolError);
   EXPECT_EQ(StatsCounter(*client, 0, "protocol_errors"), before + 6);
+}
+
+// Issue 12 item 5: a flood of async puts is shed with Busy instead of reserving space for bytes
+// that have not arrived; every call is answered; the node serves normally afterwards.
+TEST(GuaranteesTest, InFlightLimitsShedLoadWithBusy) {
+  NodeSpec spec;
+  spec.extra_args = {"--max-inflight", "2MiB", "--max-conn-inflight", "2MiB"};
+  Cluster cluster(1, spec);
+  auto client = cluster.NewClient(std::chrono::seconds(10));
+  ASSERT_TRUE(client);
+  std::string value(1 << 20, 'v');
+  std::vector<std::future<Result<uint64_t>>> puts;
+  for (int i = 0; i < 32; ++i) {
+    puts.push_back(client->PutAsync("flood/" + std::to_string(i), value.data(), value.size()));
+  }
+  int ok = 0, busy = 0;
+  for (int i = 0; i < 32; ++i) {
+    auto r = puts[i].get();
+    if (r.ok()) {
+      ok++;
+      auto got = client->Get("flood/" + std::to_string(i));
+      ASSERT_TRUE(got.ok()) << got.status().ToString();
+      EXPECT_EQ(got->size(), value.size());
+    } else {
+      ASSERT_EQ(r.status().code(), StatusCode::kBusy) << r.status().ToString();
+      busy++;
+    }
+  }
+  EXPECT_GT(ok, 0);
+  EXPECT_GT(busy, 0) << "32 x 1 MiB at once against a 2 MiB in-flight limit";
+  EXPECT_TRUE(client->Put("after", value.data(), value.size()).ok());
+  auto stats = *client->NodeStats(0);
+  EXPECT_NE(stats.find("\"busy\":"), std::string::npos) << stats;
+}
+
+// Issue 12 item 5: work whose caller's deadline (budget_ms) ran out before it started is
+// dropped with Timeout: a delete that reports Timeout has not deleted anything.
+TEST(GuaranteesTest, ExpiredRequestsAreDroppedBeforeTheyRun) {
+  NodeSpec spec;
+  spec.threads = 1;
+  Cluster cluster(1, spec);
+  auto client = cluster.NewClient(std::chrono::seconds(20));
+  ASSERT_TRUE(client);
+  const int kVictims = 40;
+  for (int i = 0; i < kVictims; ++i) {
+    ASSERT_TRUE(client->Put("victim/" + std::to_string(i), "x", 1).ok());
+  }
+  // Keep the only executor busy with durable writes (each one synced to disk).
+  std::atomic<bool> stop{false};
+  std::thread writer([&] {
+    std::string big(8 << 20, 'd');
+    PutOptions durable;
+    durable.durable = true;
+    for (int i = 0; !stop.load() && i < 200; ++i) {
+      (void)client->Put("durable/" + std::to_string(i % 4), big.data(), big.size(), durable);
+    }
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  RawConnection raw(client->cluster().nodes[0].port);
+  for (int i = 0; i < kVictims; ++i) {
+    raw.Send(wire::Opcode::kDelete, wire::EncodeKeyRequest("victim/" + std::to_string(i)), i + 1,
+             "", wire::kAmRequest, /*budget_ms=*/1);
+    std::this_thread::sleep_for(std::chrono::milliseconds(3));
+  }
+  int timed_out = 0;
+  for (int i = 0; i < kVictims; ++i) {
+    const StatusCode code = raw.WaitReply(i + 1);
+    auto still = client->Stat("victim/" + std::to_string(i));
+    if (code == StatusCode::kTimeout) {
+      timed_out++;
+      EXPECT_TRUE(still.ok()) << "a delete answered Timeout must not have run";
+    } else {
+      EXPECT_EQ(code, StatusCode::kOk);
+      EXPECT_EQ(still.status().code(), StatusCode::kNotFound);
+    }
+  }
+  stop = true;
+  writer.join();
+  EXPECT_GT(timed_out, 0) << "1 ms budgets queued behind 8 MiB durable writes";
+}
+
+// Issue 12 item 5: a client that never takes its GET payloads keeps those entries pinned only
+// until the send timeout; then its connection is closed and the pins go.
+TEST(GuaranteesTest, AHungClientIsDisconnectedAfterTheSendTimeout) {
+  NodeSpec spec;
+  spec.extra_args = {"--send-timeout-ms", "500"};
+  Cluster cluster(1, spec);
+  auto client = cluster.NewClient();
+  ASSERT_TRUE(client);
+  std::string value(4 << 20, 'p');
+  ASSERT_TRUE(client->Put("pinned", value.data(), value.size()).ok());
+  RawConnection hung(client->cluster().nodes[0].port, /*keep_messages=*/true);
+  for (uint64_t id = 1; id <= 4; ++id) {
+    hung.Send(wire::Opcode::kGet, wire::EncodeKeyRequest("pinned"), id);
+  }
+  for (uint64_t id = 1; id <= 4; ++id) EXPECT_EQ(hung.WaitReply(id), StatusCode::kOk);
+  bool closed = false;
+  for (int i = 0; i < 40 && !closed; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    closed = StatsCounter(*client, 0, "stuck_connections_closed") >= 1;
+  }
+  EXPECT_TRUE(closed) << cluster.ReadLog(0);
+  EXPECT_NE(cluster.ReadLog(0).find("has not taken a reply"), std::string::npos);
+  auto got = client->Get("pinned");
+  ASSERT_TRUE(got.ok());
+  EXPECT_EQ(got->size(), value.size());
 }
 
 }  // namespace

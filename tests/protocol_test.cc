@@ -8,7 +8,8 @@ namespace gkv::wire {
 namespace {
 
 TEST(ProtocolTest, HeaderRoundTripAndFixedLayout) {
-  std::string m = EncodeMessage({Opcode::kGet, kFlagDurable, 0x1122334455667788ULL}, "body");
+  std::string m =
+      EncodeMessage({Opcode::kGet, kFlagDurable, 0x1122334455667788ULL, 1500}, "body");
   ASSERT_EQ(m.size(), kFixedHeaderSize + 4);
   // Little-endian magic "GKV1" first.
   EXPECT_EQ(m.substr(0, 4), "GKV1");
@@ -18,6 +19,8 @@ TEST(ProtocolTest, HeaderRoundTripAndFixedLayout) {
   EXPECT_EQ(h.opcode, Opcode::kGet);
   EXPECT_EQ(h.flags, kFlagDurable);
   EXPECT_EQ(h.request_id, 0x1122334455667788ULL);
+  EXPECT_EQ(h.budget_ms, 1500u);
+  EXPECT_EQ(m[20], static_cast<char>(1500 & 0xff));  // budget_ms at offset 20
   EXPECT_EQ(body, "body");
 }
 
@@ -34,9 +37,9 @@ TEST(ProtocolTest, MalformedHeadersAreRefused) {
   bad_magic[0] = 'X';
   EXPECT_FALSE(DecodeMessage(bad_magic.data(), bad_magic.size(), &h, &body).ok());
   std::string bad_version = m;
-  bad_version[4] = 2;
+  bad_version[4] = 1;  // the 20-byte header of version 1 is refused by name
   Status s = DecodeMessage(bad_version.data(), bad_version.size(), &h, &body);
-  EXPECT_NE(s.message().find("version 2"), std::string_view::npos);
+  EXPECT_NE(s.message().find("version 1"), std::string_view::npos);
   std::string bad_op = m;
   bad_op[5] = 99;
   EXPECT_FALSE(DecodeMessage(bad_op.data(), bad_op.size(), &h, &body).ok());

@@ -1,5 +1,6 @@
 #include "gkv/client.h"
 
+#include <algorithm>
 #include <cstring>
 #include <queue>
 #include <random>
@@ -236,7 +237,11 @@ struct Client::Impl {
     pending[p->id] = p;
     deadlines.push({deadline, p->id});
     p->io++;
-    w::Header h{op, flags, p->id};
+    // The node learns what is left of the deadline and drops the work if it starts too late.
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+    const uint32_t budget = static_cast<uint32_t>(std::clamp<int64_t>(left, 1, UINT32_MAX));
+    w::Header h{op, flags, p->id, budget};
     transport->Send(*conn, w::kAmRequest, w::EncodeMessage(h, body), payload, size, kind,
                     [this, p](Status s) {
                       p->io--;

@@ -30,6 +30,8 @@ std::string_view StatusCodeName(StatusCode code) {
       return "aborted";
     case StatusCode::kInternal:
       return "internal";
+    case StatusCode::kBusy:
+      return "busy";
   }
   return "unknown";
 }

@@ -1,7 +1,8 @@
 // gkv-server: one node of a gkv cluster.
 //   gkv-server --cluster FILE --node ID [--gpu-mem SIZE] [--host-mem SIZE] [--disk DIR]
 //              [--disk-capacity SIZE] [--threads N] [--metrics-port N] [--log-level L]
-//              [--max-value-size SIZE]
+//              [--max-value-size SIZE] [--max-inflight SIZE] [--max-conn-inflight SIZE]
+//              [--max-conn-requests N] [--max-queued N] [--send-timeout-ms MS]
 //              [--replicate-hot R [--replicate-cool R] [--hot-replicas N] [--replica-share F]]
 // SIGTERM or SIGINT: stop accepting, finish what is in flight, write back to disk, exit 0.
 // Exit codes: 0 clean stop, 1 could not start (message on stderr), 2 bad usage.
@@ -18,7 +19,11 @@ int main(int argc, char** argv) {
   CLI::App app{"gkv-server: one node of a gkv GPU key-value and tensor cache"};
   std::string cluster_file, node_id, gpu_mem = "0", host_mem = "1GiB", disk_dir,
                                      disk_capacity = "16GiB", log_level = "info", listen,
-                                     max_value_size = "2GiB";
+                                     max_value_size = "2GiB", max_inflight = "1GiB",
+                                     max_conn_inflight = "256MiB";
+  uint32_t max_conn_requests = 1024;
+  size_t max_queued = 4096;
+  int64_t send_timeout_ms = 30000;
   int threads = 4;
   int metrics_port = 0;
   double hot_rate = 0, cool_rate = 0, replica_share = 0.10;
@@ -39,6 +44,17 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0, 65535));
   app.add_option("--max-value-size", max_value_size,
                  "largest value the node accepts (below 4 GiB, RocksDB's limit)");
+  app.add_option("--max-inflight", max_inflight,
+                 "payload bytes the node holds space for before their bytes arrive (then Busy)");
+  app.add_option("--max-conn-inflight", max_conn_inflight, "the same, per connection");
+  app.add_option("--max-conn-requests", max_conn_requests,
+                 "requests in flight on one connection (then Busy)")
+      ->check(CLI::Range(1u, 1u << 20));
+  app.add_option("--max-queued", max_queued, "executor queue length (then Busy)")
+      ->check(CLI::Range(size_t{1}, size_t{1} << 24));
+  app.add_option("--send-timeout-ms", send_timeout_ms,
+                 "close a connection whose peer has not taken a reply for this long")
+      ->check(CLI::Range(int64_t{10}, int64_t{3600000}));
   app.add_option("--replicate-hot", hot_rate,
                  "copy keys read more than this many times a second to other nodes (0: off)");
   app.add_option(
@@ -73,7 +89,9 @@ int main(int argc, char** argv) {
   for (auto [text, out] : {std::pair{&gpu_mem, &options.cache.gpu_capacity},
                            std::pair{&host_mem, &options.cache.host_capacity},
                            std::pair{&disk_capacity, &options.cache.disk_capacity},
-                           std::pair{&max_value_size, &options.max_value_size}}) {
+                           std::pair{&max_value_size, &options.max_value_size},
+                           std::pair{&max_inflight, &options.max_inflight_bytes},
+                           std::pair{&max_conn_inflight, &options.max_conn_inflight_bytes}}) {
     auto v = gkv::ParseSize(*text);
     if (!v.ok()) {
       std::fprintf(stderr, "gkv-server: %s\n", v.status().ToString().c_str());
@@ -87,6 +105,9 @@ int main(int argc, char** argv) {
                  gkv::FormatSize(gkv::ServerOptions::kMaxValueSizeLimit).c_str());
     return 2;
   }
+  options.max_conn_requests = max_conn_requests;
+  options.max_queued_tasks = max_queued;
+  options.send_timeout = std::chrono::milliseconds(send_timeout_ms);
   options.cache.gpu_devices = gpus;
   options.cache.disk_path = disk_dir;
 

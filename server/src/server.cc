@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <deque>
 #include <mutex>
 #include <thread>
 #include <unordered_map>
@@ -42,6 +43,19 @@ struct Req {
   ConnId conn = 0;
   w::Header h;
   Clock::time_point start;
+  Clock::time_point deadline = Clock::time_point::max();  // from the header's budget
+  uint64_t charged = 0;   // payload bytes admitted against the in-flight limits
+  bool admitted = false;  // counted in its connection's load until its reply is sent
+  bool Expired() const { return Clock::now() > deadline; }
+};
+
+// A batch payload read into memory that is not zero-filled first (it is overwritten at once).
+struct PayloadBuffer {
+  explicit PayloadBuffer(size_t n) : bytes(new char[n ? n : 1]), size(n) {}
+  std::unique_ptr<char[]> bytes;
+  size_t size;
+  char* data() { return bytes.get(); }
+  std::string_view view() const { return {bytes.get(), size}; }
 };
 
 }  // namespace
@@ -108,6 +122,17 @@ struct Server::Impl {
 
   // I/O-thread state.
   std::unordered_map<ConnId, bool> authenticated;
+  // Admission control (ServerOptions): what each connection and the node have in flight.
+  struct ConnLoad {
+    uint32_t requests = 0;
+    uint64_t bytes = 0;
+    // Replies with a payload, oldest first, each with its send deadline and a done flag; done
+    // ones are popped from the front, so a hung peer leaves its oldest one at the front.
+    std::deque<std::pair<Clock::time_point, std::shared_ptr<bool>>> sends;
+  };
+  std::unordered_map<ConnId, ConnLoad> conn_load;
+  uint64_t inflight_bytes = 0;
+  Clock::time_point last_send_check = Clock::now();
   // Accepted connections whose peer said PEER_HELLO (with the peer secret, where the cluster has
   // one): the only ones allowed REPLICA_PUT and INVALIDATE. Value: the node's index.
   std::unordered_map<ConnId, int> peer_node_of_conn;
@@ -125,16 +150,92 @@ struct Server::Impl {
       }
     }
     counters.bytes_out.fetch_add(size, std::memory_order_relaxed);
+    std::shared_ptr<bool> sent;
+    if (size > 0) {
+      sent = std::make_shared<bool>(false);
+      conn_load[r.conn].sends.emplace_back(Clock::now() + options.send_timeout, sent);
+    }
     transport->Send(
         r.conn, w::kAmReply, w::EncodeMessage({r.h.opcode, 0, r.h.request_id}, body), payload, size,
-        kind, [this, r, after = std::move(after)](Status s) {
+        kind, [this, r, sent, after = std::move(after)](Status s) {
           if (!s.ok()) GKV_LOG_DEBUG("reply send failed: {}", s.ToString());
           if (after) after();
+          Release(r, sent);
           counters.RecordLatency(
               r.h.opcode,
               std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - r.start).count());
           in_flight.fetch_sub(1, std::memory_order_acq_rel);
         });
+  }
+
+  // Admits a request against the in-flight limits, or says Busy. A request that brings `charge`
+  // payload bytes is admitted anyway when its connection (or the node) has no bytes in flight,
+  // so a single value up to max_value_size always gets through on an idle node.
+  Status Admit(Req* r, uint64_t charge) {
+    ConnLoad& load = conn_load[r->conn];
+    if (load.requests >= options.max_conn_requests) {
+      return Status::Busy("connection has " + std::to_string(load.requests) +
+                          " requests in flight (limit " +
+                          std::to_string(options.max_conn_requests) + ")");
+    }
+    if (charge > 0 && load.bytes > 0 && load.bytes + charge > options.max_conn_inflight_bytes) {
+      return Status::Busy("connection has " + FormatSize(load.bytes) + " of payloads in flight");
+    }
+    if (charge > 0 && inflight_bytes > 0 && inflight_bytes + charge > options.max_inflight_bytes) {
+      return Status::Busy("node has " + FormatSize(inflight_bytes) + " of payloads in flight");
+    }
+    load.requests++;
+    load.bytes += charge;
+    inflight_bytes += charge;
+    r->charged = charge;
+    r->admitted = true;
+    return Status::OK();
+  }
+
+  // The reply to `r` is sent (or failed): its share of the limits goes back.
+  void Release(const Req& r, const std::shared_ptr<bool>& sent) {
+    inflight_bytes -= r.charged;
+    auto it = conn_load.find(r.conn);
+    if (it == conn_load.end()) return;  // the connection is gone
+    ConnLoad& load = it->second;
+    if (r.admitted) {
+      load.requests--;
+      load.bytes -= r.charged;
+    }
+    if (sent) {
+      *sent = true;
+      while (!load.sends.empty() && *load.sends.front().second) load.sends.pop_front();
+    }
+  }
+
+  // I/O thread, a few times a second: a connection whose oldest reply payload has not been
+  // taken within send_timeout is closed, which completes its sends and releases their pins.
+  void CloseStuckConnections(Clock::time_point now) {
+    std::vector<ConnId> stuck;
+    for (auto& [conn, load] : conn_load) {
+      if (!load.sends.empty() && load.sends.front().first < now) stuck.push_back(conn);
+    }
+    for (ConnId conn : stuck) {
+      GKV_LOG_WARN("connection {} has not taken a reply for {} ms; closing it", conn,
+                   options.send_timeout.count());
+      counters.stuck_connections_closed.fetch_add(1, std::memory_order_relaxed);
+      conn_load[conn].sends.clear();
+      transport->Close(conn, /*force=*/true);
+    }
+  }
+
+  // Hands request work to the executors, or answers Busy when their queue is full.
+  bool SubmitRequestWork(const Req& r, std::function<void()> work) {
+    if (executors->queued() >= options.max_queued_tasks) {
+      ReplyStatus(r, Status::Busy("the node's work queue is full"));
+      return false;
+    }
+    executors->Submit(std::move(work));
+    return true;
+  }
+
+  static Status DeadlinePassed() {
+    return Status::Timeout("the request's deadline passed before the node could start it");
   }
 
   void ReplyStatus(const Req& r, const Status& s) {
@@ -146,16 +247,22 @@ struct Server::Impl {
 
   // Reads a batch payload fully into a buffer, then continues on an executor.
   void ReadPayloadThen(const Req& r, std::unique_ptr<Incoming> msg,
-                       std::function<void(Status, std::shared_ptr<std::string>)> next) {
+                       std::function<void(Status, std::shared_ptr<PayloadBuffer>)> next) {
     if (msg->payload_size() > options.max_batch_bytes) {
       return ReplyStatus(r, Status::NoSpace("batch of " + FormatSize(msg->payload_size()) +
                                             " exceeds the node's limit of " +
                                             FormatSize(options.max_batch_bytes) + "; split it"));
     }
-    auto buf = std::make_shared<std::string>(msg->payload_size(), '\0');
+    if (executors->queued() >= options.max_queued_tasks) {
+      return ReplyStatus(r, Status::Busy("the node's work queue is full"));
+    }
+    // Bounded by admission (the payload is charged against the in-flight limits).
+    auto buf = std::make_shared<PayloadBuffer>(msg->payload_size());
     transport->Receive(std::move(msg), buf->data(), MemoryKind::kHost,
-                       [this, buf, next = std::move(next)](Status s) {
-                         executors->Submit([s, buf, next] { next(s, buf); });
+                       [this, r, buf, next = std::move(next)](Status s) {
+                         executors->Submit([r, s, buf, next] {
+                           next(r.Expired() ? DeadlinePassed() : s, buf);
+                         });
                        });
   }
 
@@ -184,6 +291,24 @@ struct Server::Impl {
     if (!options.cluster.secret.empty() && !authenticated[r.conn]) return Authenticate(r, body);
     if (stopping.load(std::memory_order_acquire)) {
       return ReplyStatus(r, Status::Unavailable("node is shutting down"));
+    }
+    if (r.h.budget_ms > 0) r.deadline = r.start + std::chrono::milliseconds(r.h.budget_ms);
+    switch (r.h.opcode) {
+      case w::Opcode::kPut:
+      case w::Opcode::kGet:
+      case w::Opcode::kDelete:
+      case w::Opcode::kStat:
+      case w::Opcode::kMultiGet:
+      case w::Opcode::kMultiPut:
+      case w::Opcode::kReplicaPut: {
+        // Refused here, before anything is reserved or allocated (an unreceived payload is
+        // released when `msg` goes).
+        Status admitted = Admit(&r, msg->payload_size());
+        if (!admitted.ok()) return ReplyStatus(r, admitted);
+        break;
+      }
+      default:
+        break;
     }
     switch (r.h.opcode) {
       case w::Opcode::kPing:
@@ -316,7 +441,13 @@ struct Server::Impl {
       });
       return;
     }
-    executors->Submit([this, op] {
+    SubmitRequestWork(r, [this, op] {
+      if (op->req.Expired()) {
+        return PostReply([this, op] {
+          op->msg.reset();
+          ReplyStatus(op->req, DeadlinePassed());
+        });
+      }
       auto reserved = cache->Reserve(op->put.key, op->put.size, op->put.tensor);
       if (!reserved.ok()) {
         Status err = reserved.status();
@@ -359,12 +490,17 @@ struct Server::Impl {
   // Executor thread: copy from staging if any, commit (write-through when durable), reply.
   void CommitAndReply(const std::shared_ptr<PutOp>& op) {
     Status s;
-    if (!op->staging.empty()) {
+    // The caller has given up: nothing is published (a durable write is not made durable for a
+    // call that reported Timeout).
+    if (op->req.Expired()) s = DeadlinePassed();
+    if (s.ok() && !op->staging.empty()) {
       s = cache->CopyBytes(op->handle.data(), op->handle.memory_kind(), op->staging.data(),
                            MemoryKind::kHost, op->put.size);
     }
     uint64_t version = 0;
-    if (s.ok()) {
+    if (!s.ok()) {
+      op->handle = WriteHandle();
+    } else {
       auto v = cache->Commit(std::move(op->handle), (op->req.h.flags & w::kFlagDurable) != 0);
       if (v.ok())
         version = *v;
@@ -420,7 +556,8 @@ struct Server::Impl {
         return SendObject(r, key, handle, handle->data(), handle->memory_kind(), nullptr);
       }
     }
-    executors->Submit([this, r, key = std::move(key)] {
+    SubmitRequestWork(r, [this, r, key = std::move(key)] {
+      if (r.Expired()) return PostReply([this, r] { ReplyStatus(r, DeadlinePassed()); });
       auto acquired = cache->Acquire(key);
       if (!acquired.ok()) {
         Status err = acquired.status();
@@ -450,7 +587,8 @@ struct Server::Impl {
     std::string key;
     Status s = w::DecodeKeyRequest(body, &key);
     if (!s.ok()) return ReplyStatus(r, s);
-    executors->Submit([this, r, key = std::move(key)] {
+    SubmitRequestWork(r, [this, r, key = std::move(key)] {
+      if (r.Expired()) return PostReply([this, r] { ReplyStatus(r, DeadlinePassed()); });
       if (r.h.opcode == w::Opcode::kDelete) {
         Status ds = cache->Delete(key);
         return PostReply(
@@ -472,9 +610,9 @@ struct Server::Impl {
   }
 
   void HandleMultiGet(const Req& r, std::unique_ptr<Incoming> msg) {
-    ReadPayloadThen(r, std::move(msg), [this, r](Status s, std::shared_ptr<std::string> buf) {
+    ReadPayloadThen(r, std::move(msg), [this, r](Status s, std::shared_ptr<PayloadBuffer> buf) {
       std::vector<std::string> keys;
-      if (s.ok()) s = w::DecodeKeyList(*buf, &keys);
+      if (s.ok()) s = w::DecodeKeyList(buf->view(), &keys);
       if (!s.ok()) return PostReply([this, r, s] { ReplyStatus(r, s); });
       std::vector<w::BatchGetResult> results(keys.size());
       std::vector<ReadHandle> handles;
@@ -512,10 +650,10 @@ struct Server::Impl {
   }
 
   void HandleMultiPut(const Req& r, std::unique_ptr<Incoming> msg) {
-    ReadPayloadThen(r, std::move(msg), [this, r](Status s, std::shared_ptr<std::string> buf) {
+    ReadPayloadThen(r, std::move(msg), [this, r](Status s, std::shared_ptr<PayloadBuffer> buf) {
       std::vector<w::BatchPutItem> items;
       size_t block = 0;
-      if (s.ok()) s = w::DecodeBatchPutBlock(*buf, &items, &block);
+      if (s.ok()) s = w::DecodeBatchPutBlock(buf->view(), &items, &block);
       for (size_t i = 0; s.ok() && i < items.size(); ++i) s = CheckValueSize(items[i].size);
       if (!s.ok()) return PostReply([this, r, s] { ReplyStatus(r, s); });
       std::vector<w::BatchPutResult> results(items.size());
@@ -550,6 +688,10 @@ struct Server::Impl {
   void OnTick() {
     const auto now = Clock::now();
     if (!peer_calls.empty()) ExpirePeerCalls(now);
+    if (now - last_send_check >= std::chrono::milliseconds(100)) {
+      last_send_check = now;
+      CloseStuckConnections(now);
+    }
     if (!timers.empty()) RunTimers(now);
     if (replication_on() && now - last_decay >= std::chrono::seconds(1)) {
       last_decay = now;
@@ -979,6 +1121,7 @@ Result<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
   handlers.on_disconnect = [raw](ConnId id, const Status& s) {
     raw->authenticated.erase(id);
     raw->peer_node_of_conn.erase(id);
+    raw->conn_load.erase(id);
     raw->OnPeerDisconnect(id);
     GKV_LOG_DEBUG("client connection {} closed: {}", id, s.ToString());
   };

@@ -22,6 +22,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <memory>
 #include <string>
 
@@ -48,6 +49,19 @@ struct ServerOptions {
   // of 4 GiB or more, so the limit stays below that.
   uint64_t max_value_size = 2ull << 30;
   static constexpr uint64_t kMaxValueSizeLimit = (4ull << 30) - (1ull << 20);
+
+  // Admission control: past these a request is answered Busy before anything is reserved,
+  // allocated or queued, so one client (or a flood of async calls) cannot evict real data with
+  // space held for bytes still trickling in, nor grow the node's queues without bound.
+  // Bytes counted: payloads a request brings (put, batch, replica copy: space is held for them
+  // from the request's arrival until its reply is sent).
+  uint64_t max_inflight_bytes = 1ull << 30;       // the whole node
+  uint64_t max_conn_inflight_bytes = 256ull << 20;  // one connection
+  uint32_t max_conn_requests = 1024;              // requests in flight on one connection
+  size_t max_queued_tasks = 4096;                 // executor queue
+  // A reply whose payload the peer has not taken within this long (a hung client keeping the
+  // entry pinned) closes that connection, which releases every pin it held.
+  std::chrono::milliseconds send_timeout{30000};
 
   // Adaptive replication of hot keys; off while hot_reads_per_s is 0. A key this node owns that
   // is read more than hot_reads_per_s is copied to the next `hot_replicas` nodes on the ring;

@@ -63,6 +63,8 @@ std::string RenderStatsJson(const std::string& node_id, const CacheStats& st,
   j += ",\"bytes_out\":" + std::to_string(counters.bytes_out.load());
   j += ",\"protocol_errors\":" + std::to_string(counters.protocol_errors.load());
   j += ",\"auth_failures\":" + std::to_string(counters.auth_failures.load());
+  j += ",\"stuck_connections_closed\":" +
+       std::to_string(counters.stuck_connections_closed.load());
   j += ",\"connections_accepted\":" + std::to_string(counters.connections_accepted.load());
   j += ",\"ops\":{";
   for (int op = kFirstOp; op <= kLastOp; ++op) {
@@ -71,7 +73,7 @@ std::string RenderStatsJson(const std::string& node_id, const CacheStats& st,
          "\":" + std::to_string(counters.ops[op].load());
   }
   j += "},\"errors\":{";
-  for (int c = 1; c <= static_cast<int>(StatusCode::kInternal); ++c) {
+  for (int c = 1; c <= static_cast<int>(kLastStatusCode); ++c) {
     if (c != 1) j += ",";
     j += "\"" + std::string(StatusCodeName(static_cast<StatusCode>(c))) +
          "\":" + std::to_string(counters.errors[c].load());
@@ -182,6 +184,9 @@ std::string RenderPrometheus(const std::string& node_id, const CacheStats& st,
   family("gkv_auth_failures_total", "counter",
          "Connections refused for a missing or wrong secret.");
   sample("gkv_auth_failures_total", "", counters.auth_failures.load());
+  family("gkv_stuck_connections_closed_total", "counter",
+         "Connections closed because a reply was not taken within the send timeout.");
+  sample("gkv_stuck_connections_closed_total", "", counters.stuck_connections_closed.load());
   family("gkv_connections_accepted_total", "counter", "Connections accepted.");
   sample("gkv_connections_accepted_total", "", counters.connections_accepted.load());
   family("gkv_replicas_created_total", "counter",
@@ -204,7 +209,7 @@ std::string RenderPrometheus(const std::string& node_id, const CacheStats& st,
            counters.ops[op].load());
   }
   family("gkv_errors_total", "counter", "Error replies, by status code.");
-  for (int c = 1; c <= static_cast<int>(StatusCode::kInternal); ++c) {
+  for (int c = 1; c <= static_cast<int>(kLastStatusCode); ++c) {
     sample("gkv_errors_total",
            "code=\"" + std::string(StatusCodeName(static_cast<StatusCode>(c))) + "\"",
            counters.errors[c].load());

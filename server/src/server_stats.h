@@ -23,6 +23,7 @@ struct ServerCounters {
   std::atomic<uint64_t> bytes_in{0}, bytes_out{0};
   std::atomic<uint64_t> protocol_errors{0};
   std::atomic<uint64_t> auth_failures{0};
+  std::atomic<uint64_t> stuck_connections_closed{0};  // a reply not taken within send_timeout
   std::atomic<uint64_t> connections_accepted{0};
   // Adaptive replication: copies this node made of its hot keys (created) and withdrew (dropped),
   // copies it installed for other primaries, and reads it served from those copies.

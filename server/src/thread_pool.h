@@ -24,6 +24,11 @@ class ThreadPool {
     cv_.notify_all();
     for (auto& t : workers_) t.join();
   }
+  // Tasks queued and not yet started.
+  size_t queued() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return tasks_.size();
+  }
   void Submit(std::function<void()> task) {
     {
       std::lock_guard<std::mutex> lock(mu_);

@@ -9,7 +9,7 @@ Status Malformed(std::string_view what) {
   return Status::ProtocolError("malformed " + std::string(what));
 }
 
-bool ValidCode(uint8_t c) { return c <= static_cast<uint8_t>(StatusCode::kInternal); }
+bool ValidCode(uint8_t c) { return c <= static_cast<uint8_t>(kLastStatusCode); }
 
 void WriteMeta(ByteWriter& w, const ObjectMeta& m) {
   w.U64(m.size);
@@ -84,6 +84,7 @@ std::string EncodeMessage(const Header& h, std::string_view body) {
   w.U16(h.flags);
   w.U64(h.request_id);
   w.U32(static_cast<uint32_t>(body.size()));
+  w.U32(h.budget_ms);
   w.Bytes(body.data(), body.size());
   return out;
 }
@@ -93,13 +94,14 @@ Status DecodeMessage(const void* data, size_t size, Header* h, std::string_view*
   uint32_t magic = 0, body_len = 0;
   uint8_t version = 0, opcode = 0;
   if (!r.U32(&magic) || !r.U8(&version) || !r.U8(&opcode) || !r.U16(&h->flags) ||
-      !r.U64(&h->request_id) || !r.U32(&body_len)) {
-    return Status::ProtocolError("message shorter than the 20-byte header");
+      !r.U64(&h->request_id) || !r.U32(&body_len) || !r.U32(&h->budget_ms)) {
+    return Status::ProtocolError("message shorter than the 24-byte header");
   }
   if (magic != kMagic) return Status::ProtocolError("bad magic: not a gkv message");
   if (version != kVersion) {
     return Status::ProtocolError("protocol version " + std::to_string(version) +
-                                 " is not supported (this side speaks 1)");
+                                 " is not supported (this side speaks " +
+                                 std::to_string(kVersion) + ")");
   }
   if (opcode < static_cast<uint8_t>(Opcode::kPing) ||
       opcode > static_cast<uint8_t>(Opcode::kPeerHello)) {

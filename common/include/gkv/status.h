@@ -31,7 +31,9 @@ enum class StatusCode : uint8_t {
   kNotSupported = 10,     // feature not compiled in or not available at run time
   kAborted = 11,          // operation cancelled (shutdown, superseded)
   kInternal = 12,         // a bug: an invariant did not hold
+  kBusy = 13,             // the node sheds load (too much in flight); retry after a pause
 };
+inline constexpr StatusCode kLastStatusCode = StatusCode::kBusy;
 
 // Returns a stable lower-case name, e.g. "not_found"; used in logs, stats and JSON.
 std::string_view StatusCodeName(StatusCode code);
@@ -54,6 +56,7 @@ class [[nodiscard]] Status {
   static Status NotSupported(std::string_view m) { return {StatusCode::kNotSupported, m}; }
   static Status Aborted(std::string_view m) { return {StatusCode::kAborted, m}; }
   static Status Internal(std::string_view m) { return {StatusCode::kInternal, m}; }
+  static Status Busy(std::string_view m) { return {StatusCode::kBusy, m}; }
 
   bool ok() const { return state_ == nullptr; }
   StatusCode code() const { return state_ ? state_->code : StatusCode::kOk; }

@@ -1,10 +1,11 @@
-// The gkv wire protocol, version 1. docs/PROTOCOL.md describes it byte by byte.
+// The gkv wire protocol, version 2. docs/PROTOCOL.md describes it byte by byte.
 //
 // Every message is one UCX active message. Requests use AM id kAmRequest, replies kAmReply.
-//   AM header = fixed header (20 bytes) + body (body_len bytes, op-specific fields)
+//   AM header = fixed header (24 bytes) + body (body_len bytes, op-specific fields)
 //   AM data   = payload (value bytes; for batch ops: a metadata block, then the values)
 // Fixed header, little-endian:
-//   u32 magic 'GKV1' | u8 version | u8 opcode | u16 flags | u64 request_id | u32 body_len
+//   u32 magic 'GKV1' | u8 version | u8 opcode | u16 flags | u64 request_id | u32 body_len |
+//   u32 budget_ms (requests: what is left of the caller's deadline when sent, 0 = none)
 // Decoders check every length against what arrived and refuse trailing bytes; they never
 // allocate more than the input justifies. All functions are pure and thread-safe.
 #pragma once
@@ -20,8 +21,8 @@
 namespace gkv::wire {
 
 inline constexpr uint32_t kMagic = 0x31564B47;  // "GKV1" read as little-endian
-inline constexpr uint8_t kVersion = 1;
-inline constexpr size_t kFixedHeaderSize = 20;
+inline constexpr uint8_t kVersion = 2;
+inline constexpr size_t kFixedHeaderSize = 24;
 inline constexpr unsigned kAmRequest = 0x6b1;
 inline constexpr unsigned kAmReply = 0x6b2;
 
@@ -55,6 +56,9 @@ struct Header {
   Opcode opcode = Opcode::kPing;
   uint16_t flags = 0;
   uint64_t request_id = 0;
+  // Requests: milliseconds left of the caller's deadline when it sent the request (0: none). A
+  // node drops work whose budget ran out before it started (the caller has given up).
+  uint32_t budget_ms = 0;
 };
 
 // Fixed header + body, ready to be the AM header.
