@@ -46,6 +46,7 @@ struct Req {
   Clock::time_point deadline = Clock::time_point::max();  // from the header's budget
   uint64_t charged = 0;   // payload bytes admitted against the in-flight limits
   bool admitted = false;  // counted in its connection's load until its reply is sent
+  bool counted = false;   // counted in in_flight (what a graceful stop waits for)
   bool Expired() const { return Clock::now() > deadline; }
 };
 
@@ -164,7 +165,7 @@ struct Server::Impl {
           counters.RecordLatency(
               r.h.opcode,
               std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - r.start).count());
-          in_flight.fetch_sub(1, std::memory_order_acq_rel);
+          if (r.counted) in_flight.fetch_sub(1, std::memory_order_acq_rel);
         });
   }
 
@@ -279,7 +280,6 @@ struct Server::Impl {
       counters.protocol_errors.fetch_add(1, std::memory_order_relaxed);
       return;  // the sender gave no reply endpoint: nothing to answer on
     }
-    in_flight.fetch_add(1, std::memory_order_acq_rel);
     if (!s.ok()) {
       GKV_LOG_DEBUG("malformed request on connection {}: {}", r.conn, s.ToString());
       r.h.opcode = w::Opcode::kPing;
@@ -292,6 +292,10 @@ struct Server::Impl {
     if (stopping.load(std::memory_order_acquire)) {
       return ReplyStatus(r, Status::Unavailable("node is shutting down"));
     }
+    // A graceful stop waits for the requests taken before it began, not for the refusals of
+    // the ones that keep arriving meanwhile (under load those never reach zero).
+    in_flight.fetch_add(1, std::memory_order_acq_rel);
+    r.counted = true;
     if (r.h.budget_ms > 0) r.deadline = r.start + std::chrono::milliseconds(r.h.budget_ms);
     switch (r.h.opcode) {
       case w::Opcode::kPut:
