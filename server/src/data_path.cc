@@ -1,0 +1,269 @@
+// The request handlers of the data path (see server_impl.h for the map of server/).
+#include <cstring>
+
+#include "gkv/log.h"
+#include "gkv/size.h"
+#include "server_impl.h"
+
+namespace gkv {
+
+void Server::Impl::HandlePut(const Req& r, std::string_view body, std::unique_ptr<Incoming> msg) {
+  auto op = std::make_shared<PutOp>();
+  op->req = r;
+  Status s = w::DecodePutRequest(body, &op->put);
+  if (s.ok() && op->put.size != msg->payload_size()) {
+    s = Status::ProtocolError("put declares " + std::to_string(op->put.size) +
+                              " bytes but carries " + std::to_string(msg->payload_size()));
+  }
+  if (s.ok()) s = CheckValueSize(op->put.size);
+  if (!s.ok()) return ReplyStatus(r, s);  // msg dropped: an unreceived payload is released
+  op->msg = std::move(msg);
+  // Hot path, all on the I/O thread: free room in a memory tier, receive straight into it,
+  // publish. Anything that would evict or touch the disk goes through the executors.
+  if (cache->TryReserveInMemory(op->put.key, op->put.size, op->put.tensor, &op->handle) ==
+          TieredCache::FastPath::kServed &&
+      (op->handle.memory_kind() == MemoryKind::kHost || transport->device_memory_supported())) {
+    void* dst = op->handle.data();
+    MemoryKind kind = op->handle.memory_kind();
+    transport->Receive(std::move(op->msg), dst, kind, [this, op](Status rs) {
+      if (!rs.ok()) {
+        op->handle = WriteHandle();
+        return ReplyStatus(op->req, rs);
+      }
+      uint64_t version = 0;
+      if ((op->req.h.flags & w::kFlagDurable) == 0 &&
+          cache->TryCommitInMemory(&op->handle, &version) == TieredCache::FastPath::kServed) {
+        return AfterWrite({op->put.key}, [this, op, version] {
+          Reply(op->req, Status::OK(), w::EncodePutReply(Status::OK(), version), nullptr, 0,
+                MemoryKind::kHost, nullptr);
+        });
+      }
+      executors->Submit([this, op] { CommitAndReply(op); });
+    });
+    return;
+  }
+  SubmitRequestWork(r, [this, op] {
+    if (op->req.Expired()) {
+      return PostReply([this, op] {
+        op->msg.reset();
+        ReplyStatus(op->req, DeadlinePassed());
+      });
+    }
+    auto reserved = cache->Reserve(op->put.key, op->put.size, op->put.tensor);
+    if (!reserved.ok()) {
+      Status err = reserved.status();
+      // Dropping the message releases an unreceived rendezvous payload (the sender's send is
+      // cancelled); the reply carries the reason.
+      return PostReply([this, op, err] {
+        op->msg.reset();
+        ReplyStatus(op->req, err);
+      });
+    }
+    op->handle = std::move(*reserved);
+    PostReply([this, op] {
+      void* dst = op->handle.data();
+      MemoryKind kind = op->handle.memory_kind();
+      if (kind == MemoryKind::kDevice && !transport->device_memory_supported()) {
+        op->staging.resize(op->put.size);
+        dst = op->staging.data();
+        kind = MemoryKind::kHost;
+      }
+      transport->Receive(std::move(op->msg), dst, kind, [this, op](Status rs) {
+        if (!rs.ok()) {
+          return executors->Submit([this, op, rs] {
+            op->handle = WriteHandle();
+            PostReply([this, op, rs] { ReplyStatus(op->req, rs); });
+          });
+        }
+        executors->Submit([this, op] { CommitAndReply(op); });
+      });
+    });
+  });
+}
+
+Status Server::Impl::CheckValueSize(uint64_t size) const {
+  if (size <= options.max_value_size) return Status::OK();
+  return Status::InvalidArgument("value of " + FormatSize(size) +
+                                 " exceeds the node's maximum value size of " +
+                                 FormatSize(options.max_value_size));
+}
+
+void Server::Impl::CommitAndReply(const std::shared_ptr<PutOp>& op) {
+  Status s;
+  // The caller has given up: nothing is published (a durable write is not made durable for a
+  // call that reported Timeout).
+  if (op->req.Expired()) s = DeadlinePassed();
+  if (s.ok() && !op->staging.empty()) {
+    s = cache->CopyBytes(op->handle.data(), op->handle.memory_kind(), op->staging.data(),
+                         MemoryKind::kHost, op->put.size);
+  }
+  uint64_t version = 0;
+  if (!s.ok()) {
+    op->handle = WriteHandle();
+  } else {
+    auto v = cache->Commit(std::move(op->handle), (op->req.h.flags & w::kFlagDurable) != 0);
+    if (v.ok())
+      version = *v;
+    else
+      s = v.status();
+  }
+  PostReply([this, op, s, version] {
+    AfterWrite({op->put.key}, [this, op, s, version] {
+      Reply(op->req, s, w::EncodePutReply(s, version), nullptr, 0, MemoryKind::kHost, nullptr);
+    });
+  });
+}
+
+void Server::Impl::SendObject(const Req& r, const std::string& key,
+                              std::shared_ptr<ReadHandle> handle, const void* data, MemoryKind kind,
+                              std::shared_ptr<std::string> staging) {
+  // The handle keeps the entry pinned until UCX is done with its bytes.
+  Reply(r, Status::OK(),
+        w::EncodeObjectReply(Status::OK(), ToWire(handle->info()),
+                             HintFor(key, handle->info().version)),
+        data, handle->size(), kind, [handle, staging] {});
+}
+
+void Server::Impl::HandleGet(const Req& r, std::string_view body) {
+  if (r.h.flags & w::kFlagReplicaRead) return HandleReplicaGet(r, body);
+  std::string key;
+  Status s = w::DecodeKeyRequest(body, &key);
+  if (!s.ok()) return ReplyStatus(r, s);
+  if (replication_on()) CountRead(key);
+  // Hot path: an object in host memory (or in GPU memory that UCX can send) is answered right
+  // here on the I/O thread; anything that may block goes to an executor.
+  {
+    ReadHandle fast;
+    auto fp = cache->TryAcquireFromMemory(key, &fast);
+    if (fp == TieredCache::FastPath::kMiss) {
+      Status nf = Status::NotFound("key not found");
+      return Reply(r, nf, w::EncodeObjectReply(nf, {}), nullptr, 0, MemoryKind::kHost, nullptr);
+    }
+    if (fp == TieredCache::FastPath::kServed &&
+        (fast.memory_kind() == MemoryKind::kHost || transport->device_memory_supported())) {
+      auto handle = std::make_shared<ReadHandle>(std::move(fast));
+      return SendObject(r, key, handle, handle->data(), handle->memory_kind(), nullptr);
+    }
+  }
+  SubmitRequestWork(r, [this, r, key = std::move(key)] {
+    if (r.Expired()) return PostReply([this, r] { ReplyStatus(r, DeadlinePassed()); });
+    auto acquired = cache->Acquire(key);
+    if (!acquired.ok()) {
+      Status err = acquired.status();
+      return PostReply([this, r, err] {
+        Reply(r, err, w::EncodeObjectReply(err, {}), nullptr, 0, MemoryKind::kHost, nullptr);
+      });
+    }
+    auto handle = std::make_shared<ReadHandle>(std::move(*acquired));
+    std::shared_ptr<std::string> staging;
+    const void* data = handle->data();
+    MemoryKind kind = handle->memory_kind();
+    if (kind == MemoryKind::kDevice && !transport->device_memory_supported()) {
+      staging = std::make_shared<std::string>(handle->size(), '\0');
+      Status cs = cache->CopyBytes(staging->data(), MemoryKind::kHost, data, kind, handle->size());
+      if (!cs.ok()) return PostReply([this, r, cs] { ReplyStatus(r, cs); });
+      data = staging->data();
+      kind = MemoryKind::kHost;
+    }
+    PostReply([this, r, key, handle, staging, data, kind] {
+      SendObject(r, key, handle, data, kind, staging);
+    });
+  });
+}
+
+void Server::Impl::HandleKeyOp(const Req& r, std::string_view body) {
+  std::string key;
+  Status s = w::DecodeKeyRequest(body, &key);
+  if (!s.ok()) return ReplyStatus(r, s);
+  SubmitRequestWork(r, [this, r, key = std::move(key)] {
+    if (r.Expired()) return PostReply([this, r] { ReplyStatus(r, DeadlinePassed()); });
+    if (r.h.opcode == w::Opcode::kDelete) {
+      Status ds = cache->Delete(key);
+      return PostReply(
+          [this, r, ds, key] { AfterWrite({key}, [this, r, ds] { ReplyStatus(r, ds); }); });
+    }
+    auto st = cache->Stat(key);
+    Status status = st.status();
+    w::ObjectMeta meta = st.ok() ? ToWire(*st) : w::ObjectMeta{};
+    PostReply([this, r, status, meta] {
+      Reply(r, status, w::EncodeObjectReply(status, meta), nullptr, 0, MemoryKind::kHost, nullptr);
+    });
+  });
+}
+
+void Server::Impl::HandleMultiGet(const Req& r, std::unique_ptr<Incoming> msg) {
+  ReadPayloadThen(r, std::move(msg), [this, r](Status s, std::shared_ptr<PayloadBuffer> buf) {
+    std::vector<std::string> keys;
+    if (s.ok()) s = w::DecodeKeyList(buf->view(), &keys);
+    if (!s.ok()) return PostReply([this, r, s] { ReplyStatus(r, s); });
+    std::vector<w::BatchGetResult> results(keys.size());
+    std::vector<ReadHandle> handles;
+    handles.reserve(keys.size());
+    uint64_t total = 0;
+    for (size_t i = 0; i < keys.size(); ++i) {
+      auto got = cache->Acquire(keys[i]);
+      results[i].code = got.status().code();
+      if (!got.ok()) continue;
+      if (total + got->size() > options.max_batch_bytes) {
+        results[i].code = StatusCode::kNoSpace;  // the reply would be too large: ask again
+        continue;
+      }
+      results[i].meta = ToWire(got->info());
+      total += got->size();
+      handles.push_back(std::move(*got));
+    }
+    // One reply: the result block, then every found value in order (gathered here).
+    auto payload = std::make_shared<std::string>(w::EncodeBatchGetBlock(results));
+    const size_t block = payload->size();
+    payload->resize(block + total);
+    size_t off = block;
+    Status cs;
+    for (auto& hd : handles) {
+      if (cs.ok()) {
+        cs = cache->CopyBytes(payload->data() + off, MemoryKind::kHost, hd.data(), hd.memory_kind(),
+                              hd.size());
+      }
+      off += hd.size();
+    }
+    handles.clear();
+    if (!cs.ok()) return PostReply([this, r, cs] { ReplyStatus(r, cs); });
+    PostReply([this, r, payload] { ReplyPayload(r, payload); });
+  });
+}
+
+void Server::Impl::HandleMultiPut(const Req& r, std::unique_ptr<Incoming> msg) {
+  ReadPayloadThen(r, std::move(msg), [this, r](Status s, std::shared_ptr<PayloadBuffer> buf) {
+    std::vector<w::BatchPutItem> items;
+    size_t block = 0;
+    if (s.ok()) s = w::DecodeBatchPutBlock(buf->view(), &items, &block);
+    for (size_t i = 0; s.ok() && i < items.size(); ++i) s = CheckValueSize(items[i].size);
+    if (!s.ok()) return PostReply([this, r, s] { ReplyStatus(r, s); });
+    std::vector<w::BatchPutResult> results(items.size());
+    size_t off = block;
+    const bool durable = (r.h.flags & w::kFlagDurable) != 0;
+    for (size_t i = 0; i < items.size(); ++i) {
+      auto put =
+          cache->Put(items[i].key, buf->data() + off, items[i].size, items[i].tensor, durable);
+      results[i].code = put.status().code();
+      if (put.ok()) results[i].version = *put;
+      off += items[i].size;
+    }
+    auto payload = std::make_shared<std::string>(w::EncodeBatchPutResults(results));
+    std::vector<std::string> keys;
+    for (auto& it : items) keys.push_back(it.key);
+    PostReply([this, r, payload, keys = std::move(keys)] {
+      AfterWrite(keys, [this, r, payload] { ReplyPayload(r, payload); });
+    });
+  });
+}
+
+void Server::Impl::HandleStats(const Req& r) {
+  executors->Submit([this, r] {
+    auto payload = std::make_shared<std::string>(
+        RenderStatsJson(self.id, cache->GetStats(), counters,
+                        replica_cache ? replica_cache->GetStats() : CacheStats{}));
+    PostReply([this, r, payload] { ReplyPayload(r, payload); });
+  });
+}
+
+}  // namespace gkv

@@ -1,0 +1,101 @@
+// Calls to other nodes: peer connections (PEER_HELLO first), replies matched on (connection,
+// id), deadlines and timers. See server_impl.h for the map of server/.
+#include "gkv/log.h"
+#include "server_impl.h"
+
+namespace gkv {
+
+Result<ConnId> Server::Impl::PeerConn(int node) {
+  if (peer_conn[node] != 0 && transport->IsOpen(peer_conn[node])) return peer_conn[node];
+  const NodeInfo& n = options.cluster.nodes[node];
+  GKV_ASSIGN_OR_RETURN(ConnId conn, transport->Connect(n.host, n.port));
+  peer_conn[node] = conn;
+  peer_of_conn[conn] = node;
+  // First on the endpoint (ordered before every call): who this node is. Its reply (id 0)
+  // matches no call and is dropped; a refusal closes the connection, failing the calls.
+  transport->Send(
+      conn, w::kAmRequest,
+      w::EncodeMessage({w::Opcode::kPeerHello, 0, 0},
+                       w::EncodePeerHello(self.id, options.cluster.effective_peer_secret())),
+      nullptr, 0, MemoryKind::kHost, [](Status) {});
+  return conn;
+}
+
+void Server::Impl::CallPeer(int node, w::Opcode op, std::string body,
+                            std::shared_ptr<std::string> payload,
+                            std::function<void(Status, std::string_view)> done) {
+  auto conn = PeerConn(node);
+  if (!conn.ok()) return done(conn.status(), {});
+  const uint64_t id = next_peer_call++;
+  peer_calls[id] = PeerCall{node, *conn, Clock::now() + std::chrono::milliseconds(500), done};
+  transport->Send(*conn, w::kAmRequest, w::EncodeMessage({op, 0, id}, body),
+                  payload ? payload->data() : nullptr, payload ? payload->size() : 0,
+                  MemoryKind::kHost, [this, id, payload](Status s) {
+                    if (s.ok() || s.code() == StatusCode::kAborted) return;
+                    auto it = peer_calls.find(id);
+                    if (it == peer_calls.end()) return;
+                    auto cb = std::move(it->second.done);
+                    peer_calls.erase(it);
+                    cb(s, {});
+                  });
+}
+
+void Server::Impl::OnPeerReply(std::unique_ptr<Incoming> msg) {
+  w::Header h;
+  std::string_view body;
+  if (!w::DecodeMessage(msg->header().data(), msg->header().size(), &h, &body).ok()) return;
+  // Only on a connection this node opened to a peer, and only for a call made on it: a client
+  // (or any other connection) can never answer a pending INVALIDATE or REPLICA_PUT.
+  if (peer_of_conn.count(msg->conn()) == 0) return;
+  auto it = peer_calls.find(h.request_id);
+  if (it == peer_calls.end() || it->second.conn != msg->conn()) return;
+  auto cb = std::move(it->second.done);
+  peer_calls.erase(it);
+  w::ReplyStatus rs;
+  Status s = w::DecodeStatusReply(body, &rs);
+  cb(s.ok() ? rs.ToStatus() : s, body);
+}
+
+void Server::Impl::ExpirePeerCalls(Clock::time_point now) {
+  std::vector<uint64_t> expired;
+  for (auto& [id, call] : peer_calls) {
+    if (call.deadline <= now) expired.push_back(id);
+  }
+  for (uint64_t id : expired) {
+    auto cb = std::move(peer_calls[id].done);
+    peer_calls.erase(id);
+    cb(Status::Timeout("peer did not answer"), {});
+  }
+}
+
+void Server::Impl::RunTimers(Clock::time_point now) {
+  std::vector<std::function<void()>> due;
+  for (auto it = timers.begin(); it != timers.end();) {
+    if (it->first <= now) {
+      due.push_back(std::move(it->second));
+      it = timers.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  for (auto& fn : due) fn();
+}
+
+void Server::Impl::OnPeerDisconnect(ConnId conn) {
+  auto it = peer_of_conn.find(conn);
+  if (it == peer_of_conn.end()) return;
+  const int node = it->second;
+  peer_of_conn.erase(it);
+  if (peer_conn[node] == conn) peer_conn[node] = 0;
+  std::vector<uint64_t> failed;
+  for (auto& [id, call] : peer_calls) {
+    if (call.node == node) failed.push_back(id);
+  }
+  for (uint64_t id : failed) {
+    auto cb = std::move(peer_calls[id].done);
+    peer_calls.erase(id);
+    cb(Status::Unavailable("peer connection lost"), {});
+  }
+}
+
+}  // namespace gkv

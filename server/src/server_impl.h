@@ -1,0 +1,273 @@
+// Server::Impl, shared by the files of server/ (private to this module). Each file holds one
+// role of a node:
+//   server.cc       start and stop, dispatch of requests, admission control, replies, metrics
+//   data_path.cc    the request handlers of the data path: put, get, delete, stat, batches, stats
+//   replication.cc  adaptive replication of hot keys, as primary and as replica
+//   peers.cc        calls to other nodes (peer connections, matching replies, deadlines, timers)
+// Threading: everything here runs on the transport's worker thread (the I/O thread) unless a
+// comment says "executor"; executors hand results back with PostReply.
+#pragma once
+
+#include <httplib.h>
+
+#include <chrono>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "gkv/transport/protocol.h"
+#include "gkv/transport/ucx_transport.h"
+#include "hot_keys.h"
+#include "server.h"
+#include "server_stats.h"
+#include "thread_pool.h"
+
+namespace gkv {
+
+namespace w = wire;
+
+using Clock = std::chrono::steady_clock;
+
+inline w::ObjectMeta ToWire(const ObjectInfo& info) {
+  return w::ObjectMeta{info.size, info.version, info.tensor, static_cast<uint8_t>(info.tier),
+                       info.on_disk};
+}
+
+// Compares without an early exit, so timing does not reveal how much of the secret matched.
+inline bool SecretEquals(std::string_view a, std::string_view b) {
+  unsigned char diff = a.size() == b.size() ? 0 : 1;
+  for (size_t i = 0; i < a.size(); ++i) diff |= a[i] ^ b[i % (b.empty() ? 1 : b.size())];
+  return diff == 0 && !b.empty();
+}
+
+// One request as it travels between the I/O thread and the executors.
+struct Req {
+  ConnId conn = 0;
+  w::Header h;
+  Clock::time_point start;
+  Clock::time_point deadline = Clock::time_point::max();  // from the header's budget
+  uint64_t charged = 0;   // payload bytes admitted against the in-flight limits
+  bool admitted = false;  // counted in its connection's load until its reply is sent
+  bool counted = false;   // counted in in_flight (what a graceful stop waits for)
+  bool Expired() const { return Clock::now() > deadline; }
+};
+
+// A batch payload read into memory that is not zero-filled first (it is overwritten at once).
+struct PayloadBuffer {
+  explicit PayloadBuffer(size_t n) : bytes(new char[n ? n : 1]), size(n) {}
+  std::unique_ptr<char[]> bytes;
+  size_t size;
+  char* data() { return bytes.get(); }
+  std::string_view view() const { return {bytes.get(), size}; }
+};
+
+struct Server::Impl {
+  ServerOptions options;
+  NodeInfo self;
+  std::unique_ptr<TieredCache> cache;
+  std::unique_ptr<UcxTransport> transport;
+  std::unique_ptr<ThreadPool> executors;
+  std::unique_ptr<httplib::Server> metrics_http;
+  std::thread metrics_thread;
+  int metrics_bound_port = 0;
+  std::atomic<bool> stopping{false};
+  std::atomic<int64_t> in_flight{0};
+  ServerCounters counters;
+  std::once_flag stop_once;
+
+  // --- adaptive replication ---
+  std::unique_ptr<TieredCache> replica_cache;  // copies held for other primaries (memory only)
+  std::unique_ptr<HashRing> ring;
+  int self_index = 0;
+  HotKeySketch sketch;
+  struct ReplicaSet {
+    std::vector<int> nodes;  // nodes holding a copy of `version`
+    uint64_t version = 0;
+    bool pending = true;     // copies being made; no hints until done
+    bool cancelled = false;  // written meanwhile: the copies are dropped when they land
+  };
+  std::unordered_map<std::string, ReplicaSet> registry;  // as primary
+  // Keys whose copies a write just invalidated: not copied again until then, so a key that is
+  // written often does not churn copies on every write.
+  std::unordered_map<std::string, Clock::time_point> copy_again_after;
+  std::unordered_map<std::string, uint64_t> replica_version;  // as replica: version held
+  // As replica: invalidated up to `version`. A floor only has to outlive the hints and the
+  // installs in flight that could name an older version (hints live 1 s on clients, installs
+  // are sent with a 500 ms deadline), so floors expire after kFloorLifetime: the table is bounded
+  // by the invalidation rate, not by the number of keys ever invalidated.
+  struct Floor {
+    uint64_t version = 0;
+    Clock::time_point set_at;
+  };
+  static constexpr auto kFloorLifetime = std::chrono::seconds(10);
+  std::unordered_map<std::string, Floor> replica_floor;
+  bool CoveredByFloor(const std::string& key, uint64_t version) const;
+  struct PeerCall {
+    int node;
+    ConnId conn;  // a reply counts only on the connection the call went out on
+    Clock::time_point deadline;
+    std::function<void(Status, std::string_view body)> done;
+  };
+  std::vector<ConnId> peer_conn;
+  std::unordered_map<ConnId, int> peer_of_conn;
+  std::unordered_map<uint64_t, PeerCall> peer_calls;
+  uint64_t next_peer_call = 1;
+  std::vector<std::pair<Clock::time_point, std::function<void()>>> timers;
+  Clock::time_point last_decay = Clock::now();
+
+  bool replication_on() const { return options.hot_reads_per_s > 0; }
+
+  // I/O-thread state.
+  std::unordered_map<ConnId, bool> authenticated;
+  // Admission control (ServerOptions): what each connection and the node have in flight.
+  struct ConnLoad {
+    uint32_t requests = 0;
+    uint64_t bytes = 0;
+    // Replies with a payload, oldest first, each with its send deadline and a done flag; done
+    // ones are popped from the front, so a hung peer leaves its oldest one at the front.
+    std::deque<std::pair<Clock::time_point, std::shared_ptr<bool>>> sends;
+  };
+  std::unordered_map<ConnId, ConnLoad> conn_load;
+  uint64_t inflight_bytes = 0;
+  Clock::time_point last_send_check = Clock::now();
+  // Accepted connections whose peer said PEER_HELLO (with the peer secret, where the cluster has
+  // one): the only ones allowed REPLICA_PUT and INVALIDATE. Value: the node's index.
+  std::unordered_map<ConnId, int> peer_node_of_conn;
+  Clock::time_point last_pressure_check = Clock::now();
+  uint64_t last_spills = 0, last_drops = 0;
+
+  // --- replies (I/O thread) ---
+  void Reply(const Req& r, const Status& status, std::string body, const void* payload, size_t size,
+             MemoryKind kind, std::function<void()> after);
+
+  // Admits a request against the in-flight limits, or says Busy. A request that brings `charge`
+  // payload bytes is admitted anyway when its connection (or the node) has no bytes in flight,
+  // so a single value up to max_value_size always gets through on an idle node.
+  Status Admit(Req* r, uint64_t charge);
+
+  // The reply to `r` is sent (or failed): its share of the limits goes back.
+  void Release(const Req& r, const std::shared_ptr<bool>& sent);
+
+  // I/O thread, a few times a second: a connection whose oldest reply payload has not been
+  // taken within send_timeout is closed, which completes its sends and releases their pins.
+  void CloseStuckConnections(Clock::time_point now);
+
+  // Hands request work to the executors, or answers Busy when their queue is full.
+  bool SubmitRequestWork(const Req& r, std::function<void()> work);
+
+  static Status DeadlinePassed();
+
+  void ReplyStatus(const Req& r, const Status& s);
+
+  // From an executor thread: hand the reply to the I/O thread.
+  void PostReply(std::function<void()> fn) { transport->Post(std::move(fn)); }
+
+  // Reads a batch payload fully into a buffer, then continues on an executor.
+  void ReadPayloadThen(const Req& r, std::unique_ptr<Incoming> msg,
+                       std::function<void(Status, std::shared_ptr<PayloadBuffer>)> next);
+
+  // --- dispatch (I/O thread) ---
+  void OnMessage(std::unique_ptr<Incoming> msg);
+
+  // Replication messages come from nodes of this cluster that identified themselves, and only
+  // while replication is on; anything else is refused (and its payload released unreceived).
+  bool PeerOnly(const Req& r);
+
+  void AuthenticatePeer(const Req& r, std::string_view body);
+
+  void Authenticate(const Req& r, std::string_view body);
+
+  struct PutOp {
+    Req req;
+    w::PutRequest put;
+    std::unique_ptr<Incoming> msg;
+    WriteHandle handle;
+    std::string staging;  // device-tier target without device-capable UCX
+  };
+
+  void HandlePut(const Req& r, std::string_view body, std::unique_ptr<Incoming> msg);
+
+  Status CheckValueSize(uint64_t size) const;
+
+  // Executor thread: copy from staging if any, commit (write-through when durable), reply.
+  void CommitAndReply(const std::shared_ptr<PutOp>& op);
+
+  // Nodes holding a copy of exactly `version` of `key`, for the GET reply's hint.
+  std::vector<uint16_t> HintFor(const std::string& key, uint64_t version) const;
+
+  void SendObject(const Req& r, const std::string& key, std::shared_ptr<ReadHandle> handle,
+                  const void* data, MemoryKind kind, std::shared_ptr<std::string> staging);
+
+  void HandleGet(const Req& r, std::string_view body);
+
+  void HandleKeyOp(const Req& r, std::string_view body);
+
+  void ReplyPayload(const Req& r, std::shared_ptr<std::string> payload);
+
+  void HandleMultiGet(const Req& r, std::unique_ptr<Incoming> msg);
+
+  void HandleMultiPut(const Req& r, std::unique_ptr<Incoming> msg);
+
+  void HandleStats(const Req& r);
+
+  // I/O thread, every loop: one log line when the node is under eviction pressure.
+  void OnTick();
+
+  // ---------------- adaptive replication (I/O thread unless noted) ----------------
+
+  // Counts a read of a key this node serves as primary; starts copying it when it turns hot.
+  void CountRead(const std::string& key);
+
+  std::vector<int> ReplicaTargets(const std::string& key) const;
+
+  void StartReplication(const std::string& key);
+
+  void ReplicationDone(const std::string& key, uint64_t version, const std::vector<int>& nodes);
+
+  // Before a write or delete of `keys` is acknowledged: every copy of an older version becomes
+  // unreadable. Runs `reply` when that holds (at once for keys that are not replicated).
+  void AfterWrite(const std::vector<std::string>& keys, std::function<void()> reply);
+
+  // Once a second, after the decay: copies of keys that cooled down are dropped.
+  void CoolDown();
+
+  void PruneFloors(Clock::time_point now);
+
+  static std::string ReplicaKey(const std::string& key, uint64_t version);
+
+  // As a replica node: install a copy (unless a newer invalidation already covers it).
+  void HandleReplicaPut(const Req& r, std::string_view body, std::unique_ptr<Incoming> msg);
+
+  void InstallReplica(const std::string& key, uint64_t version);
+
+  void DropReplicaCopy(const std::string& key, uint64_t version);
+
+  void HandleInvalidate(const Req& r, std::string_view body);
+
+  // As a replica node: serve a copy only for the exact version the client's hint named, and
+  // never one an invalidation has covered.
+  void HandleReplicaGet(const Req& r, std::string_view body);
+
+  // --- requests to peer nodes ---
+  Result<ConnId> PeerConn(int node);
+
+  void CallPeer(int node, w::Opcode op, std::string body, std::shared_ptr<std::string> payload,
+                std::function<void(Status, std::string_view)> done);
+
+  void OnPeerReply(std::unique_ptr<Incoming> msg);
+
+  void ExpirePeerCalls(Clock::time_point now);
+
+  void RunTimers(Clock::time_point now);
+
+  void OnPeerDisconnect(ConnId conn);
+
+  Status StartMetrics();
+};
+
+}  // namespace gkv
