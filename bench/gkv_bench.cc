@@ -303,10 +303,23 @@ class Bench {
                    ProbeCuda().reason.c_str());
       return 2;
     }
+    if (c_.cuda) {
+      // Every worker gets a device buffer of the largest value; fail now, clearly, rather than
+      // measure host memory under a "cuda" label.
+      auto d = CudaMallocDevice(0, std::max<uint64_t>(c_.value_max, 1));
+      if (!d.ok()) {
+        std::fprintf(stderr, "gkv-bench: --memory cuda: cannot allocate %s on GPU 0: %s\n",
+                     FormatSize(std::max<uint64_t>(c_.value_max, 1)).c_str(),
+                     d.status().ToString().c_str());
+        return 2;
+      }
+      CudaFreeDevice(0, *d);
+    }
     if (c_.load && c_.ratio_get > 0) Load();
     const auto hits_before = TierHits(*clients_[0]);
 
     Stats all = RunWorkers();
+    if (cuda_failed_.load()) return 2;
     const auto hits_after = TierHits(*clients_[0]);
     std::array<uint64_t, 3> tier_hits;
     for (int t = 0; t < 3; ++t) tier_hits[t] = hits_after[t] - hits_before[t];
@@ -460,7 +473,14 @@ class Bench {
     void* device_buf = nullptr;
     if (c_.cuda) {
       auto d = CudaMallocDevice(0, std::max<uint64_t>(c_.value_max, 1));
-      if (d.ok()) device_buf = *d;
+      if (!d.ok()) {
+        std::fprintf(stderr, "gkv-bench: --memory cuda: a worker cannot allocate its buffer: %s\n",
+                     d.status().ToString().c_str());
+        cuda_failed_.store(true);
+        stop_.store(true);
+        return;
+      }
+      device_buf = *d;
     }
     const double per_worker_rate = c_.rate > 0 ? c_.rate / workers_.size() : 0;
     auto intended = Clock::now();
@@ -724,6 +744,7 @@ class Bench {
   std::vector<std::unique_ptr<Worker>> workers_;
   std::atomic<uint64_t> issued_{0};
   std::atomic<bool> stop_{false};
+  std::atomic<bool> cuda_failed_{false};  // a worker could not get device memory: no report
   Clock::time_point start_, measure_from_, end_;
 };
 
