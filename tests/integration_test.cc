@@ -246,6 +246,27 @@ TEST(IntegrationTest, MultiGetIntoReportsADeadNodeAndServesTheOthers) {
   }
 }
 
+// A node marked down fails a batch at once, inside the loop that issues the batch's messages;
+// the call must not return while that loop still reads the caller's state (a crash before).
+TEST(IntegrationTest, CallsToADownNodeFailFastAndSafely) {
+  Cluster cluster(1);
+  auto client = cluster.NewClient(std::chrono::milliseconds(500));
+  ASSERT_TRUE(client);
+  ASSERT_TRUE(client->Put("k", "v", 1).ok());
+  cluster.StopNode(0, SIGKILL);
+  (void)client->Get("k");  // notices the loss; the node is down for the backoff now
+  char row[1];
+  const std::vector<PutItem> items = {{"k", "v", 1, {}}};
+  auto start = std::chrono::steady_clock::now();
+  for (int i = 0; i < 200; ++i) {
+    EXPECT_FALSE(client->MultiGetInto({"k"}, row, 1, 1)[0].ok());
+    EXPECT_FALSE(client->MultiGet({"k"})[0].ok());
+    EXPECT_FALSE(client->MultiPut(items)[0].ok());
+    EXPECT_FALSE(client->Delete("k").ok());
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20));
+}
+
 TEST(IntegrationTest, SeveralClientThreadsAtOnce) {
   Cluster cluster(3);
   auto client = cluster.NewClient(std::chrono::seconds(20));

@@ -601,7 +601,7 @@ Status Client::Delete(std::string_view key, std::chrono::milliseconds timeout) {
   const auto nodes = I->ring->NodesFor(key, I->options.replicas);
   // Every replica; OK if any deleted it, NotFound if none had it, else the first error.
   std::vector<Status> results(nodes.size());
-  size_t remaining = nodes.size();
+  size_t remaining = nodes.size() + 1;  // + the issuing loop (see MultiGetInto)
   std::promise<void> all;
   I->transport->Post([&, key = std::string(key)] {
     for (size_t i = 0; i < nodes.size(); ++i) {
@@ -618,6 +618,7 @@ Status Client::Delete(std::string_view key, std::chrono::milliseconds timeout) {
       I->Issue(nodes[i], w::Opcode::kDelete, 0, w::EncodeKeyRequest(key), nullptr, 0,
                MemoryKind::kHost, deadline, on_reply, finish);
     }
+    if (--remaining == 0) all.set_value();
   });
   all.get_future().wait();
   for (const Status& s : results) {
@@ -661,7 +662,7 @@ std::vector<Result<Value>> Client::MultiGet(const std::vector<std::string>& keys
   for (size_t i = 0; i < keys.size(); ++i) by_node[I->ring->NodeFor(keys[i])].push_back(i);
   auto deadline = I->DeadlineFrom(o.timeout);
   std::promise<void> all_done;
-  int remaining = 0;
+  int remaining = 1;  // + the issuing loop (see MultiGetInto)
   for (auto& v : by_node) remaining += v.empty() ? 0 : 1;
   I->transport->Post([&] {
     for (size_t n = 0; n < by_node.size(); ++n) {
@@ -703,6 +704,7 @@ std::vector<Result<Value>> Client::MultiGet(const std::vector<std::string>& keys
             if (--remaining == 0) all_done.set_value();
           });
     }
+    if (--remaining == 0) all_done.set_value();
   });
   all_done.get_future().wait();
   // Keys whose node failed: one by one through Get, which tries the other replicas.
@@ -753,7 +755,7 @@ std::vector<Result<uint64_t>> Client::MultiPut(const std::vector<PutItem>& items
   }
   auto deadline = I->DeadlineFrom(o.timeout);
   std::promise<void> all_done;
-  int remaining = 0;
+  int remaining = 1;  // + the issuing loop (see MultiGetInto)
   for (auto& v : by_node) remaining += v.empty() ? 0 : 1;
   I->transport->Post([&] {
     for (size_t n = 0; n < by_node.size(); ++n) {
@@ -781,6 +783,7 @@ std::vector<Result<uint64_t>> Client::MultiPut(const std::vector<PutItem>& items
             if (--remaining == 0) all_done.set_value();
           });
     }
+    if (--remaining == 0) all_done.set_value();
   });
   all_done.get_future().wait();
   return results;
@@ -818,7 +821,10 @@ std::vector<Status> Client::MultiGetInto(const std::vector<std::string>& keys, v
   for (size_t i = 0; i < keys.size(); ++i) by_node[I->ring->NodeFor(keys[i])].push_back(i);
   auto deadline = I->DeadlineFrom(o.timeout);
   std::promise<void> all_done;
-  int remaining = 0;
+  // One count per node message plus one for the loop that issues them: a message that fails
+  // at once (node down) completes inside the loop, and the caller's state (by_node, results)
+  // must outlive the loop's last look at it.
+  int remaining = 1;
   for (auto& v : by_node) remaining += v.empty() ? 0 : 1;
   I->transport->Post([&] {
     for (size_t n = 0; n < by_node.size(); ++n) {
@@ -866,6 +872,7 @@ std::vector<Status> Client::MultiGetInto(const std::vector<std::string>& keys, v
             if (--remaining == 0) all_done.set_value();
           });
     }
+    if (--remaining == 0) all_done.set_value();
   });
   all_done.get_future().wait();
   if (staging) {
