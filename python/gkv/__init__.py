@@ -21,9 +21,11 @@ the buffer protocol. Memory rules:
 * Every call that waits releases the GIL; the ``*_async`` forms return
   ``concurrent.futures.Future`` objects so a fetch overlaps compute.
 
-A Client is thread-safe. It is bound to the process that opened it: after ``os.fork`` (e.g. in
-a DataLoader worker) the child's copy reopens its own connections on first use; a pickled
-Client (spawned workers) does the same. Errors are gkv.Error subclasses carrying gkv's status
+A Client is thread-safe and bound to the process that opened it. A pickled Client (a worker
+started by 'spawn' or 'forkserver', e.g. ``DataLoader(multiprocessing_context="forkserver")``)
+opens its own connections on first use. UCX does not survive fork: in a process forked after a
+gkv.Client was opened, opening or using one raises gkv.NotSupported at once (the parent's
+clients keep working). Errors are gkv.Error subclasses carrying gkv's status
 code (gkv.NotFound is also a KeyError).
 """
 
@@ -198,11 +200,17 @@ def _ids_array(ids: Any) -> np.ndarray:
 
 
 _live_clients: "weakref.WeakSet[Client]" = weakref.WeakSet()
+# Set once this process (or the one it was forked from) started UCX. UCX does not survive
+# fork: its global async thread stays in the parent, so a child's connections never complete.
+_ucx_started = False
+_ucx_inherited = False
 
 
 def _after_fork_in_child() -> None:
     # The parent's I/O thread does not exist in the child: its clients' C++ objects are left
-    # alone (destroying one would wait for that thread forever); each reopens on first use.
+    # alone (destroying one would wait for that thread forever).
+    global _ucx_inherited
+    _ucx_inherited = _ucx_started
     for c in list(_live_clients):
         c._forget_after_fork()
 
@@ -222,8 +230,8 @@ class Client:
             nodes on the ring; reads go to the first live one.
         async_workers: threads that run the ``*_async`` calls.
 
-    Use as a context manager, or call ``close()``. Thread-safe; bound to its process (after a
-    fork the child reopens its connections on first use).
+    Use as a context manager, or call ``close()``. Thread-safe; bound to its process (pickle
+    it to a 'spawn'/'forkserver' worker, which reopens it; after fork it raises NotSupported).
     """
 
     def __init__(self, cluster: str = "cluster.yaml", timeout: float = 0.5, replicas: int = 1,
@@ -250,7 +258,14 @@ class Client:
             if self._closed:
                 raise Aborted("the client is closed")
             if self._core_obj is None or self._pid != os.getpid():
+                if _ucx_inherited:
+                    raise NotSupported(
+                        "this process was forked from one that had a gkv.Client open, and UCX "
+                        "does not survive fork; start workers with the 'spawn' or 'forkserver' "
+                        "method (DataLoader(..., multiprocessing_context='forkserver'))")
                 cluster, timeout, replicas, _ = self._args
+                global _ucx_started
+                _ucx_started = True
                 self._core_obj = _gkv._Client(cluster, _ms(timeout), replicas)
                 self._pid = os.getpid()
                 self._executor = None
