@@ -59,6 +59,7 @@ class EmbeddingCache:
         self.misses = 0
         self.loaded = 0
         self._lock = threading.Lock()
+        self._executor_lock = threading.Lock()
         self._pending: collections.deque[tuple[np.ndarray, concurrent.futures.Future]] = \
             collections.deque()
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
@@ -78,20 +79,24 @@ class EmbeddingCache:
         ``lookup`` of the same ids returns them. The future's result is the tensor."""
         ids_np = _ids_array(ids).copy()
         with self._lock:
-            if self._executor is None:
-                self._executor = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=1, thread_name_prefix="gkv-prefetch")
-            fut = self._executor.submit(self._lookup, ids_np)
+            fut = self._background(self._lookup, ids_np)
             self._pending.append((ids_np, fut))
             while len(self._pending) > self.prefetch_depth:
                 self._pending.popleft()  # never asked for; it completes unobserved
         return fut
 
-    def put(self, ids: Any, rows: torch.Tensor) -> None:
-        """Writes ``rows`` (``[len(ids), dim]``) as the rows of ``ids`` (e.g. after an update)."""
-        ids_np = _ids_array(ids)
-        rows = self._check_rows(rows, len(ids_np))
-        self.client.multi_put_rows(ids_np, rows.cpu(), prefix=self.prefix)
+    def put(self, ids: Any, rows: torch.Tensor, *,
+            background: bool = False) -> concurrent.futures.Future | None:
+        """Writes ``rows`` (``[len(ids), dim]``) as the rows of ``ids`` (e.g. after an update).
+
+        ``background``: on the prefetch thread, after the prefetches already started and
+        before later ones (so a later prefetch sees these rows); returns the Future."""
+        ids_np = _ids_array(ids).copy()
+        rows = self._check_rows(rows, len(ids_np)).cpu()
+        if not background:
+            self.client.multi_put_rows(ids_np, rows, prefix=self.prefix)
+            return None
+        return self._background(self.client.multi_put_rows, ids_np, rows, prefix=self.prefix)
 
     def invalidate(self, ids: Any) -> None:
         """Deletes the rows of ``ids`` from the cache."""
@@ -99,13 +104,22 @@ class EmbeddingCache:
             self.client.delete(f"{self.prefix}{int(i)}", missing_ok=True)
 
     def close(self) -> None:
-        with self._lock:
+        """Waits for the background work (prefetches, background puts), then stops its thread."""
+        with self._lock, self._executor_lock:
             ex, self._executor = self._executor, None
             self._pending.clear()
         if ex is not None:
             ex.shutdown(wait=True)
 
     # --- internals ---
+
+    def _background(self, fn, *args, **kwargs) -> concurrent.futures.Future:
+        # One thread: background work runs in the order it was asked for.
+        with self._executor_lock:
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix="gkv-prefetch")
+            return self._executor.submit(fn, *args, **kwargs)
 
     def _take_prefetched(self, ids_np: np.ndarray) -> concurrent.futures.Future | None:
         with self._lock:
