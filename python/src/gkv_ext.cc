@@ -83,8 +83,8 @@ std::optional<DType> DTypeOf(const nb::dlpack::dtype& t) {
 }
 
 std::string DescribeDLType(const nb::dlpack::dtype& t) {
-  static constexpr const char* kCodes[] = {"int", "uint", "float", "opaque", "bfloat",
-                                           "complex", "bool"};
+  static constexpr const char* kCodes[] = {"int",    "uint",    "float", "opaque",
+                                           "bfloat", "complex", "bool"};
   const char* code = t.code < 7 ? kCodes[t.code] : "code";
   return std::string(code) + std::to_string(t.bits) +
          (t.lanes != 1 ? "x" + std::to_string(t.lanes) : "");
@@ -277,8 +277,9 @@ class PyClient {
   uint64_t GetInto(const std::string& key, const OutArray& out, const std::string& as_dtype,
                    int64_t timeout_ms, bool fail_open) {
     if (!CContiguous(out)) {
-      Raise(Status::InvalidArgument("get_into needs a contiguous destination (it is written "
-                                    "in place)"));
+      Raise(
+          Status::InvalidArgument("get_into needs a contiguous destination (it is written "
+                                  "in place)"));
     }
     GetOptions o;
     o.timeout = Ms(timeout_ms);
@@ -303,8 +304,7 @@ class PyClient {
     if (out.ndim() < 1 || out.shape(0) != keys.size()) {
       Raise(Status::InvalidArgument("multi_get_into needs one row of `out` per key (" +
                                     std::to_string(keys.size()) + " keys, " +
-                                    (out.ndim() ? std::to_string(out.shape(0)) : "no") +
-                                    " rows)"));
+                                    (out.ndim() ? std::to_string(out.shape(0)) : "no") + " rows)"));
     }
     if (mask.shape(0) != keys.size()) Raise(Status::Internal("mask of the wrong length"));
     // Rows: each one contiguous; rows may be further apart (a view of a wider buffer).
@@ -406,8 +406,8 @@ class PyClient {
 
   std::vector<uint64_t> MultiPutRowsIds(const std::string& prefix,
                                         const nb::ndarray<const int64_t, nb::ndim<1>>& ids,
-                                        const InArray& rows, const std::string& dtype,
-                                        bool durable, int64_t timeout_ms) {
+                                        const InArray& rows, const std::string& dtype, bool durable,
+                                        int64_t timeout_ms) {
     return MultiPutRows(KeysFromIds(prefix, ids), rows, dtype, durable, timeout_ms);
   }
 
@@ -431,8 +431,8 @@ class PyClient {
     }
     if (!r->ok()) RaiseFor("stat", key, r->status());
     const ValueInfo& i = **r;
-    return nb::make_tuple(i.size, i.version, std::string(DTypeName(i.tensor.dtype)),
-                          i.tensor.shape, i.tier, i.on_disk);
+    return nb::make_tuple(i.size, i.version, std::string(DTypeName(i.tensor.dtype)), i.tensor.shape,
+                          i.tier, i.on_disk);
   }
 
   // One node's statistics as JSON (docs/STATS.md).
@@ -555,8 +555,8 @@ NB_MODULE(_gkv, m) {
   });
 
   nb::class_<PyClient>(m, "_Client")
-      .def(nb::init<const std::string&, int64_t, int>(), nb::arg("cluster"),
-           nb::arg("timeout_ms"), nb::arg("replicas"))
+      .def(nb::init<const std::string&, int64_t, int>(), nb::arg("cluster"), nb::arg("timeout_ms"),
+           nb::arg("replicas"))
       .def("close", &PyClient::Close)
       .def("abandon", &PyClient::Abandon)
       .def_prop_ro("closed", &PyClient::closed)
@@ -565,17 +565,16 @@ NB_MODULE(_gkv, m) {
       .def("get", &PyClient::Get, nb::arg("key"), nb::arg("timeout_ms"), nb::arg("fail_open"))
       .def("get_into", &PyClient::GetInto, nb::arg("key"), nb::arg("out").noconvert(),
            nb::arg("as_dtype"), nb::arg("timeout_ms"), nb::arg("fail_open"))
-      .def("multi_get_into", &PyClient::MultiGetInto, nb::arg("keys"),
-           nb::arg("out").noconvert(), nb::arg("mask").noconvert(), nb::arg("as_dtype"),
-           nb::arg("timeout_ms"), nb::arg("fail_open"))
+      .def("multi_get_into", &PyClient::MultiGetInto, nb::arg("keys"), nb::arg("out").noconvert(),
+           nb::arg("mask").noconvert(), nb::arg("as_dtype"), nb::arg("timeout_ms"),
+           nb::arg("fail_open"))
       .def("multi_get_into_ids", &PyClient::MultiGetIntoIds, nb::arg("prefix"),
            nb::arg("ids").noconvert(), nb::arg("out").noconvert(), nb::arg("mask").noconvert(),
            nb::arg("as_dtype"), nb::arg("timeout_ms"), nb::arg("fail_open"))
-      .def("multi_put", &PyClient::MultiPut, nb::arg("keys"), nb::arg("arrays"),
-           nb::arg("dtypes"), nb::arg("durable"), nb::arg("timeout_ms"))
-      .def("multi_put_rows", &PyClient::MultiPutRows, nb::arg("keys"),
-           nb::arg("rows").noconvert(), nb::arg("dtype"), nb::arg("durable"),
-           nb::arg("timeout_ms"))
+      .def("multi_put", &PyClient::MultiPut, nb::arg("keys"), nb::arg("arrays"), nb::arg("dtypes"),
+           nb::arg("durable"), nb::arg("timeout_ms"))
+      .def("multi_put_rows", &PyClient::MultiPutRows, nb::arg("keys"), nb::arg("rows").noconvert(),
+           nb::arg("dtype"), nb::arg("durable"), nb::arg("timeout_ms"))
       .def("multi_put_rows_ids", &PyClient::MultiPutRowsIds, nb::arg("prefix"),
            nb::arg("ids").noconvert(), nb::arg("rows").noconvert(), nb::arg("dtype"),
            nb::arg("durable"), nb::arg("timeout_ms"))
