@@ -148,7 +148,7 @@ struct PutArgs {
   PutOptions options;
 };
 
-PutArgs PrepareAnyPut(const InArray& a, const std::string& dtype_override) {
+PutArgs PreparePut(const InArray& a, const std::string& dtype_override) {
   if (!CContiguous(a)) {
     Raise(Status::InvalidArgument(
         "non-contiguous array (gkv.Client.put makes a contiguous copy; this call does not)"));
@@ -237,7 +237,7 @@ class PyClient {
 
   uint64_t Put(const std::string& key, const InArray& a, const std::string& dtype,
                std::optional<std::vector<int64_t>> shape, bool durable, int64_t timeout_ms) {
-    PutArgs p = PrepareAnyPut(a, dtype);
+    PutArgs p = PreparePut(a, dtype);
     if (shape && p.options.tensor.dtype != DType::kRaw) p.options.tensor.shape = *shape;
     p.options.durable = durable;
     p.options.timeout = Ms(timeout_ms);
@@ -372,7 +372,7 @@ class PyClient {
     std::vector<PutItem> items(keys.size());
     BufferMemory memory = BufferMemory::kHost;
     for (size_t i = 0; i < keys.size(); ++i) {
-      PutArgs p = PrepareAnyPut(arrays[i], dtypes[i]);
+      PutArgs p = PreparePut(arrays[i], dtypes[i]);
       if (p.options.memory == BufferMemory::kDevice) memory = BufferMemory::kAuto;
       Status check = p.options.tensor.Validate(p.size);
       if (!check.ok()) RaiseFor("multi_put", keys[i], check);
