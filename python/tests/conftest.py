@@ -7,6 +7,7 @@ The server binary: $GKV_SERVER_BIN, else build/bin/gkv-server of this checkout.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import random
 import shutil
@@ -41,6 +42,13 @@ def _free_port(taken: set[int]) -> int:
 
 
 _TAKEN: set[int] = set()
+_libc = ctypes.CDLL(None, use_errno=True)
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_pytest() -> None:
+    # A node gets SIGTERM when the pytest process dies without its teardown (a crash).
+    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
 class Cluster:
@@ -77,7 +85,8 @@ class Cluster:
             args += ["--disk", str(self.dir / f"disk{i}"), "--disk-capacity", self.disk]
         args += self.extra
         log = open(self.dir / f"node{i}.log", "ab")
-        self.procs[i] = subprocess.Popen(args, stdout=log, stderr=log)
+        self.procs[i] = subprocess.Popen(args, stdout=log, stderr=log,
+                                         preexec_fn=_die_with_pytest)
         log.close()
 
     def log(self, i: int) -> str:
