@@ -2,16 +2,19 @@
 # Installs what is missing, builds, and runs the whole test suite:
 #   1. every test (unit, integration with real gkv-server processes, gpu-labelled ones skip with a
 #      reason without a GPU) on the normal build (build/)
-#   2. the wire-protocol fuzzer for a bounded time over its checked-in corpus
-#   3. every test again under ASan+UBSan (build-asan/)
-#   4. the cache and transport concurrency tests under TSan (build-tsan/)
-# Options (environment): GKV_TEST_STEPS="normal fuzz asan tsan" picks steps;
+#   2. the Python package's pytest suite (python/tests) on the normal build's package
+#      (build/python), with the project's .venv Python (the system Python plus Debian's numpy,
+#      torch and pytest), against real gkv-server processes; CUDA tests skip with a reason
+#   3. the wire-protocol fuzzer for a bounded time over its checked-in corpus
+#   4. every test again under ASan+UBSan (build-asan/)
+#   5. the cache and transport concurrency tests under TSan (build-tsan/)
+# Options (environment): GKV_TEST_STEPS="normal python fuzz asan tsan" picks steps;
 # GKV_FUZZ_SECONDS (default 30). scripts/gpu-check.sh runs the gpu tests on a GPU machine.
 # Under TSan, UCX's memory-event hooks (which patch malloc and mmap) fight TSan's own
 # interceptors and crash; UCX_MEM_EVENTS=no turns them off for that step (gkv does not use them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-STEPS=${GKV_TEST_STEPS:-normal fuzz asan tsan}
+STEPS=${GKV_TEST_STEPS:-normal python fuzz asan tsan}
 JOBS=$(nproc)
 overall=0
 results=()
@@ -33,6 +36,19 @@ normal() {
   GKV_BUILD_DIR=build scripts/build.sh &&
     ctest --test-dir build --output-on-failure -j "$JOBS" --timeout 300
 }
+python_tests() {
+  GKV_BUILD_DIR=build scripts/build.sh || return 1
+  if ! ls build/python/gkv/_gkv*.so > /dev/null 2>&1; then
+    echo "the build made no Python extension (build/python/gkv/_gkv*.so): is nanobind in .venv?"
+    return 1
+  fi
+  local rc=0
+  PYTHONPATH="$PWD/build/python" GKV_SERVER_BIN="$PWD/build/bin/gkv-server" \
+    .venv/bin/python -m pytest -q -rs -p no:cacheprovider python/tests || rc=$?
+  # pytest's 5 means it collected no test: that is a failure too.
+  if [ "$rc" -eq 5 ]; then echo "pytest collected no tests"; fi
+  return $rc
+}
 fuzz() { scripts/fuzz.sh "${GKV_FUZZ_SECONDS:-30}"; }
 asan() {
   GKV_BUILD_DIR=build-asan scripts/build.sh -DGKV_SANITIZE=address -DGKV_BUILD_BENCH=OFF \
@@ -53,6 +69,7 @@ scripts/deps.sh
 for s in $STEPS; do
   case "$s" in
     normal) step "tests (build/)" normal ;;
+    python) step "Python tests (build/python)" python_tests ;;
     fuzz) step "protocol fuzzer" fuzz ;;
     asan) step "tests under ASan+UBSan (build-asan/)" asan ;;
     tsan) step "concurrency tests under TSan (build-tsan/)" tsan ;;

@@ -145,6 +145,128 @@ TEST(IntegrationTest, BatchesSpanNodesOneMessagePerNode) {
   EXPECT_EQ(mgets, 3);
 }
 
+TEST(IntegrationTest, MultiGetIntoWritesRowsInPlaceAndLeavesOthersUntouched) {
+  Cluster cluster(3);
+  auto client = cluster.NewClient();
+  ASSERT_TRUE(client);
+  constexpr size_t kRow = 64;     // bytes of a row's value
+  constexpr size_t kStride = 80;  // rows are padded: the padding must stay untouched
+  Random rng(testing::TestSeed());
+  std::vector<std::string> keys, values;
+  for (int i = 0; i < 500; ++i) {
+    keys.push_back("emb/" + std::to_string(i));
+    values.push_back(RandomValue(rng, kRow));
+  }
+  std::vector<PutItem> items;
+  for (int i = 0; i < 500; ++i) {
+    if (i % 7 == 3) continue;  // misses
+    items.push_back({keys[i], values[i].data(), kRow, {DType::kU8, {int64_t{kRow}}}});
+  }
+  ASSERT_TRUE(client->Put("emb/short", "abc", 3).ok());
+  for (auto& r : client->MultiPut(items)) ASSERT_TRUE(r.ok()) << r.status().ToString();
+
+  std::vector<std::string> query = keys;
+  query.push_back("emb/short");  // the wrong size: refused, row untouched
+  std::string dst(query.size() * kStride, '\x5a');
+  auto res = client->MultiGetInto(query, dst.data(), kStride, kRow);
+  ASSERT_EQ(res.size(), query.size());
+  for (size_t i = 0; i < query.size(); ++i) {
+    std::string_view row(dst.data() + i * kStride, kRow);
+    std::string_view pad(dst.data() + i * kStride + kRow, kStride - kRow);
+    EXPECT_EQ(pad, std::string(kStride - kRow, '\x5a')) << i;
+    if (i == 500) {
+      EXPECT_EQ(res[i].code(), StatusCode::kInvalidArgument) << res[i].ToString();
+      EXPECT_EQ(row, std::string(kRow, '\x5a'));
+    } else if (i % 7 == 3) {
+      EXPECT_EQ(res[i].code(), StatusCode::kNotFound) << i;
+      EXPECT_EQ(row, std::string(kRow, '\x5a')) << i;
+    } else {
+      ASSERT_TRUE(res[i].ok()) << i << ": " << res[i].ToString();
+      EXPECT_TRUE(row == values[i]) << i;
+    }
+  }
+  // One mget per node, not per key.
+  int mgets = 0;
+  for (int n = 0; n < 3; ++n) {
+    std::string s = *client->NodeStats(n);
+    auto at = s.find("\"mget\":");
+    ASSERT_NE(at, std::string::npos);
+    mgets += std::stoi(s.substr(at + 7));
+  }
+  EXPECT_EQ(mgets, 3);
+
+  // `accept` sees the metadata first: a refused value writes nothing, in both calls.
+  GetOptions f32_only;
+  f32_only.accept = [](const ValueInfo& info) {
+    return info.tensor.dtype == DType::kF32 ? Status::OK() : Status::InvalidArgument("not f32");
+  };
+  std::string one(kRow, '\0');
+  auto r = client->GetInto(keys[0], one.data(), one.size(), f32_only);
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(one, std::string(kRow, '\0'));
+  std::string two(2 * kRow, '\0');
+  auto refused = client->MultiGetInto({keys[0], keys[1]}, two.data(), kRow, kRow, f32_only);
+  EXPECT_EQ(refused[0].code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(refused[1].code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(two, std::string(2 * kRow, '\0'));
+  EXPECT_TRUE(client->MultiGetInto({}, nullptr, kRow, kRow).empty());
+}
+
+TEST(IntegrationTest, MultiGetIntoReportsADeadNodeAndServesTheOthers) {
+  Cluster cluster(3);
+  auto client = cluster.NewClient(std::chrono::milliseconds(800));
+  ASSERT_TRUE(client);
+  std::vector<std::string> keys;
+  for (int i = 0; i < 60; ++i) {
+    keys.push_back("k" + std::to_string(i));
+    ASSERT_TRUE(client->Put(keys.back(), keys.back().data(), 2).ok());
+  }
+  cluster.StopNode(1, SIGKILL);
+  std::string dst(keys.size() * 2, '\0');
+  auto start = std::chrono::steady_clock::now();
+  auto res = client->MultiGetInto(keys, dst.data(), 2, 2);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(3));
+  int failed = 0;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (client->NodeFor(keys[i]) == 1) {
+      ++failed;
+      EXPECT_TRUE(res[i].code() == StatusCode::kUnavailable ||
+                  res[i].code() == StatusCode::kTimeout)
+          << res[i].ToString();
+    } else {
+      ASSERT_TRUE(res[i].ok()) << res[i].ToString();
+      EXPECT_EQ(dst.substr(i * 2, 2), keys[i].substr(0, 2));
+    }
+  }
+  EXPECT_GT(failed, 0);
+  GetOptions open;
+  open.fail_open = true;
+  for (auto& s : client->MultiGetInto(keys, dst.data(), 2, 2, open)) {
+    EXPECT_TRUE(s.ok() || s.IsNotFound()) << s.ToString();
+  }
+}
+
+// A node marked down fails a batch at once, inside the loop that issues the batch's messages;
+// the call must not return while that loop still reads the caller's state (a crash before).
+TEST(IntegrationTest, CallsToADownNodeFailFastAndSafely) {
+  Cluster cluster(1);
+  auto client = cluster.NewClient(std::chrono::milliseconds(500));
+  ASSERT_TRUE(client);
+  ASSERT_TRUE(client->Put("k", "v", 1).ok());
+  cluster.StopNode(0, SIGKILL);
+  (void)client->Get("k");  // notices the loss; the node is down for the backoff now
+  char row[1];
+  const std::vector<PutItem> items = {{"k", "v", 1, {}}};
+  auto start = std::chrono::steady_clock::now();
+  for (int i = 0; i < 200; ++i) {
+    EXPECT_FALSE(client->MultiGetInto({"k"}, row, 1, 1)[0].ok());
+    EXPECT_FALSE(client->MultiGet({"k"})[0].ok());
+    EXPECT_FALSE(client->MultiPut(items)[0].ok());
+    EXPECT_FALSE(client->Delete("k").ok());
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20));
+}
+
 TEST(IntegrationTest, SeveralClientThreadsAtOnce) {
   Cluster cluster(3);
   auto client = cluster.NewClient(std::chrono::seconds(20));

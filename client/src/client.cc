@@ -67,6 +67,7 @@ struct Client::Impl {
     std::function<void(Status)> on_error;
   };
   using PendingPtr = std::shared_ptr<Pending>;
+  using Accept = std::function<Status(const ValueInfo&)>;
 
   ClientOptions options;
   ClusterConfig cluster;
@@ -270,7 +271,8 @@ struct Client::Impl {
 
   // Reads from the key's first live replica, moving on to the next one when a node fails.
   void DoGet(std::string key, void* user_dst, size_t capacity, MemoryKind dst_kind,
-             Clock::time_point deadline, bool fail_open, std::function<void(Result<Value>)> done) {
+             Clock::time_point deadline, bool fail_open, std::function<void(Result<Value>)> done,
+             Accept accept = {}) {
     auto nodes = std::make_shared<std::vector<int>>(ring->NodesFor(key, options.replicas));
     std::function<void(Result<Value>)> finish = [fail_open, done](Result<Value> r) {
       if (!r.ok() && fail_open && NodeFailure(r.status())) {
@@ -279,11 +281,11 @@ struct Client::Impl {
       }
       done(std::move(r));
     };
-    auto normal = [this, key, nodes, user_dst, capacity, dst_kind, deadline, finish] {
-      GetFrom(key, nodes, 0, user_dst, capacity, dst_kind, deadline, finish);
+    auto normal = [this, key, nodes, user_dst, capacity, dst_kind, deadline, finish, accept] {
+      GetFrom(key, nodes, 0, user_dst, capacity, dst_kind, deadline, finish, accept);
     };
     if (!hints.empty() &&
-        TryReplicaRead(key, user_dst, capacity, dst_kind, deadline, finish, normal)) {
+        TryReplicaRead(key, user_dst, capacity, dst_kind, deadline, finish, normal, accept)) {
       return;
     }
     normal();
@@ -291,24 +293,25 @@ struct Client::Impl {
 
   void GetFrom(std::string key, std::shared_ptr<std::vector<int>> nodes, size_t i, void* user_dst,
                size_t capacity, MemoryKind dst_kind, Clock::time_point deadline,
-               std::function<void(Result<Value>)> done) {
+               std::function<void(Result<Value>)> done, Accept accept = {}) {
     const int node = (*nodes)[i];
     const bool last = i + 1 == nodes->size();
-    auto next = [this, key, nodes, i, last, user_dst, capacity, dst_kind, deadline,
-                 done](Result<Value> r) {
+    auto next = [this, key, nodes, i, last, user_dst, capacity, dst_kind, deadline, done,
+                 accept](Result<Value> r) {
       if (r.ok() || last || !NodeFailure(r.status()) || Clock::now() >= deadline) {
         return done(std::move(r));
       }
-      GetFrom(key, nodes, i + 1, user_dst, capacity, dst_kind, deadline, done);
+      GetFrom(key, nodes, i + 1, user_dst, capacity, dst_kind, deadline, done, accept);
     };
-    GetOnNode(node, key, user_dst, capacity, dst_kind, deadline, next);
+    GetOnNode(node, key, user_dst, capacity, dst_kind, deadline, next, 0, accept);
   }
 
   // replica_version != 0: read the copy of exactly that version a replica node holds.
   void GetOnNode(int node, const std::string& key, void* user_dst, size_t capacity,
                  MemoryKind dst_kind, Clock::time_point deadline,
-                 std::function<void(Result<Value>)> done, uint64_t replica_version = 0) {
-    auto on_reply = [this, key, replica_version, user_dst, capacity, dst_kind, done](
+                 std::function<void(Result<Value>)> done, uint64_t replica_version = 0,
+                 Accept accept = {}) {
+    auto on_reply = [this, key, replica_version, user_dst, capacity, dst_kind, done, accept](
                         const PendingPtr& p, std::unique_ptr<Incoming> msg) {
       w::ObjectMeta meta;
       std::vector<uint16_t> hint;
@@ -324,6 +327,7 @@ struct Client::Impl {
                                     " bytes is smaller than the value (" +
                                     std::to_string(meta.size) + " bytes)");
       }
+      if (s.ok() && accept) s = accept(ToInfo(meta));
       if (!s.ok()) return Fail(p, s);
       auto value = std::make_shared<Value>();
       value->info_ = ToInfo(meta);
@@ -382,7 +386,7 @@ struct Client::Impl {
   // gone falls back to the normal path without the caller seeing an error.
   bool TryReplicaRead(const std::string& key, void* user_dst, size_t capacity, MemoryKind dst_kind,
                       Clock::time_point deadline, const std::function<void(Result<Value>)>& done,
-                      const std::function<void()>& fallback) {
+                      const std::function<void()>& fallback, const Accept& accept) {
     auto it = hints.find(key);
     if (it == hints.end()) return false;
     if (Clock::now() >= it->second.expires) {
@@ -401,7 +405,7 @@ struct Client::Impl {
           hints.erase(key);
           fallback();
         },
-        h.version);
+        h.version, accept);
     return true;
   }
 
@@ -556,13 +560,15 @@ Result<ValueInfo> Client::GetInto(std::string_view key, void* dst, size_t capaci
   std::promise<Result<ValueInfo>> promise;
   auto future = promise.get_future();
   I->transport->Post([&, key = std::string(key)]() mutable {
-    I->DoGet(std::move(key), dst, capacity, kind, deadline, o.fail_open,
-             [&promise](Result<Value> r) {
-               if (r.ok())
-                 promise.set_value(r->info());
-               else
-                 promise.set_value(r.status());
-             });
+    I->DoGet(
+        std::move(key), dst, capacity, kind, deadline, o.fail_open,
+        [&promise](Result<Value> r) {
+          if (r.ok())
+            promise.set_value(r->info());
+          else
+            promise.set_value(r.status());
+        },
+        o.accept);
   });
   return future.get();
 }
@@ -839,6 +845,124 @@ std::vector<Result<uint64_t>> Client::MultiPut(const std::vector<PutItem>& items
   });
   done.wait();
   return std::move(batch->results);
+}
+
+std::vector<Status> Client::MultiGetInto(const std::vector<std::string>& keys, void* dst,
+                                         size_t row_stride, size_t row_bytes, const GetOptions& o) {
+  Impl* I = impl_.get();
+  std::vector<Status> results(keys.size(), Status::Aborted("not sent"));
+  if (keys.empty()) return results;
+  if (row_bytes > row_stride) {
+    results.assign(keys.size(), Status::InvalidArgument("row_bytes exceeds row_stride"));
+    return results;
+  }
+  const MemoryKind kind = Resolve(o.memory, dst);
+  // Device rows without a UCX that moves device memory (the reply block lands in host memory
+  // anyway): rows are assembled in host memory, then copied in runs of consecutive hits.
+  std::unique_ptr<std::byte[]> staging;
+  std::byte* rows = static_cast<std::byte*>(dst);
+  if (kind == MemoryKind::kDevice) {
+    staging.reset(new std::byte[keys.size() * row_stride]);
+    rows = staging.get();
+  }
+  // One NotFound shared by every miss: a miss costs no allocation.
+  const Status miss = Status::NotFound("key not found");
+  auto check = [&](const ValueInfo& info) -> Status {
+    if (info.size != row_bytes) {
+      return Status::InvalidArgument("value of " + std::to_string(info.size) +
+                                     " bytes does not fit a row of " + std::to_string(row_bytes) +
+                                     " bytes");
+    }
+    return o.accept ? o.accept(info) : Status::OK();
+  };
+  std::vector<std::vector<size_t>> by_node(I->cluster.nodes.size());
+  for (size_t i = 0; i < keys.size(); ++i) by_node[I->ring->NodeFor(keys[i])].push_back(i);
+  auto deadline = I->DeadlineFrom(o.timeout);
+  std::promise<void> all_done;
+  // One count per node message plus one for the loop that issues them: a message that fails
+  // at once (node down) completes inside the loop, and the caller's state (by_node, results)
+  // must outlive the loop's last look at it.
+  int remaining = 1;
+  for (auto& v : by_node) remaining += v.empty() ? 0 : 1;
+  I->transport->Post([&] {
+    for (size_t n = 0; n < by_node.size(); ++n) {
+      if (by_node[n].empty()) continue;
+      std::vector<std::string> node_keys;
+      node_keys.reserve(by_node[n].size());
+      for (size_t i : by_node[n]) node_keys.push_back(keys[i]);
+      auto payload = std::make_shared<std::string>(w::EncodeKeyList(node_keys));
+      const std::vector<size_t>* idx = &by_node[n];
+      I->IssueWithPayloadReply(
+          static_cast<int>(n), w::Opcode::kMultiGet, 0, "", payload, deadline,
+          [&, idx](Result<std::shared_ptr<std::string>> r) {
+            std::vector<w::BatchGetResult> res;
+            size_t block = 0;
+            Status s = r.status();
+            if (s.ok()) s = w::DecodeBatchGetBlock(**r, &res, &block);
+            if (s.ok() && res.size() != idx->size()) {
+              s = Status::ProtocolError("batch reply has the wrong number of results");
+            }
+            size_t off = block;
+            for (size_t j = 0; s.ok() && j < idx->size(); ++j) {
+              if (res[j].code == StatusCode::kOk) off += res[j].meta.size;
+            }
+            if (s.ok() && off != (*r)->size()) {
+              s = Status::ProtocolError("batch reply values do not match their sizes");
+            }
+            off = block;
+            for (size_t j = 0; j < idx->size(); ++j) {
+              const size_t i = (*idx)[j];
+              if (!s.ok()) {
+                results[i] = s;
+                continue;
+              }
+              if (res[j].code != StatusCode::kOk) {
+                results[i] = res[j].code == StatusCode::kNotFound
+                                 ? miss
+                                 : Status(res[j].code, "batch get failed");
+                continue;
+              }
+              const size_t size = res[j].meta.size;
+              results[i] = check(ToInfo(res[j].meta));
+              if (results[i].ok()) std::memcpy(rows + i * row_stride, (*r)->data() + off, size);
+              off += size;
+            }
+            if (--remaining == 0) all_done.set_value();
+          });
+    }
+    if (--remaining == 0) all_done.set_value();
+  });
+  all_done.get_future().wait();
+  if (staging) {
+    // Runs of consecutive hits, one copy each (all rows at once when everything hit).
+    for (size_t i = 0; i < keys.size();) {
+      if (!results[i].ok()) {
+        ++i;
+        continue;
+      }
+      size_t end = i + 1;
+      // Padded rows go one by one so the caller's padding is never overwritten.
+      while (row_stride == row_bytes && end < keys.size() && results[end].ok()) ++end;
+      const size_t bytes = (end - i - 1) * row_stride + row_bytes;
+      Status s = CudaCopySync(static_cast<std::byte*>(dst) + i * row_stride,
+                              staging.get() + i * row_stride, bytes);
+      for (size_t k = i; !s.ok() && k < end; ++k) results[k] = s;
+      i = end;
+    }
+  }
+  // Keys whose node failed: one by one through GetInto, which tries the other replicas.
+  GetOptions one = o;
+  one.accept = check;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (results[i].ok() || !Impl::NodeFailure(results[i])) continue;
+    if (I->options.replicas > 1) {
+      results[i] =
+          GetInto(keys[i], static_cast<std::byte*>(dst) + i * row_stride, row_bytes, one).status();
+    } else if (o.fail_open) {
+      results[i] = Status::NotFound("node unavailable (fail-open)");
+    }
+  }
+  return results;
 }
 
 Result<std::string> Client::Ping(int node, std::chrono::milliseconds timeout) {

@@ -45,6 +45,15 @@ struct ClientOptions {
   std::chrono::milliseconds reconnect_backoff_max{2000};
 };
 
+// What the server knows about a stored object.
+struct ValueInfo {
+  uint64_t size = 0;
+  uint64_t version = 0;
+  TensorMeta tensor;
+  std::string tier;  // "gpu", "host" or "disk": where the server held it when it answered
+  bool on_disk = false;
+};
+
 // Where a buffer lives. kAuto asks the CUDA runtime (host when no GPU is usable).
 enum class BufferMemory : uint8_t { kAuto, kHost, kDevice };
 
@@ -61,15 +70,11 @@ struct GetOptions {
   // Fail open: when no node holding the key answers (Unavailable or Timeout), report a miss
   // (NotFound) instead, so a training step falls back to its own loader.
   bool fail_open = false;
-};
-
-// What the server knows about a stored object.
-struct ValueInfo {
-  uint64_t size = 0;
-  uint64_t version = 0;
-  TensorMeta tensor;
-  std::string tier;  // "gpu", "host" or "disk": where the server held it when it answered
-  bool on_disk = false;
+  // GetInto / MultiGetInto: called on the client's I/O thread (keep it short, no blocking) with
+  // a value's metadata before any of its bytes reaches the caller's buffer; a non-OK status
+  // refuses the value (the call returns that status for the key; the buffer is untouched).
+  // E.g. to require an exact dtype and byte size.
+  std::function<Status(const ValueInfo&)> accept;
 };
 
 // An owned value in host memory.
@@ -118,6 +123,17 @@ class Client {
                                       const GetOptions& options = {});
   std::vector<Result<uint64_t>> MultiPut(const std::vector<PutItem>& items,
                                          const PutOptions& options = {});
+  // Batch read into the rows of one caller buffer (host or device memory): row i starts
+  // i * row_stride bytes into `dst` and receives the value of keys[i]. One message per node
+  // (like MultiGet); no allocation per key. Returns one status per key, in order: OK (row
+  // written: exactly row_bytes bytes), NotFound (a miss), InvalidArgument when the value is not
+  // exactly row_bytes bytes or options.accept refused it, or the node's failure. A row whose
+  // status is not OK is left untouched. Keys whose node failed are retried one by one on their
+  // other replicas (replicas > 1); options.fail_open turns node failures into misses.
+  // REQUIRES: row_bytes <= row_stride; `dst` holds keys.size() rows.
+  std::vector<Status> MultiGetInto(const std::vector<std::string>& keys, void* dst,
+                                   size_t row_stride, size_t row_bytes,
+                                   const GetOptions& options = {});
 
   // Async forms: the future becomes ready (or the callback runs, on the client's I/O thread:
   // keep it short) when the operation ends.

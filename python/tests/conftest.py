@@ -1,0 +1,156 @@
+"""Fixtures: real gkv-server processes on 127.0.0.1, started per test module (or per test for
+the ones that kill or stop nodes) and stopped by process id. A cluster that fails to come up
+fails the test (an error, never a skip).
+
+The server binary: $GKV_SERVER_BIN, else build/bin/gkv-server of this checkout.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SERVER = os.environ.get("GKV_SERVER_BIN", str(REPO / "build" / "bin" / "gkv-server"))
+
+
+def _free_port(taken: set[int]) -> int:
+    # Below the ephemeral range (32768+), so no client connection can take it meanwhile.
+    rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    for _ in range(1000):
+        port = rng.randrange(20000, 32000)
+        if port in taken:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        taken.add(port)
+        return port
+    raise RuntimeError("no free port found")
+
+
+_TAKEN: set[int] = set()
+_libc = ctypes.CDLL(None, use_errno=True)
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_pytest() -> None:
+    # A node gets SIGTERM when the pytest process dies without its teardown (a crash).
+    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+class Cluster:
+    """n gkv-server nodes; cluster_file is the YAML to open clients with."""
+
+    def __init__(self, n: int, host_mem: str = "256MiB", disk: str | None = "1GiB",
+                 secret: str | None = None, extra: list[str] | None = None) -> None:
+        if not os.access(SERVER, os.X_OK):
+            raise RuntimeError(f"no gkv-server at {SERVER}: build first (scripts/build.sh)")
+        self.dir = Path(tempfile.mkdtemp(prefix="gkv-pytest-"))
+        self.ports = [_free_port(_TAKEN) for _ in range(n)]
+        self.cluster_file = str(self.dir / "cluster.yaml")
+        with open(self.cluster_file, "w") as f:
+            f.write("nodes:\n")
+            for i, p in enumerate(self.ports):
+                f.write(f"  - {{id: n{i}, address: 127.0.0.1:{p}}}\n")
+            if secret:
+                f.write(f'secret: "{secret}"\n')
+        self.host_mem, self.disk, self.extra = host_mem, disk, extra or []
+        self.procs: list[subprocess.Popen | None] = [None] * n
+        try:
+            for i in range(n):
+                self.start(i)
+            for i in range(n):
+                self.wait_up(i)
+        except BaseException:
+            self.stop()
+            raise
+
+    def start(self, i: int) -> None:
+        args = [SERVER, "--cluster", self.cluster_file, "--node", f"n{i}",
+                "--host-mem", self.host_mem, "--threads", "2"]
+        if self.disk:
+            args += ["--disk", str(self.dir / f"disk{i}"), "--disk-capacity", self.disk]
+        args += self.extra
+        log = open(self.dir / f"node{i}.log", "ab")
+        self.procs[i] = subprocess.Popen(args, stdout=log, stderr=log,
+                                         preexec_fn=_die_with_pytest)
+        log.close()
+
+    def log(self, i: int) -> str:
+        return (self.dir / f"node{i}.log").read_text(errors="replace")
+
+    def wait_up(self, i: int, timeout: float = 15.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if f"node n{i} up" in self.log(i):
+                return
+            if self.procs[i].poll() is not None:
+                raise RuntimeError(f"node n{i} exited ({self.procs[i].returncode}):\n{self.log(i)}")
+            time.sleep(0.05)
+        raise RuntimeError(f"node n{i} did not come up within {timeout} s:\n{self.log(i)}")
+
+    def kill(self, i: int, sig: int = signal.SIGKILL) -> None:
+        p = self.procs[i]
+        if p is not None and p.poll() is None:
+            p.send_signal(sig)
+            if sig in (signal.SIGKILL, signal.SIGTERM):
+                p.wait(timeout=20)
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p is None or p.poll() is not None:
+                continue
+            p.send_signal(signal.SIGCONT)  # a stopped node must see its SIGTERM
+            p.terminate()
+        for p in self.procs:
+            if p is None:
+                continue
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster(3)
+    yield c
+    c.stop()
+
+
+@pytest.fixture
+def own_cluster():
+    """A factory of clusters that live for one test (for tests that kill or stop nodes)."""
+    made: list[Cluster] = []
+
+    def make(n: int = 2, **kw) -> Cluster:
+        c = Cluster(n, **kw)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.stop()
+
+
+@pytest.fixture
+def client(cluster):
+    import gkv
+
+    with gkv.Client(cluster.cluster_file, timeout=5.0) as c:
+        yield c
