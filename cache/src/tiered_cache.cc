@@ -790,8 +790,10 @@ uint64_t TieredCache::Publish(WriteHandle& h, std::shared_ptr<void> entry) {
     }
     // A newer commit may have won the race: then this one is already overwritten.
     superseded = !I.Publish(s, e, &old);
+    // (A disk-tier reservation that was not written lost to a newer version already on disk,
+    // which replaced the old copy there; it has no bytes in memory to write.)
     replaces_disk_copy = !superseded && old && (old->on_disk || old->writebacks > 0) &&
-                         !e->on_disk && I.disk;
+                         !e->on_disk && e->tier != Tier::kDisk && I.disk;
     // Pinned and marked so that the write-through below can read its bytes and a later commit
     // sees the copy coming.
     if (replaces_disk_copy) {
