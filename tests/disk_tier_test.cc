@@ -279,9 +279,10 @@ TEST(DiskTierTest, ConcurrentPutsKeepVersionsAndAccounting) {
     threads.emplace_back([&, t] {
       std::string v(3000 + t, 'a' + t);
       for (int i = 0; i < 50; ++i) {
-        const std::string key = (i % 2) ? "shared" : "t" + std::to_string(t) + "/" + std::to_string(i);
-        Status s = tier->Put(key, {v.size(), version++, {}, i % 4 == 0}, v.data(), i % 3 == 0,
-                             nullptr);
+        const std::string key =
+            (i % 2) ? "shared" : "t" + std::to_string(t) + "/" + std::to_string(i);
+        Status s =
+            tier->Put(key, {v.size(), version++, {}, i % 4 == 0}, v.data(), i % 3 == 0, nullptr);
         EXPECT_TRUE(s.ok()) << s.ToString();
       }
     });

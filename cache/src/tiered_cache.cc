@@ -358,9 +358,10 @@ struct TieredCache::Impl {
     if (!old_on_disk) return;
     Status ds = disk->DeleteIfVersion(old->key, old->version, /*sync=*/true);
     if (!ds.ok()) {
-      GKV_LOG_ERROR("deleting the replaced disk copy of '{}' (version {}): {}; a crash before "
-                    "the queued retry could serve it",
-                    old->key, old->version, ds.ToString());
+      GKV_LOG_ERROR(
+          "deleting the replaced disk copy of '{}' (version {}): {}; a crash before "
+          "the queued retry could serve it",
+          old->key, old->version, ds.ToString());
       lock.lock();
       pending.push_back({PendingOp::kDeleteStaleDiskCopy, old->key, old->version});
     }
@@ -591,9 +592,10 @@ Result<std::unique_ptr<TieredCache>> TieredCache::Open(const CacheOptions& optio
     if (arena->pinned()) {
       GKV_LOG_INFO("host tier: {} of pinned memory", FormatSize(options.host_capacity));
     } else {
-      GKV_LOG_WARN("host tier: {} of pageable memory, not pinned ({}): device copies and UCX "
-                   "stage through bounce buffers",
-                   FormatSize(options.host_capacity), arena->backing_note());
+      GKV_LOG_WARN(
+          "host tier: {} of pageable memory, not pinned ({}): device copies and UCX "
+          "stage through bounce buffers",
+          FormatSize(options.host_capacity), arena->backing_note());
     }
     t.capacity = arena->capacity();
     t.arenas.push_back(std::move(arena));

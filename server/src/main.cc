@@ -33,7 +33,7 @@ int main(int argc, char** argv) {
   app.add_option("--disk-capacity", disk_capacity, "disk tier capacity");
   double durable_share = 0.5;
   app.add_option("--durable-share", durable_share,
-                 "share of the disk capacity durable puts may fill (never evicted; NoSpace past it)")
+                 "share of the disk capacity durable data may fill (never evicted)")
       ->check(CLI::Range(0.01, 1.0));
   app.add_option("--promotion-window", promotion_window_ms,
                  "ms within which a second read promotes an object from a lower tier")

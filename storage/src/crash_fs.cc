@@ -25,7 +25,7 @@ struct FileState {
 
 struct SimulatedCrashFs::Impl {
   mutable std::mutex mu;
-  bool crashed = false;                   // guarded by mu
+  bool crashed = false;                    // guarded by mu
   std::map<std::string, FileState> files;  // guarded by mu
   std::shared_ptr<rocksdb::FileSystem> fs;
 };

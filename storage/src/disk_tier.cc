@@ -8,9 +8,9 @@
 #include <algorithm>
 #include <filesystem>
 
+#include "crash_fs_internal.h"
 #include "gkv/bytes.h"
 #include "gkv/log.h"
-#include "crash_fs_internal.h"
 
 namespace gkv {
 namespace {
@@ -166,8 +166,8 @@ Result<std::unique_ptr<DiskTier>> DiskTier::Open(const Options& options) {
 
 DiskTier::DiskTier(const Options& options)
     : options_(options),
-      durable_capacity_(static_cast<uint64_t>(static_cast<double>(options.capacity) *
-                                              options.durable_share)) {}
+      durable_capacity_(
+          static_cast<uint64_t>(static_cast<double>(options.capacity) * options.durable_share)) {}
 
 DiskTier::~DiskTier() {
   if (!db_) return;
@@ -276,9 +276,9 @@ Status DiskTier::PutBatch(std::vector<DiskWrite>* writes, bool sync,
     w.written = false;
     const uint64_t bytes = w.meta.size + w.key.size();
     if (bytes > (w.meta.durable ? durable_capacity_ : options_.capacity)) {
-      w.status = Status::NoSpace("object of " + std::to_string(w.meta.size) + " bytes exceeds the " +
-                                 (w.meta.durable ? "durable budget" : "capacity") +
-                                 " of the disk tier");
+      w.status =
+          Status::NoSpace("object of " + std::to_string(w.meta.size) + " bytes exceeds the " +
+                          (w.meta.durable ? "durable budget" : "capacity") + " of the disk tier");
       continue;
     }
     auto k = std::find(keys.begin(), keys.end(), w.key);
@@ -419,9 +419,7 @@ Status DiskTier::Get(std::string_view key, StoredObjectMeta* meta, std::string* 
   return Status::OK();
 }
 
-Status DiskTier::Delete(std::string_view key, bool sync) {
-  return DeleteImpl(key, nullptr, sync);
-}
+Status DiskTier::Delete(std::string_view key, bool sync) { return DeleteImpl(key, nullptr, sync); }
 
 Status DiskTier::DeleteIfVersion(std::string_view key, uint64_t version, bool sync) {
   return DeleteImpl(key, &version, sync);

@@ -152,11 +152,11 @@ class DiskTier {
   mutable std::mutex write_mu_;
   std::condition_variable key_released_;
   std::set<std::string, std::less<>> busy_;  // keys with a write in flight; guarded by write_mu_
-  uint64_t used_bytes_ = 0;     // guarded by write_mu_; includes writes in flight
-  uint64_t durable_bytes_ = 0;  // guarded by write_mu_
-  uint64_t object_count_ = 0;   // guarded by write_mu_
-  uint64_t next_sequence_ = 1;  // guarded by write_mu_
-  uint64_t evict_cursor_ = 0;   // guarded by write_mu_: no order entry below this sequence
+  uint64_t used_bytes_ = 0;                  // guarded by write_mu_; includes writes in flight
+  uint64_t durable_bytes_ = 0;               // guarded by write_mu_
+  uint64_t object_count_ = 0;                // guarded by write_mu_
+  uint64_t next_sequence_ = 1;               // guarded by write_mu_
+  uint64_t evict_cursor_ = 0;  // guarded by write_mu_: no order entry below this sequence
 };
 
 }  // namespace gkv
