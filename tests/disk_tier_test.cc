@@ -1,5 +1,7 @@
 #include <gtest/gtest.h>
 
+#include <thread>
+
 #include "gkv/random.h"
 #include "gkv/storage/disk_tier.h"
 #include "test_util.h"
@@ -7,10 +9,14 @@
 namespace gkv {
 namespace {
 
-std::unique_ptr<DiskTier> OpenTier(const std::string& path, uint64_t capacity) {
+std::unique_ptr<DiskTier> OpenTier(const std::string& path, uint64_t capacity,
+                                   double durable_share = 0.5,
+                                   std::shared_ptr<SimulatedCrashFs> fs = nullptr) {
   DiskTier::Options o;
   o.path = path;
   o.capacity = capacity;
+  o.durable_share = durable_share;
+  o.crash_fs = std::move(fs);
   auto r = DiskTier::Open(o);
   EXPECT_TRUE(r.ok()) << r.status().ToString();
   return r.ok() ? std::move(*r) : nullptr;
@@ -134,6 +140,165 @@ TEST(DiskTierTest, OpenFailsClearlyOnUnusablePath) {
   auto r = DiskTier::Open(o);
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), StatusCode::kIOError);
+}
+
+// Issue 12 item 1: capacity eviction removes cache-only objects only; durable ones have their
+// own budget and a durable put past it gets NoSpace (nothing written).
+TEST(DiskTierTest, DurableObjectsAreNeverEvictedAndHaveTheirOwnBudget) {
+  testing::TempDir dir;
+  auto tier = OpenTier(dir.path(), 10 * 1002, 0.5);  // durable budget: 5 objects
+  ASSERT_TRUE(tier);
+  std::string v(1000, 'd');
+  for (int i = 0; i < 5; ++i) {
+    ASSERT_TRUE(tier->Put("d" + std::to_string(i), {v.size(), uint64_t(i + 1), {}, true}, v.data(),
+                          true, nullptr)
+                    .ok());
+  }
+  Status s = tier->Put("d5", {v.size(), 6, {}, true}, v.data(), true, nullptr);
+  EXPECT_EQ(s.code(), StatusCode::kNoSpace) << s.ToString();
+  StoredObjectMeta m;
+  EXPECT_TRUE(tier->GetMeta("d5", &m).IsNotFound());
+  // 20 cache-only objects through the remaining half: only cache-only ones are evicted.
+  for (int i = 0; i < 20; ++i) {
+    std::vector<DiskEviction> ev;
+    ASSERT_TRUE(tier->Put("c" + std::to_string(i), {v.size(), uint64_t(100 + i), {}, false},
+                          v.data(), false, &ev)
+                    .ok());
+    for (const auto& e : ev) EXPECT_EQ(e.key[0], 'c') << e.key;
+    EXPECT_LE(tier->used_bytes(), tier->capacity());
+  }
+  for (int i = 0; i < 5; ++i) EXPECT_TRUE(tier->GetMeta("d" + std::to_string(i), &m).ok()) << i;
+  EXPECT_TRUE(tier->GetMeta("c19", &m).ok());
+  EXPECT_TRUE(tier->GetMeta("c0", &m).IsNotFound());
+  EXPECT_EQ(tier->durable_bytes(), 5 * 1002u);
+  // Replacing a durable object with a cache-only version moves it out of the durable budget.
+  ASSERT_TRUE(tier->Put("d0", {v.size(), 200, {}, false}, v.data(), true, nullptr).ok());
+  EXPECT_EQ(tier->durable_bytes(), 4 * 1002u);
+  ASSERT_TRUE(tier->Put("d5", {v.size(), 201, {}, true}, v.data(), true, nullptr).ok());
+  // The budget and the durability flags survive a reopen.
+  tier.reset();
+  tier = OpenTier(dir.path(), 10 * 1002, 0.5);
+  ASSERT_TRUE(tier);
+  EXPECT_EQ(tier->durable_bytes(), 5 * 1002u);
+  ASSERT_TRUE(tier->GetMeta("d5", &m).ok());
+  EXPECT_TRUE(m.durable);
+}
+
+TEST(DiskTierTest, CacheOnlyObjectThatCannotFitBesideDurableOnesIsRefused) {
+  testing::TempDir dir;
+  auto tier = OpenTier(dir.path(), 4 * 1002, 1.0);
+  ASSERT_TRUE(tier);
+  std::string v(1000, 'x');
+  for (int i = 0; i < 4; ++i) {
+    ASSERT_TRUE(tier->Put("d" + std::to_string(i), {v.size(), uint64_t(i + 1), {}, true}, v.data(),
+                          true, nullptr)
+                    .ok());
+  }
+  bool written = true;
+  Status s = tier->Put("c", {v.size(), 9, {}, false}, v.data(), false, nullptr, &written);
+  EXPECT_EQ(s.code(), StatusCode::kNoSpace);
+  EXPECT_FALSE(written);
+  EXPECT_EQ(tier->object_count(), 4u);
+}
+
+TEST(DiskTierTest, PutBatchWritesEveryItemWithItsOwnStatus) {
+  testing::TempDir dir;
+  auto tier = OpenTier(dir.path(), 8 * 1002, 0.5);
+  ASSERT_TRUE(tier);
+  std::string v(1000, 'b');
+  std::vector<DiskWrite> w(6);
+  const char* keys[] = {"a", "b", "a", "c", "d", "e"};
+  for (size_t i = 0; i < w.size(); ++i) {
+    w[i].key = keys[i];
+    w[i].meta = {v.size(), uint64_t(10 + i), {}, true};
+    w[i].data = v.data();
+  }
+  ASSERT_TRUE(tier->PutBatch(&w, true, nullptr).ok());
+  EXPECT_FALSE(w[0].written);  // "a" again, with a higher version, later in the batch
+  EXPECT_TRUE(w[2].written);
+  for (size_t i : {1, 2, 3, 4}) EXPECT_TRUE(w[i].status.ok() && w[i].written) << i;
+  EXPECT_EQ(w[5].status.code(), StatusCode::kNoSpace);  // the fifth durable object
+  StoredObjectMeta m;
+  ASSERT_TRUE(tier->GetMeta("a", &m).ok());
+  EXPECT_EQ(m.version, 12u);
+  EXPECT_TRUE(tier->GetMeta("e", &m).IsNotFound());
+}
+
+TEST(DiskTierTest, VersionMarkPersists) {
+  testing::TempDir dir;
+  {
+    auto tier = OpenTier(dir.path(), 1 << 20);
+    ASSERT_TRUE(tier);
+    EXPECT_EQ(*tier->ReadVersionMark(), 0u);
+    ASSERT_TRUE(tier->WriteVersionMark(uint64_t{1} << 40).ok());
+  }
+  auto tier = OpenTier(dir.path(), 1 << 20);
+  ASSERT_TRUE(tier);
+  EXPECT_EQ(*tier->ReadVersionMark(), uint64_t{1} << 40);
+  size_t listed = 0;
+  ASSERT_TRUE(tier->ForEach([&](std::string_view, const StoredObjectMeta&) {
+                    listed++;
+                    return true;
+                  })
+                  .ok());
+  EXPECT_EQ(listed, 0u) << "the mark is not an object";
+}
+
+// The crash file system keeps exactly the synced prefix: the check that the durability tests
+// built on it can fail.
+TEST(DiskTierTest, SimulatedCrashKeepsSyncedWritesAndLosesUnsyncedOnes) {
+  testing::TempDir dir;
+  auto fs = SimulatedCrashFs::Create();
+  auto tier = OpenTier(dir.path(), 1 << 20, 0.5, fs);
+  ASSERT_TRUE(tier);
+  ASSERT_TRUE(tier->Put("a", {1, 1, {}, false}, "a", false, nullptr).ok());
+  ASSERT_TRUE(tier->Put("b", {1, 2, {}, true}, "b", true, nullptr).ok());  // syncs "a" too
+  ASSERT_TRUE(tier->Put("c", {1, 3, {}, false}, "c", false, nullptr).ok());
+  ASSERT_TRUE(tier->Delete("a").ok());  // unsynced: lost, so "a" stays
+  EXPECT_GT(fs->unsynced_bytes(), 0u);
+  fs->Crash();
+  tier.reset();
+  ASSERT_TRUE(fs->DropUnsyncedData().ok());
+  tier = OpenTier(dir.path(), 1 << 20, 0.5);
+  ASSERT_TRUE(tier);
+  StoredObjectMeta m;
+  EXPECT_TRUE(tier->GetMeta("a", &m).ok());
+  EXPECT_TRUE(tier->GetMeta("b", &m).ok());
+  EXPECT_TRUE(tier->GetMeta("c", &m).IsNotFound());
+}
+
+// Concurrent durable puts of distinct keys, and of one key: every acknowledged write is there,
+// each key holds its highest version, the accounting matches a reopen.
+TEST(DiskTierTest, ConcurrentPutsKeepVersionsAndAccounting) {
+  testing::TempDir dir;
+  auto tier = OpenTier(dir.path(), 64 << 20, 0.5);
+  ASSERT_TRUE(tier);
+  std::atomic<uint64_t> version{1};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      std::string v(3000 + t, 'a' + t);
+      for (int i = 0; i < 50; ++i) {
+        const std::string key =
+            (i % 2) ? "shared" : "t" + std::to_string(t) + "/" + std::to_string(i);
+        Status s =
+            tier->Put(key, {v.size(), version++, {}, i % 4 == 0}, v.data(), i % 3 == 0, nullptr);
+        EXPECT_TRUE(s.ok()) << s.ToString();
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  StoredObjectMeta m;
+  ASSERT_TRUE(tier->GetMeta("shared", &m).ok());
+  const uint64_t used = tier->used_bytes(), durable = tier->durable_bytes(),
+                 count = tier->object_count();
+  EXPECT_EQ(count, 4u * 25 + 1);
+  tier.reset();
+  tier = OpenTier(dir.path(), 64 << 20, 0.5);
+  ASSERT_TRUE(tier);
+  EXPECT_EQ(tier->used_bytes(), used);
+  EXPECT_EQ(tier->durable_bytes(), durable);
+  EXPECT_EQ(tier->object_count(), count);
 }
 
 }  // namespace

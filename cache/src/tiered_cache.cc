@@ -1,6 +1,7 @@
 #include "gkv/cache/tiered_cache.h"
 
 #include <atomic>
+#include <condition_variable>
 #include <cstring>
 #include <list>
 #include <mutex>
@@ -44,6 +45,10 @@ struct Entry : std::enable_shared_from_this<Entry> {
   int pins = 0;
   bool live = true;      // false once deleted, replaced or dropped
   bool on_disk = false;  // the disk tier holds this version
+  // Writes of this version to the disk tier in flight (spill, Flush, write-through). While
+  // > 0 the version may land on disk at any moment: whoever replaces or deletes it must see to
+  // that copy (Impl::writeback_done signals the end of each).
+  int writebacks = 0;
   std::list<Entry*>::iterator lru;
   Clock::time_point last_read{};
   uint32_t reads_in_tier = 0;
@@ -81,13 +86,53 @@ struct TieredCache::Impl {
   std::unique_ptr<DeviceCopier> copier;  // null unless the GPU tier is real device memory
   std::string gpu_note;
   std::atomic<uint64_t> next_version{1};
+  // Versions below version_limit are covered by the high-water mark persisted in the disk tier,
+  // so a restart (which starts at that mark) never hands one out again. Extended in blocks.
+  std::atomic<uint64_t> version_limit{UINT64_MAX};
+  std::mutex mark_mu;  // serializes extensions of the mark
 
   mutable std::mutex mu;  // placement lock
+  std::condition_variable writeback_done;  // with mu: some Entry::writebacks went down
   TierState tiers[kTierCount];
   CacheStats counters;             // guarded by mu (tiers[] fields filled in GetStats)
   std::vector<PendingOp> pending;  // guarded by mu
 
   Shard& ShardFor(std::string_view key) { return *shards[HashKey(key) % shards.size()]; }
+
+  // Versions: a block of 2^32 per extension of the persisted mark (one synced RocksDB write per
+  // 4 billion puts, and one per start); the fast path leaves the last 2^20 to the slow path.
+  static constexpr uint64_t kVersionBlock = uint64_t{1} << 32;
+  static constexpr uint64_t kVersionMargin = uint64_t{1} << 20;
+
+  // A new version, greater than every version handed out before, this run or an earlier one.
+  // May write the mark (synced disk I/O). REQUIRES: no lock held.
+  uint64_t NextVersion() {
+    const uint64_t v = next_version.fetch_add(1);
+    if (v + kVersionMargin >= version_limit.load()) {
+      std::lock_guard<std::mutex> lock(mark_mu);
+      const uint64_t limit = version_limit.load();
+      if (v + kVersionMargin >= limit) {
+        const uint64_t next_limit = std::max(limit, v) + kVersionBlock;
+        Status s = disk->WriteVersionMark(next_limit);
+        if (!s.ok()) {
+          // Versions still grow in this run; only a restart could repeat one.
+          GKV_LOG_ERROR("persisting the version mark: {}", s.ToString());
+        }
+        version_limit = next_limit;
+      }
+    }
+    return v;
+  }
+
+  // Waits until no write of `e` to disk is in flight. REQUIRES: `lock` holds mu.
+  void WaitForWritebacks(Entry* e, std::unique_lock<std::mutex>& lock) {
+    writeback_done.wait(lock, [e] { return e->writebacks == 0; });
+  }
+
+  void EndWriteback(Entry* e) {
+    e->writebacks--;
+    if (e->writebacks == 0) writeback_done.notify_all();
+  }
 
   std::shared_ptr<Entry> Lookup(std::string_view key) {
     Shard& s = ShardFor(key);
@@ -217,6 +262,7 @@ struct TieredCache::Impl {
     }
     if (disk && e->size + e->key.size() <= disk->capacity()) {
       e->pins++;
+      e->writebacks++;
       const std::byte* src = e->data;
       MemoryArena* src_arena = e->arena;
       StoredObjectMeta meta{e->size, e->version, e->tensor};
@@ -234,6 +280,8 @@ struct TieredCache::Impl {
       if (s.ok()) s = disk->Put(key, meta, src, /*sync=*/false, &evicted, &written);
       lock.lock();
       QueueDiskEvictions(evicted);
+      if (s.ok() && written) e->on_disk = true;  // of this version, even if it is dead now
+      EndWriteback(e);
       Unpin(e);
       if (s.ok() && !written) {
         // A newer version of the key is already on disk: this one is superseded, drop it.
@@ -246,18 +294,23 @@ struct TieredCache::Impl {
       }
       if (s.ok()) {
         if (!e->live) {
-          // Deleted or replaced while being written: the disk copy is stale.
+          // Deleted or replaced while being written. The Delete or Commit that killed it waits
+          // for this write and deletes (or overwrites) the copy, synced; this queued delete only
+          // covers a failure there.
           pending.push_back({PendingOp::kDeleteStaleDiskCopy, key, meta.version});
           return;
         }
-        e->on_disk = true;
         if (e->tier == from && e->pins == 0)
           Relocate(e, Tier::kDisk, nullptr, nullptr);
         else if (e->tier == from)
           Touch(e);
         return;
       }
-      GKV_LOG_WARN("spill {} -> disk of '{}' failed: {}", TierName(from), key, s.ToString());
+      if (s.code() == StatusCode::kNoSpace) {
+        GKV_LOG_DEBUG("spill {} -> disk of '{}' refused: {}", TierName(from), key, s.ToString());
+      } else {
+        GKV_LOG_WARN("spill {} -> disk of '{}' failed: {}", TierName(from), key, s.ToString());
+      }
       if (!e->live || e->tier != from) return;
       if (e->pins > 0) {
         Touch(e);
@@ -268,6 +321,50 @@ struct TieredCache::Impl {
     counters.dropped++;
     RemoveFromIndexLater(e);
     Kill(e);
+  }
+
+  // `e` replaced `old`, whose version is on disk or on its way there, and `e` is not on disk.
+  // A restart must serve neither the old copy (stale) nor nothing where a durable value was:
+  // `e` is written through (synced), which replaces the old copy in one RocksDB write, and a
+  // late write of the old version is refused (versions only grow). If the disk tier cannot take
+  // `e`, the old copy is deleted, synced, once its writes in flight are done. REQUIRES: no lock
+  // held; `e` pinned and its writebacks raised by the caller (released here).
+  void ReplaceDiskCopy(Entry* e, Entry* old) {
+    Status s;
+    const void* src = e->data;
+    std::string staging;
+    if (e->arena && e->arena->kind() == MemoryKind::kDevice) {
+      staging.resize(e->size);
+      s = Copy(staging.data(), MemoryKind::kHost, e->data, MemoryKind::kDevice, e->size);
+      src = staging.data();
+    }
+    std::vector<DiskEviction> evicted;
+    bool written = false;
+    if (s.ok()) {
+      s = disk->Put(e->key, {e->size, e->version, e->tensor, false}, src, /*sync=*/true, &evicted,
+                    &written);
+    }
+    std::unique_lock<std::mutex> lock(mu);
+    QueueDiskEvictions(evicted);
+    if (s.ok() && written) e->on_disk = true;
+    EndWriteback(e);
+    Unpin(e);
+    if (s.ok()) return;  // written, or a newer version is on disk already
+    GKV_LOG_DEBUG("write-through of '{}' refused ({}); deleting the older disk copy", e->key,
+                  s.ToString());
+    WaitForWritebacks(old, lock);
+    const bool old_on_disk = old->on_disk;
+    lock.unlock();
+    if (!old_on_disk) return;
+    Status ds = disk->DeleteIfVersion(old->key, old->version, /*sync=*/true);
+    if (!ds.ok()) {
+      GKV_LOG_ERROR(
+          "deleting the replaced disk copy of '{}' (version {}): {}; a crash before "
+          "the queued retry could serve it",
+          old->key, old->version, ds.ToString());
+      lock.lock();
+      pending.push_back({PendingOp::kDeleteStaleDiskCopy, old->key, old->version});
+    }
   }
 
   void RemoveFromIndexLater(Entry* e) {
@@ -492,8 +589,14 @@ Result<std::unique_ptr<TieredCache>> TieredCache::Open(const CacheOptions& optio
     TierState& t = impl->tiers[1];
     GKV_ASSIGN_OR_RETURN(auto arena,
                          MemoryArena::CreateHost(options.host_capacity, options.host_mode));
-    GKV_LOG_DEBUG("host tier: {} ({})", FormatSize(options.host_capacity),
-                  arena->pinned() ? "pinned" : "pageable");
+    if (arena->pinned()) {
+      GKV_LOG_INFO("host tier: {} of pinned memory", FormatSize(options.host_capacity));
+    } else {
+      GKV_LOG_WARN(
+          "host tier: {} of pageable memory, not pinned ({}): device copies and UCX "
+          "stage through bounce buffers",
+          FormatSize(options.host_capacity), arena->backing_note());
+    }
     t.capacity = arena->capacity();
     t.arenas.push_back(std::move(arena));
     t.enabled = true;
@@ -508,6 +611,8 @@ Result<std::unique_ptr<TieredCache>> TieredCache::Open(const CacheOptions& optio
     DiskTier::Options d;
     d.path = options.disk_path;
     d.capacity = options.disk_capacity;
+    d.durable_share = options.disk_durable_share;
+    d.crash_fs = options.disk_crash_fs;
     GKV_ASSIGN_OR_RETURN(impl->disk, DiskTier::Open(d));
     impl->tiers[2].enabled = true;
     impl->tiers[2].capacity = options.disk_capacity;
@@ -525,7 +630,14 @@ Result<std::unique_ptr<TieredCache>> TieredCache::Open(const CacheOptions& optio
       max_version = std::max(max_version, m.version);
       return true;
     }));
-    impl->next_version = max_version + 1;
+    // Start above every version handed out before (the persisted mark), and persist the mark
+    // of this run before the first put.
+    GKV_ASSIGN_OR_RETURN(uint64_t mark, impl->disk->ReadVersionMark());
+    const uint64_t start = std::max(mark, max_version + 1);
+    GKV_RETURN_IF_ERROR(impl->disk->WriteVersionMark(start + Impl::kVersionBlock)
+                            .WithContext("persisting the version mark"));
+    impl->next_version = start;
+    impl->version_limit = start + Impl::kVersionBlock;
     if (impl->tiers[2].objects > 0) {
       GKV_LOG_INFO("disk tier at {}: {} objects, {} recovered", options.disk_path,
                    impl->tiers[2].objects, FormatSize(impl->disk->used_bytes()));
@@ -584,37 +696,90 @@ Result<WriteHandle> TieredCache::Reserve(std::string_view key, uint64_t size,
 }
 
 Result<uint64_t> TieredCache::Commit(WriteHandle h, bool durable) {
+  std::vector<WriteHandle> one;
+  one.push_back(std::move(h));
+  return std::move(CommitBatch(std::move(one), durable).front());
+}
+
+std::vector<Result<uint64_t>> TieredCache::CommitBatch(std::vector<WriteHandle> handles,
+                                                       bool durable) {
   Impl& I = *impl_;
-  if (h.cache_ != this || !h.data_) return Status::InvalidArgument("invalid write handle");
-  if (durable && !I.disk) return Status::NotSupported("durable put needs a disk tier");
-  auto e = std::make_shared<Entry>();
-  e->key = h.key_;
-  e->size = h.size_;
-  e->tensor = h.tensor_;
-  e->version = I.next_version.fetch_add(1);
-  e->tier = h.tier_;
-
-  if (durable || h.tier_ == Tier::kDisk) {
-    const void* src = h.data_;
-    std::string staging;
-    if (h.kind_ == MemoryKind::kDevice) {
-      staging.resize(h.size_);
-      GKV_RETURN_IF_ERROR(I.Copy(staging.data(), MemoryKind::kHost, h.data_, h.kind_, h.size_));
-      src = staging.data();
+  const size_t n = handles.size();
+  std::vector<Result<uint64_t>> results(n, Status::Internal("not committed"));
+  std::vector<std::shared_ptr<void>> entries(n);
+  // Everything that goes to disk now (durable puts, and reservations in the disk tier) goes in
+  // one DiskTier::PutBatch: one WriteBatch, and for durable puts one fsync.
+  std::vector<DiskWrite> writes;
+  std::vector<size_t> write_of;  // writes[j] belongs to handles[write_of[j]]
+  std::vector<std::string> staging(n);
+  for (size_t i = 0; i < n; ++i) {
+    WriteHandle& h = handles[i];
+    if (h.cache_ != this || !h.data_) {
+      results[i] = Status::InvalidArgument("invalid write handle");
+      continue;
     }
-    std::vector<DiskEviction> evicted;
-    StoredObjectMeta meta{e->size, e->version, e->tensor};
-    bool written = false;
-    GKV_RETURN_IF_ERROR(I.disk->Put(e->key, meta, src, durable, &evicted, &written));
-    // Not written means a newer version is already on disk; this commit will be superseded.
-    e->on_disk = written;
-    std::lock_guard<std::mutex> lock(I.mu);
-    if (durable) I.counters.durable_writes++;
-    I.QueueDiskEvictions(evicted);
+    if (durable && !I.disk) {
+      results[i] = Status::NotSupported("durable put needs a disk tier");
+      continue;
+    }
+    auto e = std::make_shared<Entry>();
+    e->key = h.key_;
+    e->size = h.size_;
+    e->tensor = h.tensor_;
+    e->version = I.NextVersion();
+    e->tier = h.tier_;
+    if (durable || h.tier_ == Tier::kDisk) {
+      const void* src = h.data_;
+      if (h.kind_ == MemoryKind::kDevice) {
+        staging[i].resize(h.size_);
+        Status cs = I.Copy(staging[i].data(), MemoryKind::kHost, h.data_, h.kind_, h.size_);
+        if (!cs.ok()) {
+          results[i] = cs;
+          continue;
+        }
+        src = staging[i].data();
+      }
+      DiskWrite w;
+      w.key = e->key;
+      w.meta = StoredObjectMeta{e->size, e->version, e->tensor, durable};
+      w.data = src;
+      writes.push_back(std::move(w));
+      write_of.push_back(i);
+    }
+    entries[i] = std::move(e);
   }
+  if (!writes.empty()) {
+    std::vector<DiskEviction> evicted;
+    Status bs = I.disk->PutBatch(&writes, durable, &evicted);
+    std::lock_guard<std::mutex> lock(I.mu);
+    I.QueueDiskEvictions(evicted);
+    for (size_t j = 0; j < writes.size(); ++j) {
+      const size_t i = write_of[j];
+      Status ws = bs.ok() ? writes[j].status : bs;
+      if (!ws.ok()) {
+        results[i] = ws;
+        entries[i].reset();
+        continue;
+      }
+      // Not written means a newer version is already on disk; this commit will be superseded.
+      static_cast<Entry*>(entries[i].get())->on_disk = writes[j].written;
+      if (durable) I.counters.durable_writes++;
+    }
+  }
+  for (size_t i = 0; i < n; ++i) {
+    if (!entries[i]) continue;
+    results[i] = Publish(handles[i], std::move(entries[i]));
+  }
+  I.DrainEvictions();
+  return results;
+}
 
+uint64_t TieredCache::Publish(WriteHandle& h, std::shared_ptr<void> entry) {
+  Impl& I = *impl_;
+  auto e = std::static_pointer_cast<Entry>(std::move(entry));
   std::shared_ptr<Entry> old;
   bool superseded = false;
+  bool replaces_disk_copy = false;
   {
     Shard& s = I.ShardFor(e->key);
     std::lock_guard<std::mutex> shard_lock(s.mu);
@@ -627,18 +792,30 @@ Result<uint64_t> TieredCache::Commit(WriteHandle h, bool durable) {
     }
     // A newer commit may have won the race: then this one is already overwritten.
     superseded = !I.Publish(s, e, &old);
+    // (A disk-tier reservation that was not written lost to a newer version already on disk,
+    // which replaced the old copy there; it has no bytes in memory to write.)
+    replaces_disk_copy = !superseded && old && (old->on_disk || old->writebacks > 0) &&
+                         !e->on_disk && e->tier != Tier::kDisk && I.disk;
+    // Pinned and marked so that the write-through below can read its bytes and a later commit
+    // sees the copy coming.
+    if (replaces_disk_copy) {
+      e->pins++;
+      e->writebacks++;
+    }
   }
   h.cache_ = nullptr;
-  // A replaced version must not survive on disk: a restart would serve it.
-  if (old && old->on_disk && !e->on_disk && I.disk) {
-    GKV_RETURN_IF_ERROR(I.disk->DeleteIfVersion(old->key, old->version));
-  }
+  // Past this point the new version is published: nothing below may fail the put (it committed);
+  // what goes wrong is logged and its cleanup queued.
+  if (replaces_disk_copy) I.ReplaceDiskCopy(e.get(), old.get());
   if (superseded && e->on_disk) {
-    Status ds = I.disk->DeleteIfVersion(e->key, e->version);
-    if (!ds.ok())
+    // Synced, so that a crash cannot bring this copy back over the newer version.
+    Status ds = I.disk->DeleteIfVersion(e->key, e->version, /*sync=*/true);
+    if (!ds.ok()) {
       GKV_LOG_WARN("deleting a superseded disk copy of '{}': {}", e->key, ds.ToString());
+      std::lock_guard<std::mutex> lock(I.mu);
+      I.pending.push_back({PendingOp::kDeleteStaleDiskCopy, e->key, e->version});
+    }
   }
-  I.DrainEvictions();
   return e->version;
 }
 
@@ -648,6 +825,8 @@ TieredCache::FastPath TieredCache::TryReserveInMemory(std::string_view key, uint
   if (key.empty() || key.size() > I.options.max_key_size || !tensor.Validate(size).ok()) {
     return FastPath::kNeedsSlowPath;  // the slow path reports the error
   }
+  // Released before the placement lock is taken: releasing a reservation takes that lock.
+  *out = WriteHandle();
   std::lock_guard<std::mutex> lock(I.mu);
   for (Tier t : {Tier::kGpu, Tier::kHost}) {
     const TierState& ts = I.tiers[static_cast<int>(t)];
@@ -655,7 +834,6 @@ TieredCache::FastPath TieredCache::TryReserveInMemory(std::string_view key, uint
     MemoryArena* arena = nullptr;
     std::byte* p = I.TryAllocate(t, size, &arena);
     if (!p) return FastPath::kNeedsSlowPath;  // would have to evict
-    *out = WriteHandle();
     out->cache_ = this;
     out->key_ = std::string(key);
     out->tensor_ = tensor;
@@ -672,19 +850,25 @@ TieredCache::FastPath TieredCache::TryReserveInMemory(std::string_view key, uint
 TieredCache::FastPath TieredCache::TryCommitInMemory(WriteHandle* h, uint64_t* version) {
   Impl& I = *impl_;
   if (h->cache_ != this || !h->data_ || h->tier_ == Tier::kDisk) return FastPath::kNeedsSlowPath;
+  // Near the end of the persisted version block: extending it is disk I/O.
+  if (I.next_version.load() + Impl::kVersionMargin >= I.version_limit.load()) {
+    return FastPath::kNeedsSlowPath;
+  }
   Shard& s = I.ShardFor(h->key_);
   std::shared_ptr<Entry> old;
   {
     std::lock_guard<std::mutex> shard_lock(s.mu);
     std::lock_guard<std::mutex> lock(I.mu);
     auto it = s.map.find(h->key_);
-    // An older copy on disk must be deleted (disk I/O): not for this path.
-    if (it != s.map.end() && it->second->on_disk) return FastPath::kNeedsSlowPath;
+    // An older copy on disk (or on its way there) must be replaced on disk: not for this path.
+    if (it != s.map.end() && (it->second->on_disk || it->second->writebacks > 0)) {
+      return FastPath::kNeedsSlowPath;
+    }
     auto e = std::make_shared<Entry>();
     e->key = h->key_;
     e->size = h->size_;
     e->tensor = h->tensor_;
-    e->version = I.next_version.fetch_add(1);
+    e->version = I.next_version.fetch_add(1);  // below version_limit (checked above)
     e->tier = h->tier_;
     e->arena = h->arena_;
     e->data = h->data_;
@@ -717,7 +901,15 @@ Result<ReadHandle> TieredCache::Acquire(std::string_view key) {
     }
     Entry* e = sp.get();
     std::unique_lock<std::mutex> lock(I.mu);
-    if (!e->live) {  // replaced or deleted meanwhile: look again
+    if (!e->live) {
+      // Replaced or deleted meanwhile (look again), or dropped: a dropped entry stays in the
+      // index until its queued removal runs, and a read of it is a miss, not a retry.
+      lock.unlock();
+      if (I.Lookup(key) == sp) {
+        std::lock_guard<std::mutex> l(I.mu);
+        I.counters.misses++;
+        return Status::NotFound("key not found");
+      }
       retry_reason = "replaced";
       continue;
     }
@@ -832,6 +1024,8 @@ void TieredCache::PinForRead(const std::shared_ptr<void>& entry, ReadHandle* out
 
 TieredCache::FastPath TieredCache::TryAcquireFromMemory(std::string_view key, ReadHandle* out) {
   Impl& I = *impl_;
+  // Released before the placement lock is taken: releasing a pin takes that lock.
+  *out = ReadHandle();
   std::shared_ptr<Entry> sp = I.Lookup(key);
   std::lock_guard<std::mutex> lock(I.mu);
   if (!sp) {
@@ -842,7 +1036,6 @@ TieredCache::FastPath TieredCache::TryAcquireFromMemory(std::string_view key, Re
   const auto now = Clock::now();
   if (!e->live || e->tier == Tier::kDisk || I.WouldPromote(e, now)) return FastPath::kNeedsSlowPath;
   I.Admit(e, now);
-  *out = ReadHandle();
   PinForRead(sp, out);
   return FastPath::kServed;
 }
@@ -890,8 +1083,16 @@ Status TieredCache::Delete(std::string_view key) {
     I.Kill(victim.get());
     I.counters.deletes++;
   }
-  if (I.disk && victim->on_disk) {
-    GKV_RETURN_IF_ERROR(I.disk->DeleteIfVersion(key, victim->version));
+  if (I.disk) {
+    // A copy on its way to disk is waited for, then the delete is synced: once Delete returns,
+    // no crash brings the value back.
+    std::unique_lock<std::mutex> lock(I.mu);
+    I.WaitForWritebacks(victim.get(), lock);
+    const bool on_disk = victim->on_disk;
+    lock.unlock();
+    if (on_disk) {
+      GKV_RETURN_IF_ERROR(I.disk->DeleteIfVersion(key, victim->version, /*sync=*/true));
+    }
   }
   I.DrainEvictions();
   return Status::OK();
@@ -912,6 +1113,7 @@ Status TieredCache::Flush() {
     for (auto& [k, e] : s->map) {
       if (e->live && !e->on_disk && e->tier != Tier::kDisk) {
         e->pins++;
+        e->writebacks++;
         dirty.push_back(e);
       }
     }
@@ -932,11 +1134,14 @@ Status TieredCache::Flush() {
       s = I.disk->Put(e->key, {e->size, e->version, e->tensor}, src, false, &evicted, &written);
     }
     std::lock_guard<std::mutex> lock(I.mu);
-    if (s.ok() && written)
+    if (s.ok() && written) {
       e->on_disk = true;
-    else if (first_error.ok())
+      if (!e->live) I.pending.push_back({PendingOp::kDeleteStaleDiskCopy, e->key, e->version});
+    } else if (first_error.ok()) {
       first_error = s;
+    }
     I.QueueDiskEvictions(evicted);
+    I.EndWriteback(e.get());
     I.Unpin(e.get());
   }
   I.DrainEvictions();
@@ -986,5 +1191,15 @@ uint64_t TieredCache::max_object_size() const {
 }
 
 const std::string& TieredCache::gpu_tier_note() const { return impl_->gpu_note; }
+
+bool TieredCache::host_pinned() const {
+  const TierState& t = impl_->tiers[1];
+  return t.enabled && t.arenas.front()->pinned();
+}
+
+std::string TieredCache::host_tier_note() const {
+  const TierState& t = impl_->tiers[1];
+  return t.enabled ? t.arenas.front()->backing_note() : std::string();
+}
 
 }  // namespace gkv

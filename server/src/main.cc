@@ -1,6 +1,7 @@
 // gkv-server: one node of a gkv cluster.
 //   gkv-server --cluster FILE --node ID [--gpu-mem SIZE] [--host-mem SIZE] [--disk DIR]
-//              [--disk-capacity SIZE] [--threads N] [--metrics-port N] [--log-level L]
+//              [--disk-capacity SIZE] [--durable-share F] [--promotion-window MS]
+//              [--threads N] [--metrics-port N] [--log-level L]
 //              [--max-value-size SIZE] [--max-inflight SIZE] [--max-conn-inflight SIZE]
 //              [--max-conn-requests N] [--max-queued N] [--send-timeout-ms MS]
 //              [--replicate-hot R [--replicate-cool R] [--hot-replicas N] [--replica-share F]]
@@ -29,7 +30,7 @@ int main(int argc, char** argv) {
   double hot_rate = 0, cool_rate = 0, replica_share = 0.10;
   int hot_replicas = 2;
   std::vector<int> gpus = {0};
-  std::string promotion_window_ms = "10000";
+  int64_t promotion_window_ms = 10000;
   app.add_option("--cluster", cluster_file, "cluster file (YAML)")->required();
   app.add_option("--node", node_id, "this node's id in the cluster file")->required();
   app.add_option("--gpu-mem", gpu_mem, "GPU tier size per device, e.g. 8GiB (0: off)");
@@ -37,6 +38,13 @@ int main(int argc, char** argv) {
   app.add_option("--host-mem", host_mem, "host (pinned) tier size (0: off)");
   app.add_option("--disk", disk_dir, "directory of the RocksDB disk tier (empty: no disk tier)");
   app.add_option("--disk-capacity", disk_capacity, "disk tier capacity");
+  double durable_share = 0.5;
+  app.add_option("--durable-share", durable_share,
+                 "share of the disk capacity durable data may fill (never evicted)")
+      ->check(CLI::Range(0.01, 1.0));
+  app.add_option("--promotion-window", promotion_window_ms,
+                 "ms within which a second read promotes an object from a lower tier")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--threads", threads, "executor threads for cache operations")
       ->check(CLI::Range(1, 256));
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error");
@@ -110,6 +118,8 @@ int main(int argc, char** argv) {
   options.send_timeout = std::chrono::milliseconds(send_timeout_ms);
   options.cache.gpu_devices = gpus;
   options.cache.disk_path = disk_dir;
+  options.cache.disk_durable_share = durable_share;
+  options.cache.promotion_window = std::chrono::milliseconds(promotion_window_ms);
 
   // Block the stop signals before any thread starts, so only sigwait below receives them.
   sigset_t stop_signals;

@@ -9,6 +9,7 @@ namespace gkv {
 
 Result<std::unique_ptr<MemoryArena>> MemoryArena::CreateHost(uint64_t capacity, HostMode mode) {
   if (capacity == 0) return Status::InvalidArgument("host pool capacity is zero");
+  std::string note;
   if (mode != HostMode::kPageable && ProbeCuda().usable) {
     auto pinned = CudaMallocPinnedHost(capacity);
     if (pinned.ok()) {
@@ -16,16 +17,24 @@ Result<std::unique_ptr<MemoryArena>> MemoryArena::CreateHost(uint64_t capacity, 
           MemoryKind::kHost, Backing::kCudaPinned, -1, static_cast<std::byte*>(*pinned), capacity));
     }
     if (mode == HostMode::kPinned) return pinned.status().WithContext("pinning the host pool");
+    note = "cudaHostAlloc failed: " + pinned.status().ToString();
   } else if (mode == HostMode::kPinned) {
     return Status::Unavailable("cannot pin the host pool: " + ProbeCuda().reason);
+  } else {
+    note = mode == HostMode::kPageable ? "pageable memory requested" : ProbeCuda().reason;
   }
-  // Anonymous mappings are page-aligned and committed lazily, page by page.
-  void* p = mmap(nullptr, capacity, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  // Page-aligned, and pre-faulted (MAP_POPULATE) so the pool is really reserved now; populating
+  // is best effort (the kernel does not report a shortfall), so a shortage can still appear
+  // later, but not as a pool that was never committed.
+  void* p = mmap(nullptr, capacity, PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
   if (p == MAP_FAILED) {
     return Status::NoSpace(std::string("mmap of the host pool failed: ") + std::strerror(errno));
   }
-  return std::unique_ptr<MemoryArena>(
+  auto arena = std::unique_ptr<MemoryArena>(
       new MemoryArena(MemoryKind::kHost, Backing::kMmap, -1, static_cast<std::byte*>(p), capacity));
+  arena->note_ = std::move(note);
+  return arena;
 }
 
 Result<std::unique_ptr<MemoryArena>> MemoryArena::CreateDevice(int device, uint64_t capacity) {

@@ -4,11 +4,17 @@
 //  - A put lands in the highest tier whose capacity can hold the object; when that tier is full,
 //    its least recently used unpinned entries move one tier down (GPU -> host -> disk) until the
 //    new object fits. An object larger than a tier skips it; one larger than every tier is
-//    refused with NoSpace. The disk tier drops its oldest objects past its own capacity.
+//    refused with NoSpace. The disk tier drops its oldest cache-only objects past its own
+//    capacity; durable objects are never dropped (they have their own budget, see DiskTier).
 //  - A move never changes a byte: the copy is made first, then the entry is switched over.
 //  - Writes reach disk on eviction (write-back), unless the put is durable: then the object is
 //    written through to RocksDB (fsync'ed WAL) before Commit/Put returns. A memory entry whose
 //    current version is already on disk is dropped from memory without another write.
+//  - A commit that replaces a version with a disk copy (or one being written) writes the new
+//    version through, synced, in place of that copy; a Delete of such a key is synced. What
+//    survives a crash is written down in docs/ARCHITECTURE.md ("Durability across crash and
+//    restart").
+//  - Versions grow across restarts: a high-water mark is persisted in the disk tier.
 //  - Promotion (admission rule): a read of an entry in a lower tier promotes it to the highest
 //    tier on the entry's second read within `promotion_window` (the first read only records
 //    the time). A single scan therefore reads through the lower tiers without flushing the hot
@@ -37,6 +43,7 @@
 
 #include "gkv/cuda.h"
 #include "gkv/status.h"
+#include "gkv/storage/crash_fs.h"
 #include "gkv/storage/memory_arena.h"
 #include "gkv/tensor.h"
 
@@ -62,6 +69,12 @@ struct CacheOptions {
   // Disk tier: an empty path disables it.
   std::string disk_path;
   uint64_t disk_capacity = 0;
+  // Share of disk_capacity that durable objects may occupy (DiskTier::Options::durable_share):
+  // durable data is never evicted, and a durable put past this budget gets NoSpace. Write-back
+  // spills use the rest and whatever durable objects leave unused.
+  double disk_durable_share = 0.5;
+  // Tests only: the disk tier's files go through this crash-simulating file system.
+  std::shared_ptr<SimulatedCrashFs> disk_crash_fs;
 
   uint64_t max_key_size = 1024;
   int index_shards = 16;
@@ -177,6 +190,11 @@ class TieredCache {
   // durable: written through to disk (fsync) before returning; fails with NotSupported when
   // there is no disk tier.
   Result<uint64_t> Commit(WriteHandle handle, bool durable);
+  // Commit for several reservations at once (MPUT): what goes to disk (every item when
+  // durable) is written in one RocksDB batch with one fsync. Returns one result per handle, in
+  // order; items fail independently (a durable item past the disk tier's durable budget gets
+  // NoSpace). Items with the same key are committed in order (the last one is the newest).
+  std::vector<Result<uint64_t>> CommitBatch(std::vector<WriteHandle> handles, bool durable);
 
   // Non-blocking forms of Reserve and Commit for I/O threads. TryReserveInMemory succeeds only
   // when a memory tier has a free block without evicting anything; TryCommitInMemory only for a
@@ -224,12 +242,19 @@ class TieredCache {
   uint64_t max_object_size() const;
   // Why the GPU tier is off (empty when on or not configured).
   const std::string& gpu_tier_note() const;
+  // Whether the host tier is pinned (cudaHostAlloc) memory; false without a host tier. When not,
+  // host_tier_note() says why (the start log says it too).
+  bool host_pinned() const;
+  std::string host_tier_note() const;
 
  private:
   struct Impl;
   friend class ReadHandle;
   friend class WriteHandle;
   explicit TieredCache(std::unique_ptr<Impl> impl);
+  // Publishes a committed entry (an Entry) as the newest version of its key; the part of a
+  // commit that cannot fail.
+  uint64_t Publish(WriteHandle& h, std::shared_ptr<void> entry);
   // Pins a live memory-tier entry for a read: LRU touch, hit count, pin, handle fields.
   // REQUIRES: the placement lock; `out` holds nothing.
   void PinForRead(const std::shared_ptr<void>& entry, ReadHandle* out);

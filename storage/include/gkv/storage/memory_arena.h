@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include "gkv/cuda.h"
 #include "gkv/status.h"
@@ -21,8 +22,10 @@ class MemoryArena {
  public:
   enum class HostMode { kAuto, kPinned, kPageable };
 
-  // Host memory. kAuto pins when the CUDA runtime is usable and silently falls back otherwise;
-  // kPinned fails when it can't pin.
+  // Host memory. kAuto pins when the CUDA runtime is usable and falls back to pageable memory
+  // otherwise (pinned() false, backing_note() says why); kPinned fails when it can't pin.
+  // Pageable memory is pre-faulted (MAP_POPULATE), so the pool is committed at start rather
+  // than page by page under load (where a shortage would show as the OOM killer).
   static Result<std::unique_ptr<MemoryArena>> CreateHost(uint64_t capacity,
                                                          HostMode mode = HostMode::kAuto);
   // Device memory on `device` (cudaMalloc). Unavailable/NotSupported without a usable GPU.
@@ -41,6 +44,8 @@ class MemoryArena {
   MemoryKind kind() const { return kind_; }
   int device() const { return device_; }
   bool pinned() const { return backing_ == Backing::kCudaPinned; }
+  // Why a host arena is not pinned (empty when it is, or for device arenas).
+  const std::string& backing_note() const { return note_; }
   std::byte* base() const { return base_; }
   bool Contains(const void* p) const {
     auto* b = static_cast<const std::byte*>(p);
@@ -66,6 +71,7 @@ class MemoryArena {
   std::byte* base_;
   uint64_t mapped_size_;
   RangeAllocator allocator_;
+  std::string note_;
 };
 
 }  // namespace gkv
