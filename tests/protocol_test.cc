@@ -37,7 +37,8 @@ TEST(ProtocolTest, MalformedHeadersAreRefused) {
   bad_magic[0] = 'X';
   EXPECT_FALSE(DecodeMessage(bad_magic.data(), bad_magic.size(), &h, &body).ok());
   std::string bad_version = m;
-  bad_version[4] = 1;  // the 20-byte header of version 1 is refused by name
+  bad_version[4] = 1;
+  bad_version.resize(20);  // version 1's header was 20 bytes: refused by its version
   Status s = DecodeMessage(bad_version.data(), bad_version.size(), &h, &body);
   EXPECT_NE(s.message().find("version 1"), std::string_view::npos);
   std::string bad_op = m;

@@ -737,7 +737,9 @@ TEST(TieredCacheCrashTest, OverwriteOfASpilledKeyNeverServesTheOldValueAfterACra
   ASSERT_TRUE(c);
   std::string out;
   auto info = c->Get("k", &out);
-  if (info.ok()) EXPECT_TRUE(out == "v2") << "a stale value came back (" << out.size() << " bytes)";
+  if (info.ok()) {
+    EXPECT_TRUE(out == "v2") << "a stale value came back (" << out.size() << " bytes)";
+  }
 }
 
 }  // namespace
@@ -783,7 +785,9 @@ TEST(TieredCacheCrashTest, DurableCommitBatchSurvivesACrashWithPerItemResults) {
     std::string out;
     auto info = c->Get("b" + std::to_string(i), &out);
     EXPECT_EQ(info.ok(), results[i].ok()) << i;
-    if (info.ok()) EXPECT_EQ(out, std::string(1000, 'a' + i % 26)) << i;
+    if (info.ok()) {
+      EXPECT_EQ(out, std::string(1000, 'a' + i % 26)) << i;
+    }
   }
 }
 

@@ -25,7 +25,7 @@ void Server::Impl::HandlePut(const Req& r, std::string_view body, std::unique_pt
       (op->handle.memory_kind() == MemoryKind::kHost || transport->device_memory_supported())) {
     void* dst = op->handle.data();
     MemoryKind kind = op->handle.memory_kind();
-    transport->Receive(std::move(op->msg), dst, kind, [this, op](Status rs) {
+    ReceivePayload(op->req.conn, std::move(op->msg), dst, kind, [this, op](Status rs) {
       if (!rs.ok()) {
         op->handle = WriteHandle();
         return ReplyStatus(op->req, rs);
@@ -68,7 +68,7 @@ void Server::Impl::HandlePut(const Req& r, std::string_view body, std::unique_pt
         dst = op->staging.data();
         kind = MemoryKind::kHost;
       }
-      transport->Receive(std::move(op->msg), dst, kind, [this, op](Status rs) {
+      ReceivePayload(op->req.conn, std::move(op->msg), dst, kind, [this, op](Status rs) {
         if (!rs.ok()) {
           return executors->Submit([this, op, rs] {
             op->handle = WriteHandle();
@@ -236,17 +236,33 @@ void Server::Impl::HandleMultiPut(const Req& r, std::unique_ptr<Incoming> msg) {
     std::vector<w::BatchPutItem> items;
     size_t block = 0;
     if (s.ok()) s = w::DecodeBatchPutBlock(buf->view(), &items, &block);
-    for (size_t i = 0; s.ok() && i < items.size(); ++i) s = CheckValueSize(items[i].size);
     if (!s.ok()) return PostReply([this, r, s] { ReplyStatus(r, s); });
     std::vector<w::BatchPutResult> results(items.size());
+    // Every item is reserved and filled, then all are committed together: a durable batch is
+    // one RocksDB write with one sync (CommitBatch), not one fsync per item. Items fail on
+    // their own (too large, no room); the others still land.
+    std::vector<WriteHandle> handles;
+    std::vector<size_t> slot;  // item index of each handle
     size_t off = block;
-    const bool durable = (r.h.flags & w::kFlagDurable) != 0;
-    for (size_t i = 0; i < items.size(); ++i) {
-      auto put =
-          cache->Put(items[i].key, buf->data() + off, items[i].size, items[i].tensor, durable);
-      results[i].code = put.status().code();
-      if (put.ok()) results[i].version = *put;
-      off += items[i].size;
+    for (size_t i = 0; i < items.size(); off += items[i].size, ++i) {
+      Status is = CheckValueSize(items[i].size);
+      Result<WriteHandle> h = is.ok() ? cache->Reserve(items[i].key, items[i].size, items[i].tensor)
+                                      : Result<WriteHandle>(is);
+      if (h.ok()) {
+        is = cache->CopyBytes(h->data(), h->memory_kind(), buf->data() + off, MemoryKind::kHost,
+                              items[i].size);
+      } else {
+        is = h.status();
+      }
+      results[i].code = is.code();
+      if (!is.ok()) continue;  // the reservation (if any) goes with `h`
+      handles.push_back(std::move(*h));
+      slot.push_back(i);
+    }
+    auto committed = cache->CommitBatch(std::move(handles), (r.h.flags & w::kFlagDurable) != 0);
+    for (size_t j = 0; j < committed.size(); ++j) {
+      results[slot[j]].code = committed[j].status().code();
+      if (committed[j].ok()) results[slot[j]].version = *committed[j];
     }
     auto payload = std::make_shared<std::string>(w::EncodeBatchPutResults(results));
     std::vector<std::string> keys;
@@ -258,7 +274,7 @@ void Server::Impl::HandleMultiPut(const Req& r, std::unique_ptr<Incoming> msg) {
 }
 
 void Server::Impl::HandleStats(const Req& r) {
-  executors->Submit([this, r] {
+  SubmitRequestWork(r, [this, r] {
     auto payload = std::make_shared<std::string>(
         RenderStatsJson(self.id, cache->GetStats(), counters,
                         replica_cache ? replica_cache->GetStats() : CacheStats{}));

@@ -27,8 +27,11 @@ void Server::Impl::CallPeer(int node, w::Opcode op, std::string body,
   auto conn = PeerConn(node);
   if (!conn.ok()) return done(conn.status(), {});
   const uint64_t id = next_peer_call++;
-  peer_calls[id] = PeerCall{node, *conn, Clock::now() + std::chrono::milliseconds(500), done};
-  transport->Send(*conn, w::kAmRequest, w::EncodeMessage({op, 0, id}, body),
+  constexpr auto kPeerCallBudget = std::chrono::milliseconds(500);
+  peer_calls[id] = PeerCall{node, *conn, Clock::now() + kPeerCallBudget, done};
+  // The budget travels too: a replica drops an install that arrives after the caller gave up.
+  transport->Send(*conn, w::kAmRequest,
+                  w::EncodeMessage({op, 0, id, static_cast<uint32_t>(kPeerCallBudget.count())}, body),
                   payload ? payload->data() : nullptr, payload ? payload->size() : 0,
                   MemoryKind::kHost, [this, id, payload](Status s) {
                     if (s.ok() || s.code() == StatusCode::kAborted) return;
@@ -89,7 +92,7 @@ void Server::Impl::OnPeerDisconnect(ConnId conn) {
   if (peer_conn[node] == conn) peer_conn[node] = 0;
   std::vector<uint64_t> failed;
   for (auto& [id, call] : peer_calls) {
-    if (call.node == node) failed.push_back(id);
+    if (call.conn == conn) failed.push_back(id);  // not calls already on a newer connection
   }
   for (uint64_t id : failed) {
     auto cb = std::move(peer_calls[id].done);

@@ -183,9 +183,10 @@ void Server::Impl::HandleReplicaPut(const Req& r, std::string_view body,
   }
   if (!s.ok()) return ReplyStatus(r, s);
   auto buf = std::make_shared<std::string>(put.size, '\0');
-  transport->Receive(
-      std::move(msg), buf->data(), MemoryKind::kHost, [this, r, put, version, buf](Status rs) {
+  ReceivePayload(
+      r.conn, std::move(msg), buf->data(), MemoryKind::kHost, [this, r, put, version, buf](Status rs) {
         if (!rs.ok()) return ReplyStatus(r, rs);
+        if (r.Expired()) return ReplyStatus(r, DeadlinePassed());  // its floor may be gone
         if (CoveredByFloor(put.key, version)) {
           return ReplyStatus(r, Status::OK());  // already invalidated
         }

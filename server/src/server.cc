@@ -23,17 +23,14 @@ void Server::Impl::Reply(const Req& r, const Status& status, std::string body, c
     }
   }
   counters.bytes_out.fetch_add(size, std::memory_order_relaxed);
-  std::shared_ptr<bool> sent;
-  if (size > 0) {
-    sent = std::make_shared<bool>(false);
-    conn_load[r.conn].sends.emplace_back(Clock::now() + options.send_timeout, sent);
-  }
+  std::shared_ptr<bool> sent = size > 0 ? TrackTransfer(r.conn) : nullptr;
   transport->Send(
       r.conn, w::kAmReply, w::EncodeMessage({r.h.opcode, 0, r.h.request_id}, body), payload, size,
       kind, [this, r, sent, after = std::move(after)](Status s) {
         if (!s.ok()) GKV_LOG_DEBUG("reply send failed: {}", s.ToString());
         if (after) after();
-        Release(r, sent);
+        if (sent) TransferDone(r.conn, sent);
+        Release(r);
         counters.RecordLatency(
             r.h.opcode,
             std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - r.start).count());
@@ -41,7 +38,41 @@ void Server::Impl::Reply(const Req& r, const Status& status, std::string body, c
       });
 }
 
+std::shared_ptr<bool> Server::Impl::TrackTransfer(ConnId conn) {
+  auto it = conn_load.find(conn);
+  if (it == conn_load.end()) return nullptr;  // the connection is gone: nothing to watch
+  auto done = std::make_shared<bool>(false);
+  it->second.transfers.emplace_back(Clock::now() + options.send_timeout, done);
+  return done;
+}
+
+void Server::Impl::TransferDone(ConnId conn, const std::shared_ptr<bool>& done) {
+  *done = true;
+  auto it = conn_load.find(conn);
+  if (it == conn_load.end()) return;
+  auto& q = it->second.transfers;
+  while (!q.empty() && *q.front().second) q.pop_front();
+}
+
+void Server::Impl::ReceivePayload(ConnId conn, std::unique_ptr<Incoming> msg, void* dst,
+                                  MemoryKind kind, std::function<void(Status)> done) {
+  std::shared_ptr<bool> flag = msg->payload_is_rendezvous() ? TrackTransfer(conn) : nullptr;
+  transport->Receive(std::move(msg), dst, kind,
+                     [this, conn, flag, done = std::move(done)](Status s) {
+                       if (flag) TransferDone(conn, flag);
+                       done(s);
+                     });
+}
+
+void Server::Impl::ForgetConnection(ConnId conn) {
+  authenticated.erase(conn);
+  peer_node_of_conn.erase(conn);
+  conn_load.erase(conn);
+}
+
 Status Server::Impl::Admit(Req* r, uint64_t charge) {
+  // A message handled after its connection went: nothing to track it against.
+  if (!transport->IsOpen(r->conn)) return Status::Unavailable("connection closed");
   ConnLoad& load = conn_load[r->conn];
   if (load.requests >= options.max_conn_requests) {
     return Status::Busy("connection has " + std::to_string(load.requests) +
@@ -62,31 +93,28 @@ Status Server::Impl::Admit(Req* r, uint64_t charge) {
   return Status::OK();
 }
 
-void Server::Impl::Release(const Req& r, const std::shared_ptr<bool>& sent) {
+void Server::Impl::Release(const Req& r) {
   inflight_bytes -= r.charged;
   auto it = conn_load.find(r.conn);
-  if (it == conn_load.end()) return;  // the connection is gone
+  if (it == conn_load.end()) return;  // the connection is gone (and its load with it)
   ConnLoad& load = it->second;
   if (r.admitted) {
     load.requests--;
     load.bytes -= r.charged;
-  }
-  if (sent) {
-    *sent = true;
-    while (!load.sends.empty() && *load.sends.front().second) load.sends.pop_front();
   }
 }
 
 void Server::Impl::CloseStuckConnections(Clock::time_point now) {
   std::vector<ConnId> stuck;
   for (auto& [conn, load] : conn_load) {
-    if (!load.sends.empty() && load.sends.front().first < now) stuck.push_back(conn);
+    if (!load.transfers.empty() && load.transfers.front().first < now) stuck.push_back(conn);
   }
   for (ConnId conn : stuck) {
-    GKV_LOG_WARN("connection {} has not taken a reply for {} ms; closing it", conn,
+    GKV_LOG_WARN("connection {} has not completed a transfer for {} ms; closing it", conn,
                  options.send_timeout.count());
     counters.stuck_connections_closed.fetch_add(1, std::memory_order_relaxed);
-    conn_load[conn].sends.clear();
+    // Closing completes its transfers with errors: pins and reservations go.
+    ForgetConnection(conn);
     transport->Close(conn, /*force=*/true);
   }
 }
@@ -121,8 +149,8 @@ void Server::Impl::ReadPayloadThen(
   }
   // Bounded by admission (the payload is charged against the in-flight limits).
   auto buf = std::make_shared<PayloadBuffer>(msg->payload_size());
-  transport->Receive(
-      std::move(msg), buf->data(), MemoryKind::kHost,
+  ReceivePayload(
+      r.conn, std::move(msg), buf->data(), MemoryKind::kHost,
       [this, r, buf, next = std::move(next)](Status s) {
         executors->Submit([r, s, buf, next] { next(r.Expired() ? DeadlinePassed() : s, buf); });
       });
@@ -148,7 +176,10 @@ void Server::Impl::OnMessage(std::unique_ptr<Incoming> msg) {
   counters.ops[static_cast<int>(r.h.opcode)].fetch_add(1, std::memory_order_relaxed);
   counters.bytes_in.fetch_add(msg->payload_size(), std::memory_order_relaxed);
   if (r.h.opcode == w::Opcode::kPeerHello) return AuthenticatePeer(r, body);
-  if (!options.cluster.secret.empty() && !authenticated[r.conn]) return Authenticate(r, body);
+  if (!options.cluster.secret.empty()) {
+    auto auth = authenticated.find(r.conn);
+    if (auth == authenticated.end() || !auth->second) return Authenticate(r, body);
+  }
   if (stopping.load(std::memory_order_acquire)) {
     return ReplyStatus(r, Status::Unavailable("node is shutting down"));
   }
@@ -164,6 +195,7 @@ void Server::Impl::OnMessage(std::unique_ptr<Incoming> msg) {
     case w::Opcode::kStat:
     case w::Opcode::kMultiGet:
     case w::Opcode::kMultiPut:
+    case w::Opcode::kStats:
     case w::Opcode::kReplicaPut: {
       // Refused here, before anything is reserved or allocated (an unreceived payload is
       // released when `msg` goes).
@@ -236,7 +268,7 @@ void Server::Impl::AuthenticatePeer(const Req& r, std::string_view body) {
   const ConnId conn = r.conn;
   Status denied = Status::PermissionDenied("not a node of this cluster");
   Reply(r, denied, w::EncodeStatusReply(denied), nullptr, 0, MemoryKind::kHost, [this, conn] {
-    authenticated.erase(conn);
+    ForgetConnection(conn);
     transport->Close(conn, /*force=*/false);
   });
 }
@@ -255,7 +287,7 @@ void Server::Impl::Authenticate(const Req& r, std::string_view body) {
   Reply(r, Status::PermissionDenied("this cluster requires its secret (HELLO) first"),
         w::EncodeStatusReply(Status::PermissionDenied("this cluster requires its secret")), nullptr,
         0, MemoryKind::kHost, [this, conn] {
-          authenticated.erase(conn);
+          ForgetConnection(conn);
           transport->Close(conn, /*force=*/false);
         });
 }
@@ -365,9 +397,7 @@ Result<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
     raw->counters.connections_accepted.fetch_add(1, std::memory_order_relaxed);
   };
   handlers.on_disconnect = [raw](ConnId id, const Status& s) {
-    raw->authenticated.erase(id);
-    raw->peer_node_of_conn.erase(id);
-    raw->conn_load.erase(id);
+    raw->ForgetConnection(id);
     raw->OnPeerDisconnect(id);
     GKV_LOG_DEBUG("client connection {} closed: {}", id, s.ToString());
   };
@@ -375,7 +405,13 @@ Result<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
   auto transport = UcxTransport::Create(topts, std::move(handlers));
   if (!transport.ok()) return transport.status();
   impl->transport = std::move(*transport);
-  if (options.metrics_port) GKV_RETURN_IF_ERROR(impl->StartMetrics());
+  if (options.metrics_port) {
+    Status ms = impl->StartMetrics();
+    if (!ms.ok()) {
+      impl->transport->Stop();  // its thread calls into impl, which is about to go
+      return ms;
+    }
+  }
   const Impl& I = *impl;
   auto tier = [&](Tier t) {
     return I.cache->tier_enabled(t) ? FormatSize(I.cache->tier_capacity(t)) : std::string("off");

@@ -128,9 +128,10 @@ struct Server::Impl {
   struct ConnLoad {
     uint32_t requests = 0;
     uint64_t bytes = 0;
-    // Replies with a payload, oldest first, each with its send deadline and a done flag; done
-    // ones are popped from the front, so a hung peer leaves its oldest one at the front.
-    std::deque<std::pair<Clock::time_point, std::shared_ptr<bool>>> sends;
+    // Payload transfers the peer must complete (reply payloads going out, rendezvous request
+    // payloads coming in), oldest first, each with its deadline and a done flag; done ones are
+    // popped from the front, so a hung or stalled peer leaves its oldest one at the front.
+    std::deque<std::pair<Clock::time_point, std::shared_ptr<bool>>> transfers;
   };
   std::unordered_map<ConnId, ConnLoad> conn_load;
   uint64_t inflight_bytes = 0;
@@ -151,7 +152,18 @@ struct Server::Impl {
   Status Admit(Req* r, uint64_t charge);
 
   // The reply to `r` is sent (or failed): its share of the limits goes back.
-  void Release(const Req& r, const std::shared_ptr<bool>& sent);
+  void Release(const Req& r);
+
+  // Transfers watched against send_timeout (see ConnLoad::transfers). TrackTransfer returns
+  // null when the connection is gone.
+  std::shared_ptr<bool> TrackTransfer(ConnId conn);
+  void TransferDone(ConnId conn, const std::shared_ptr<bool>& done);
+  // Receives a request's payload, watched like a reply's payload: a sender that stalls
+  // mid-transfer is disconnected after send_timeout, which releases what it held.
+  void ReceivePayload(ConnId conn, std::unique_ptr<Incoming> msg, void* dst, MemoryKind kind,
+                      std::function<void(Status)> done);
+  // Drops every per-connection table entry (on disconnect, and when this node closes it).
+  void ForgetConnection(ConnId conn);
 
   // I/O thread, a few times a second: a connection whose oldest reply payload has not been
   // taken within send_timeout is closed, which completes its sends and releases their pins.

@@ -93,8 +93,9 @@ Status DecodeMessage(const void* data, size_t size, Header* h, std::string_view*
   ByteReader r(data, size);
   uint32_t magic = 0, body_len = 0;
   uint8_t version = 0, opcode = 0;
-  if (!r.U32(&magic) || !r.U8(&version) || !r.U8(&opcode) || !r.U16(&h->flags) ||
-      !r.U64(&h->request_id) || !r.U32(&body_len) || !r.U32(&h->budget_ms)) {
+  // Magic and version first: a message of another version (whose header may be shorter) is
+  // refused by name.
+  if (!r.U32(&magic) || !r.U8(&version)) {
     return Status::ProtocolError("message shorter than the 24-byte header");
   }
   if (magic != kMagic) return Status::ProtocolError("bad magic: not a gkv message");
@@ -102,6 +103,10 @@ Status DecodeMessage(const void* data, size_t size, Header* h, std::string_view*
     return Status::ProtocolError("protocol version " + std::to_string(version) +
                                  " is not supported (this side speaks " +
                                  std::to_string(kVersion) + ")");
+  }
+  if (!r.U8(&opcode) || !r.U16(&h->flags) || !r.U64(&h->request_id) || !r.U32(&body_len) ||
+      !r.U32(&h->budget_ms)) {
+    return Status::ProtocolError("message shorter than the 24-byte header");
   }
   if (opcode < static_cast<uint8_t>(Opcode::kPing) ||
       opcode > static_cast<uint8_t>(Opcode::kPeerHello)) {

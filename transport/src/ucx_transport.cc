@@ -129,10 +129,12 @@ struct UcxTransport::Impl {
     std::unique_ptr<ErrorArg> err_arg;
   };
   std::vector<Closing> closing;
+  std::vector<std::unique_ptr<ErrorArg>> retired_at_shutdown;  // freed after the worker
 
   ~Impl() {
     if (listener) ucp_listener_destroy(listener);
     if (worker) ucp_worker_destroy(worker);
+    retired_at_shutdown.clear();
     if (context) ucp_cleanup(context);
     if (epoll_fd >= 0) close(epoll_fd);
     if (event_fd >= 0) close(event_fd);
@@ -416,6 +418,8 @@ struct UcxTransport::Impl {
     for (Closing& c : closing) {
       ucp_request_cancel(worker, c.request);
       ucp_request_free(c.request);
+      // UCX may still call the endpoint's error handler until the worker is destroyed.
+      retired_at_shutdown.push_back(std::move(c.err_arg));
     }
     closing.clear();
     RunDeferred();
