@@ -36,6 +36,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
             if (DecodePutRequest(body, &put).ok()) (void)put.tensor.Validate(put.size);
             break;
           case Opcode::kGet:
+            if (h.flags & kFlagReplicaRead) {
+              (void)DecodeReplicaGet(body, &key, &version);
+            } else {
+              (void)DecodeKeyRequest(body, &key);
+            }
+            break;
           case Opcode::kDelete:
           case Opcode::kStat:
             (void)DecodeKeyRequest(body, &key);
@@ -43,6 +49,18 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
           case Opcode::kHello:
             (void)DecodeHello(body, &key);
             break;
+          case Opcode::kReplicaPut:
+            if (DecodeReplicaPut(body, &put, &version).ok()) (void)put.tensor.Validate(put.size);
+            break;
+          case Opcode::kInvalidate:
+            (void)DecodeInvalidate(body, &key, &version);
+            break;
+          case Opcode::kPeerHello: {
+            // Decoded before any authentication: the most exposed decoder.
+            std::string secret;
+            (void)DecodePeerHello(body, &key, &secret);
+            break;
+          }
           default:
             break;
         }
