@@ -145,6 +145,11 @@ class Cluster {
 
   uint16_t metrics_port(int i) const { return metrics_ports_[i]; }
 
+  // Sends `sig` without waiting (SIGSTOP / SIGCONT a node to make it hang, then recover).
+  void Signal(int i, int sig) {
+    if (pids_[i] > 0) kill(pids_[i], sig);
+  }
+
   void WaitReady() {
     ClientOptions o;
     o.cluster_file = cluster_file_;

@@ -292,6 +292,51 @@ TEST(GuaranteesTest, ReplicationMessagesAreRefusedFromClients) {
   EXPECT_EQ(got->view(), "v1");
 }
 
+// Issue 12 item 12: while the primary waits for replicas to confirm an INVALIDATE, "OK" replies
+// forged on a client connection (any request id) must not count: the write is acknowledged only
+// after the hint lifetime has passed, as for replicas that do not answer.
+TEST(GuaranteesTest, ForgedRepliesCannotConfirmAPendingInvalidate) {
+  NodeSpec spec;
+  // Copies must still exist when the write comes (no cooling during the test).
+  spec.extra_args = {"--replicate-hot", "5", "--replicate-cool", "0.01"};
+  Cluster cluster(3, spec);
+  auto client = cluster.NewClient(std::chrono::seconds(10));
+  ASSERT_TRUE(client);
+  const std::string key = KeyOn(*client, 0);
+  ASSERT_TRUE(client->Put(key, "v1", 2).ok());
+  bool copied = false;
+  for (int i = 0; i < 5000 && !copied; ++i) {
+    ASSERT_TRUE(client->Get(key).ok());
+    if (i % 100 == 99) copied = StatsCounter(*client, 0, "replicas_created") > 0;
+  }
+  ASSERT_TRUE(copied) << cluster.ReadLog(0);
+  // The replicas hang: their INVALIDATEs stay unanswered.
+  cluster.Signal(1, SIGSTOP);
+  cluster.Signal(2, SIGSTOP);
+  RawConnection forger(client->cluster().nodes[0].port);
+  std::atomic<bool> writing{true};
+  std::thread forge([&] {
+    while (writing.load()) {
+      for (uint64_t id = 0; id < 256; ++id) {
+        forger.Send(wire::Opcode::kInvalidate, wire::EncodeStatusReply(Status::OK()), id, "",
+                    wire::kAmReply);
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  });
+  const auto t0 = Clock::now();
+  auto put = client->Put(key, "v2", 2);
+  const auto took = Clock::now() - t0;
+  writing = false;
+  forge.join();
+  cluster.Signal(1, SIGCONT);
+  cluster.Signal(2, SIGCONT);
+  ASSERT_TRUE(put.ok()) << put.status().ToString();
+  EXPECT_GE(took, std::chrono::milliseconds(1200))
+      << "acknowledged after " << std::chrono::duration_cast<std::chrono::milliseconds>(took).count()
+      << " ms: a forged reply confirmed the invalidation\n" << cluster.ReadLog(0);
+}
+
 // Issue 12 item 2: a value over the node's limit is refused before anything is reserved.
 TEST(GuaranteesTest, OversizeValuesAreRefusedWithInvalidArgument) {
   NodeSpec spec;
