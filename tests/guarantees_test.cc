@@ -214,9 +214,17 @@ class RawConnection {
 
   bool disconnected() const { return disconnected_.load(); }
 
-  // Stops this side's worker for `d`: a peer that stalls in the middle of a transfer.
-  void BlockWorker(std::chrono::milliseconds d) {
-    transport_->Post([d] { std::this_thread::sleep_for(d); });
+  // Sends a request and, in the same step of the worker, stops the worker for `d`: the request
+  // header has gone out, its rendezvous payload cannot follow (a peer stalled mid-transfer).
+  void SendThenStall(wire::Opcode op, std::string body, uint64_t id, std::string payload,
+                     std::chrono::milliseconds d) {
+    auto keep = std::make_shared<std::string>(std::move(payload));
+    std::string header = wire::EncodeMessage({op, 0, id}, body);
+    transport_->Post([this, header, keep, d] {
+      transport_->Send(conn_, wire::kAmRequest, header, keep->data(), keep->size(),
+                       MemoryKind::kHost, [keep](Status) {});
+      std::this_thread::sleep_for(d);
+    });
   }
 
   ~RawConnection() {
@@ -511,9 +519,8 @@ TEST(GuaranteesTest, AStalledSenderIsDisconnectedAndReleasesItsReservation) {
   RawConnection raw(client->cluster().nodes[0].port);
   raw.Send(wire::Opcode::kPing, "", 100);
   ASSERT_EQ(raw.WaitReply(100), StatusCode::kOk);
-  raw.Send(wire::Opcode::kPut, wire::EncodePutRequest({"stalled", {}, 8u << 20}), 1,
-           std::string(8 << 20, 'z'));
-  raw.BlockWorker(std::chrono::milliseconds(3000));
+  raw.SendThenStall(wire::Opcode::kPut, wire::EncodePutRequest({"stalled", {}, 8u << 20}), 1,
+                    std::string(8 << 20, 'z'), std::chrono::milliseconds(3000));
   std::this_thread::sleep_for(std::chrono::milliseconds(1000));  // past the 300 ms timeout
   std::string v(1 << 20, 'o');
   auto r = client->Put("other", v.data(), v.size());
