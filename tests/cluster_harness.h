@@ -64,6 +64,14 @@ struct NodeSpec {
   bool metrics = false;  // give each node a free --metrics-port
 };
 
+// The first key of the form key-SALT-N that `client` places on `node`.
+inline std::string KeyOn(Client& client, int node, int salt = 0) {
+  for (int i = 0;; ++i) {
+    std::string k = "key-" + std::to_string(salt) + "-" + std::to_string(i);
+    if (client.NodeFor(k) == node) return k;
+  }
+}
+
 class Cluster {
  public:
   // Writes the cluster file and starts `n` nodes; waits until each answers a ping.

@@ -23,12 +23,7 @@ using testing::Cluster;
 using testing::NodeSpec;
 using Clock = std::chrono::steady_clock;
 
-std::string KeyOn(Client& c, int node, int salt = 0) {
-  for (int i = 0;; ++i) {
-    std::string k = "key-" + std::to_string(salt) + "-" + std::to_string(i);
-    if (c.NodeFor(k) == node) return k;
-  }
-}
+using testing::KeyOn;
 
 TEST(FailureTest, FailOpenTurnsADeadNodeIntoAMiss) {
   Cluster cluster(3);
