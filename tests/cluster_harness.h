@@ -59,9 +59,9 @@ struct NodeSpec {
   bool disk = true;
   int threads = 2;  // --threads (executors)
   std::vector<std::string> extra_args;
-  std::string secret;    // written to the cluster file when set
+  std::string secret;       // written to the cluster file when set
   std::string peer_secret;  // likewise
-  bool metrics = false;  // give each node a free --metrics-port
+  bool metrics = false;     // give each node a free --metrics-port
 };
 
 // The first key of the form key-SALT-N that `client` places on `node`.
@@ -103,9 +103,15 @@ class Cluster {
 
   // Call from the test's main thread: the node is killed when the thread that forked it ends.
   void StartNode(int i) {
-    std::vector<std::string> args = {
-        GKV_SERVER_BIN, "--cluster",    cluster_file_, "--node", "n" + std::to_string(i),
-        "--host-mem",   spec_.host_mem, "--threads",   std::to_string(spec_.threads)};
+    std::vector<std::string> args = {GKV_SERVER_BIN,
+                                     "--cluster",
+                                     cluster_file_,
+                                     "--node",
+                                     "n" + std::to_string(i),
+                                     "--host-mem",
+                                     spec_.host_mem,
+                                     "--threads",
+                                     std::to_string(spec_.threads)};
     if (spec_.disk) {
       args.insert(args.end(), {"--disk", disk_dir(i), "--disk-capacity", spec_.disk_capacity});
     }

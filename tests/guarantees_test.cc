@@ -336,8 +336,10 @@ TEST(GuaranteesTest, ForgedRepliesCannotConfirmAPendingInvalidate) {
   cluster.Signal(2, SIGCONT);
   ASSERT_TRUE(put.ok()) << put.status().ToString();
   EXPECT_GE(took, std::chrono::milliseconds(1200))
-      << "acknowledged after " << std::chrono::duration_cast<std::chrono::milliseconds>(took).count()
-      << " ms: a forged reply confirmed the invalidation\n" << cluster.ReadLog(0);
+      << "acknowledged after "
+      << std::chrono::duration_cast<std::chrono::milliseconds>(took).count()
+      << " ms: a forged reply confirmed the invalidation\n"
+      << cluster.ReadLog(0);
 }
 
 // Issue 12 item 2: a value over the node's limit is refused before anything is reserved.

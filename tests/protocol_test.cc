@@ -8,8 +8,7 @@ namespace gkv::wire {
 namespace {
 
 TEST(ProtocolTest, HeaderRoundTripAndFixedLayout) {
-  std::string m =
-      EncodeMessage({Opcode::kGet, kFlagDurable, 0x1122334455667788ULL, 1500}, "body");
+  std::string m = EncodeMessage({Opcode::kGet, kFlagDurable, 0x1122334455667788ULL, 1500}, "body");
   ASSERT_EQ(m.size(), kFixedHeaderSize + 4);
   // Little-endian magic "GKV1" first.
   EXPECT_EQ(m.substr(0, 4), "GKV1");

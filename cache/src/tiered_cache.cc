@@ -91,7 +91,7 @@ struct TieredCache::Impl {
   std::atomic<uint64_t> version_limit{UINT64_MAX};
   std::mutex mark_mu;  // serializes extensions of the mark
 
-  mutable std::mutex mu;  // placement lock
+  mutable std::mutex mu;                   // placement lock
   std::condition_variable writeback_done;  // with mu: some Entry::writebacks went down
   TierState tiers[kTierCount];
   CacheStats counters;             // guarded by mu (tiers[] fields filled in GetStats)

@@ -776,7 +776,9 @@ std::vector<Result<uint64_t>> Client::MultiPut(const std::vector<PutItem>& items
   // node (a zero-filled stand-in must never be stored, and no node's success may hide the error).
   std::vector<std::unique_ptr<std::byte[]>> staged(items.size());
   for (size_t i = 0; i < items.size(); ++i) {
-    if (batch->failed_here[i] || items[i].size == 0 || Resolve(o.memory, items[i].data) != MemoryKind::kDevice) continue;
+    if (batch->failed_here[i] || items[i].size == 0 ||
+        Resolve(o.memory, items[i].data) != MemoryKind::kDevice)
+      continue;
     staged[i].reset(new std::byte[items[i].size]);
     Status s = CudaCopySync(staged[i].get(), items[i].data, items[i].size);
     if (!s.ok()) {

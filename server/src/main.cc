@@ -18,10 +18,9 @@
 
 int main(int argc, char** argv) {
   CLI::App app{"gkv-server: one node of a gkv GPU key-value and tensor cache"};
-  std::string cluster_file, node_id, gpu_mem = "0", host_mem = "1GiB", disk_dir,
-                                     disk_capacity = "16GiB", log_level = "info", listen,
-                                     max_value_size = "2GiB", max_inflight = "1GiB",
-                                     max_conn_inflight = "256MiB";
+  std::string cluster_file, node_id,
+      gpu_mem = "0", host_mem = "1GiB", disk_dir, disk_capacity = "16GiB", log_level = "info",
+      listen, max_value_size = "2GiB", max_inflight = "1GiB", max_conn_inflight = "256MiB";
   uint32_t max_conn_requests = 1024;
   size_t max_queued = 4096;
   int64_t send_timeout_ms = 30000;

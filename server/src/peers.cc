@@ -30,17 +30,18 @@ void Server::Impl::CallPeer(int node, w::Opcode op, std::string body,
   constexpr auto kPeerCallBudget = std::chrono::milliseconds(500);
   peer_calls[id] = PeerCall{node, *conn, Clock::now() + kPeerCallBudget, done};
   // The budget travels too: a replica drops an install that arrives after the caller gave up.
-  transport->Send(*conn, w::kAmRequest,
-                  w::EncodeMessage({op, 0, id, static_cast<uint32_t>(kPeerCallBudget.count())}, body),
-                  payload ? payload->data() : nullptr, payload ? payload->size() : 0,
-                  MemoryKind::kHost, [this, id, payload](Status s) {
-                    if (s.ok() || s.code() == StatusCode::kAborted) return;
-                    auto it = peer_calls.find(id);
-                    if (it == peer_calls.end()) return;
-                    auto cb = std::move(it->second.done);
-                    peer_calls.erase(it);
-                    cb(s, {});
-                  });
+  transport->Send(
+      *conn, w::kAmRequest,
+      w::EncodeMessage({op, 0, id, static_cast<uint32_t>(kPeerCallBudget.count())}, body),
+      payload ? payload->data() : nullptr, payload ? payload->size() : 0, MemoryKind::kHost,
+      [this, id, payload](Status s) {
+        if (s.ok() || s.code() == StatusCode::kAborted) return;
+        auto it = peer_calls.find(id);
+        if (it == peer_calls.end()) return;
+        auto cb = std::move(it->second.done);
+        peer_calls.erase(it);
+        cb(s, {});
+      });
 }
 
 void Server::Impl::OnPeerReply(std::unique_ptr<Incoming> msg) {

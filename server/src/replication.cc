@@ -183,23 +183,24 @@ void Server::Impl::HandleReplicaPut(const Req& r, std::string_view body,
   }
   if (!s.ok()) return ReplyStatus(r, s);
   auto buf = std::make_shared<std::string>(put.size, '\0');
-  ReceivePayload(
-      r.conn, std::move(msg), buf->data(), MemoryKind::kHost, [this, r, put, version, buf](Status rs) {
-        if (!rs.ok()) return ReplyStatus(r, rs);
-        if (r.Expired()) return ReplyStatus(r, DeadlinePassed());  // its floor may be gone
-        if (CoveredByFloor(put.key, version)) {
-          return ReplyStatus(r, Status::OK());  // already invalidated
-        }
-        executors->Submit([this, r, put, version, buf] {
-          auto p =
-              replica_cache->Put(ReplicaKey(put.key, version), buf->data(), put.size, put.tensor);
-          Status ps = p.status();
-          PostReply([this, r, put, version, ps] {
-            if (ps.ok()) InstallReplica(put.key, version);
-            ReplyStatus(r, ps);
-          });
-        });
-      });
+  ReceivePayload(r.conn, std::move(msg), buf->data(), MemoryKind::kHost,
+                 [this, r, put, version, buf](Status rs) {
+                   if (!rs.ok()) return ReplyStatus(r, rs);
+                   if (r.Expired())
+                     return ReplyStatus(r, DeadlinePassed());  // its floor may be gone
+                   if (CoveredByFloor(put.key, version)) {
+                     return ReplyStatus(r, Status::OK());  // already invalidated
+                   }
+                   executors->Submit([this, r, put, version, buf] {
+                     auto p = replica_cache->Put(ReplicaKey(put.key, version), buf->data(),
+                                                 put.size, put.tensor);
+                     Status ps = p.status();
+                     PostReply([this, r, put, version, ps] {
+                       if (ps.ok()) InstallReplica(put.key, version);
+                       ReplyStatus(r, ps);
+                     });
+                   });
+                 });
 }
 
 void Server::Impl::InstallReplica(const std::string& key, uint64_t version) {

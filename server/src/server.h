@@ -55,10 +55,10 @@ struct ServerOptions {
   // space held for bytes still trickling in, nor grow the node's queues without bound.
   // Bytes counted: payloads a request brings (put, batch, replica copy: space is held for them
   // from the request's arrival until its reply is sent).
-  uint64_t max_inflight_bytes = 1ull << 30;       // the whole node
+  uint64_t max_inflight_bytes = 1ull << 30;         // the whole node
   uint64_t max_conn_inflight_bytes = 256ull << 20;  // one connection
-  uint32_t max_conn_requests = 1024;              // requests in flight on one connection
-  size_t max_queued_tasks = 4096;                 // executor queue
+  uint32_t max_conn_requests = 1024;                // requests in flight on one connection
+  size_t max_queued_tasks = 4096;                   // executor queue
   // A reply whose payload the peer has not taken within this long (a hung client keeping the
   // entry pinned) closes that connection, which releases every pin it held.
   std::chrono::milliseconds send_timeout{30000};

@@ -63,8 +63,7 @@ std::string RenderStatsJson(const std::string& node_id, const CacheStats& st,
   j += ",\"bytes_out\":" + std::to_string(counters.bytes_out.load());
   j += ",\"protocol_errors\":" + std::to_string(counters.protocol_errors.load());
   j += ",\"auth_failures\":" + std::to_string(counters.auth_failures.load());
-  j += ",\"stuck_connections_closed\":" +
-       std::to_string(counters.stuck_connections_closed.load());
+  j += ",\"stuck_connections_closed\":" + std::to_string(counters.stuck_connections_closed.load());
   j += ",\"connections_accepted\":" + std::to_string(counters.connections_accepted.load());
   j += ",\"ops\":{";
   for (int op = kFirstOp; op <= kLastOp; ++op) {

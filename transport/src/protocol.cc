@@ -101,8 +101,8 @@ Status DecodeMessage(const void* data, size_t size, Header* h, std::string_view*
   if (magic != kMagic) return Status::ProtocolError("bad magic: not a gkv message");
   if (version != kVersion) {
     return Status::ProtocolError("protocol version " + std::to_string(version) +
-                                 " is not supported (this side speaks " +
-                                 std::to_string(kVersion) + ")");
+                                 " is not supported (this side speaks " + std::to_string(kVersion) +
+                                 ")");
   }
   if (!r.U8(&opcode) || !r.U16(&h->flags) || !r.U64(&h->request_id) || !r.U32(&body_len) ||
       !r.U32(&h->budget_ms)) {

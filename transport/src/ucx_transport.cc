@@ -540,8 +540,8 @@ void UcxTransport::Post(std::function<void()> task) {
 std::string UcxTransport::ucx_version() { return ucp_get_version_string(); }
 
 std::string UcxTransport::Describe() const {
-  return "UCX " + ucx_version() + ", moves CUDA memory: " +
-         (device_memory_supported() ? "yes" : "no");
+  return "UCX " + ucx_version() +
+         ", moves CUDA memory: " + (device_memory_supported() ? "yes" : "no");
 }
 
 bool UcxTransport::device_memory_supported() const { return impl_->cuda_supported; }
