@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <random>
@@ -162,6 +163,27 @@ class Cluster {
   // Sends `sig` without waiting (SIGSTOP / SIGCONT a node to make it hang, then recover).
   void Signal(int i, int sig) {
     if (pids_[i] > 0) kill(pids_[i], sig);
+  }
+
+  // After SIGSTOP: waits (up to 5 s) until every thread of node i is stopped, so the node
+  // certainly answers nothing more. A loaded machine can take a while to stop them all.
+  bool WaitStopped(int i) {
+    const std::string tasks = "/proc/" + std::to_string(pids_[i]) + "/task";
+    for (int attempt = 0; attempt < 500; ++attempt) {
+      bool all = true;
+      for (const auto& t : std::filesystem::directory_iterator(tasks)) {
+        std::ifstream stat(t.path() / "stat");
+        std::string line;
+        std::getline(stat, line);
+        const auto close = line.rfind(')');  // "pid (comm) STATE ..."
+        if (close == std::string::npos || close + 2 >= line.size() || line[close + 2] != 'T') {
+          all = false;
+        }
+      }
+      if (all) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return false;
   }
 
   void WaitReady() {

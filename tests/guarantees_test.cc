@@ -244,12 +244,37 @@ class RawConnection {
   std::map<uint64_t, StatusCode> codes_;
 };
 
-uint64_t StatsCounter(Client& c, int node, const std::string& name) {
+// A counter from node `node`'s stats JSON (docs/STATS.md): the first field `name` after the
+// object opened by `within` (e.g. "\"replication\":{"; empty: from the start). A missing field
+// or unreachable node fails the test (and reads 0), so a misspelt name cannot pass a check.
+uint64_t StatsCounter(Client& c, int node, const std::string& name,
+                      const std::string& within = "") {
   auto stats = c.NodeStats(node);
-  if (!stats.ok()) return ~0ull;
-  auto at = stats->find("\"" + name + "\":");
-  if (at == std::string::npos) return ~0ull;
+  if (!stats.ok()) {
+    ADD_FAILURE() << "stats of node " << node << ": " << stats.status().ToString();
+    return 0;
+  }
+  const size_t from = within.empty() ? 0 : stats->find(within);
+  const size_t at = from == std::string::npos ? from : stats->find("\"" + name + "\":", from);
+  if (at == std::string::npos) {
+    ADD_FAILURE() << "no field " << within << name << " in the stats of node " << node;
+    return 0;
+  }
   return std::stoull(stats->substr(at + name.size() + 3));
+}
+
+uint64_t ReplicationCounter(Client& c, int node, const std::string& name) {
+  return StatsCounter(c, node, name, "\"replication\":{");
+}
+
+// Reads `key` (owned by node 0) until node 0 has made copies of it, at most `max_reads` times;
+// false if a read failed or no copy was made.
+bool ReadUntilCopied(Client& c, const std::string& key, int max_reads) {
+  for (int i = 0; i < max_reads; ++i) {
+    if (!c.Get(key).ok()) return false;
+    if (i % 100 == 99 && ReplicationCounter(c, 0, "created") > 0) return true;
+  }
+  return false;
 }
 
 // Issue 12 item 12: the replication protocol is closed to connections that are not nodes.
@@ -284,12 +309,7 @@ TEST(GuaranteesTest, ReplicationMessagesAreRefusedFromClients) {
               wire::kAmReply);
   }
   // The real nodes still replicate between themselves: the hot key gets copies.
-  bool copied = false;
-  for (int i = 0; i < 3000 && !copied; ++i) {
-    ASSERT_TRUE(client->Get(key).ok());
-    if (i % 200 == 199) copied = StatsCounter(*client, 0, "replicas_created") > 0;
-  }
-  EXPECT_TRUE(copied) << cluster.ReadLog(0);
+  EXPECT_TRUE(ReadUntilCopied(*client, key, 3000)) << cluster.ReadLog(0);
   auto got = client->Get(key);
   ASSERT_TRUE(got.ok());
   EXPECT_EQ(got->view(), "v1");
@@ -307,15 +327,11 @@ TEST(GuaranteesTest, ForgedRepliesCannotConfirmAPendingInvalidate) {
   ASSERT_TRUE(client);
   const std::string key = KeyOn(*client, 0);
   ASSERT_TRUE(client->Put(key, "v1", 2).ok());
-  bool copied = false;
-  for (int i = 0; i < 5000 && !copied; ++i) {
-    ASSERT_TRUE(client->Get(key).ok());
-    if (i % 100 == 99) copied = StatsCounter(*client, 0, "replicas_created") > 0;
-  }
-  ASSERT_TRUE(copied) << cluster.ReadLog(0);
+  ASSERT_TRUE(ReadUntilCopied(*client, key, 5000)) << cluster.ReadLog(0);
   // The replicas hang: their INVALIDATEs stay unanswered.
   cluster.Signal(1, SIGSTOP);
   cluster.Signal(2, SIGSTOP);
+  ASSERT_TRUE(cluster.WaitStopped(1) && cluster.WaitStopped(2));
   RawConnection forger(client->cluster().nodes[0].port);
   std::atomic<bool> writing{true};
   std::thread forge([&] {

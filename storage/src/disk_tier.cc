@@ -213,6 +213,18 @@ void DiskTier::ReleaseLocked(const std::vector<std::string>& keys) {
   key_released_.notify_all();
 }
 
+Status DiskTier::WriteClaimedLocked(std::unique_lock<std::mutex>& lock, void* batch_ptr, bool sync,
+                                    const std::vector<std::string>& claimed, const char* what) {
+  for (const std::string& k : claimed) busy_.insert(k);
+  lock.unlock();
+  rocksdb::WriteOptions wo;
+  wo.sync = sync;
+  rocksdb::Status ws = RocksDbWrite(db_, wo, static_cast<rocksdb::WriteBatch*>(batch_ptr));
+  lock.lock();
+  ReleaseLocked(claimed);
+  return FromRocks(ws, what);
+}
+
 bool DiskTier::ChooseVictimsLocked(const std::vector<std::string_view>& keep, void* batch_ptr,
                                    std::vector<Victim>* victims) {
   auto* batch = static_cast<rocksdb::WriteBatch*>(batch_ptr);
@@ -364,22 +376,16 @@ Status DiskTier::PutBatch(std::vector<DiskWrite>* writes, bool sync,
   std::vector<std::string> claimed;
   for (size_t i : included) claimed.emplace_back((*writes)[i].key);
   for (const Victim& v : victims) claimed.push_back(v.key);
-  for (const std::string& k : claimed) busy_.insert(k);
   const int64_t d_used = static_cast<int64_t>(used_bytes_) - static_cast<int64_t>(used0);
   const int64_t d_durable = static_cast<int64_t>(durable_bytes_) - static_cast<int64_t>(durable0);
   const int64_t d_count = static_cast<int64_t>(object_count_) - static_cast<int64_t>(count0);
-  lock.unlock();
-  rocksdb::WriteOptions wo;
-  wo.sync = sync;
-  rocksdb::Status ws = RocksDbWrite(db_, wo, &batch);
-  lock.lock();
-  ReleaseLocked(claimed);
+  Status ws = WriteClaimedLocked(lock, &batch, sync, claimed, "disk tier write");
   if (!ws.ok()) {
     used_bytes_ -= d_used;
     durable_bytes_ -= d_durable;
     object_count_ -= d_count;
     evict_cursor_ = std::min(evict_cursor_, cursor0);
-    return FromRocks(ws, "disk tier write");
+    return ws;
   }
   for (size_t i : included) (*writes)[i].written = true;
   if (evicted) {
@@ -443,19 +449,12 @@ Status DiskTier::DeleteImpl(std::string_view key, const uint64_t* only_version, 
   used_bytes_ -= bytes;
   if (r.meta.durable) durable_bytes_ -= bytes;
   object_count_--;
-  std::vector<std::string> claimed{std::string(key)};
-  busy_.insert(claimed[0]);
-  lock.unlock();
-  rocksdb::WriteOptions wo;
-  wo.sync = sync;
-  rocksdb::Status ws = RocksDbWrite(db_, wo, &batch);
-  lock.lock();
-  ReleaseLocked(claimed);
+  Status ws = WriteClaimedLocked(lock, &batch, sync, {std::string(key)}, "disk tier delete");
   if (!ws.ok()) {
     used_bytes_ += bytes;
     if (r.meta.durable) durable_bytes_ += bytes;
     object_count_++;
-    return FromRocks(ws, "disk tier delete");
+    return ws;
   }
   return Status::OK();
 }

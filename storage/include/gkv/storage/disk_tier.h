@@ -143,6 +143,11 @@ class DiskTier {
   // Waits until none of `keys` has a write in flight, then marks them. REQUIRES: write_mu_.
   void ClaimLocked(std::unique_lock<std::mutex>& lock, const std::vector<std::string_view>& keys);
   void ReleaseLocked(const std::vector<std::string>& keys);
+  // Writes `batch` (a rocksdb::WriteBatch) with write_mu_ released and the `claimed` keys
+  // marked busy meanwhile (their other writers wait in ClaimLocked), so RocksDB's group commit
+  // can form; returns with the lock held again and the keys released.
+  Status WriteClaimedLocked(std::unique_lock<std::mutex>& lock, void* batch, bool sync,
+                            const std::vector<std::string>& claimed, const char* what);
 
   Options options_;
   uint64_t durable_capacity_;
