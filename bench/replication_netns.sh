@@ -1,20 +1,28 @@
 #!/usr/bin/env bash
-# The effect of adaptive replication when one node's network is the bottleneck.
+# The effect of adaptive replication when each node's network link is the bottleneck.
 #
 # Three gkv nodes, each in its own network namespace (gkvbN) on a bridge, behind a veth pair
-# whose node side is limited by tc (token bucket, RATE, default 400mbit) — so the node holding the hottest keys
-# saturates its link first. gkv-bench runs in the root namespace with --key-dist zipf:1.1, once
-# with replication off and once with it on, and the script prints throughput and the share of
-# reads served by the busiest node for both. Everything it creates (namespaces, veths, tc
-# qdiscs, processes) is removed on exit. Needs root, iproute2 and build/.
-#   bench/replication_netns.sh [SECONDS] [RATE] [HOT_READS_PER_S]
+# whose node side is limited by tc (token bucket, RATE, default 400mbit), so the node holding the
+# hottest keys saturates its link first. gkv-bench runs in the root namespace. Three workloads,
+# each with the nodes' default flags (adaptive replication on, nothing set) and with
+# `--replicate-hot off`:
+#   embeddings  gkv-bench --workload embeddings (zipf 0.99 rows of 512 B in MultiGet batches)
+#   zipf0.99    single gets, 64 KiB values, zipf 0.99 over 1000 keys
+#   zipf1.2     the same at zipf 1.2
+# For each it prints throughput, p99, and the busiest node's share of the rows read (gets, batch
+# rows and reads served by copies, from the nodes' stats), against an even share of 33.3%.
+# Everything it creates (namespaces, veths, tc qdiscs, processes) is removed on exit; processes
+# are stopped by pid. Needs root, iproute2 and build/.
+#   bench/replication_netns.sh [SECONDS] [RATE] [WORKLOADS...]
 # Addresses: 10.77.0.1 (the bridge, where gkv-bench runs) and 10.77.0.11-13 (the nodes): the
 # script's own test hosts.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SECS=${1:-15}
 RATE=${2:-400mbit}
-HOT=${3:-20}   # reads/s that make a key hot
+shift $(( $# > 2 ? 2 : $# ))
+WORKLOADS=("$@")
+[ ${#WORKLOADS[@]} -gt 0 ] || WORKLOADS=(embeddings zipf0.99 zipf1.2)
 N=3
 DIR=$(mktemp -d /tmp/gkv-netns-XXXXXX)
 PIDS=()
@@ -50,9 +58,9 @@ for i in $(seq 0 $((N - 1))); do
   ip netns exec "gkvb$i" tc qdisc add dev "gkvb$i-n" root tbf rate "$RATE" burst 256kb latency 50ms
 done
 
-run() {  # label extra-server-args...
-  local label=$1
-  shift
+run() {  # label workload extra-server-args...
+  local label=$1 workload=$2
+  shift 2
   echo "nodes:" > "$DIR/cluster.yaml"
   for i in $(seq 0 $((N - 1))); do
     echo "  - {id: n$i, address: 10.77.0.$((11 + i)):7000}" >> "$DIR/cluster.yaml"
@@ -68,10 +76,16 @@ run() {  # label extra-server-args...
   for i in $(seq 0 $((N - 1))); do
     for _ in $(seq 1 100); do grep -q "up on" "$DIR/$label-node$i.log" && break; sleep 0.1; done
   done
+  local load=()
+  case $workload in
+    embeddings) load=(--workload embeddings) ;;
+    zipf0.99) load=(--keys 1000 --key-dist zipf:0.99 --value-size 64KiB --ratio 1:0) ;;
+    zipf1.2) load=(--keys 1000 --key-dist zipf:1.2 --value-size 64KiB --ratio 1:0) ;;
+    *) echo "unknown workload $workload" >&2; return 1 ;;
+  esac
   export UCX_NET_DEVICES=gkvb-br
-  build/bin/gkv-bench --cluster "$DIR/cluster.yaml" --threads 2 --connections 4 --keys 1000 \
-    --key-dist zipf:1.1 --value-size 64KiB --ratio 1:0 --duration "$SECS" --warmup 3 \
-    --json "$DIR/$label.json" > "$DIR/$label.bench.log" 2>&1 ||
+  build/bin/gkv-bench --cluster "$DIR/cluster.yaml" --threads 2 --connections 4 "${load[@]}" \
+    --duration "$SECS" --warmup 3 --json "$DIR/$label.json" > "$DIR/$label.bench.log" 2>&1 ||
     { tail -n 20 "$DIR/$label.bench.log" "$DIR/$label"-node*.log >&2; return 1; }
   build/bin/gkv --cluster "$DIR/cluster.yaml" stats --json > "$DIR/$label.stats.json"
   for p in "${PIDS[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
@@ -82,17 +96,22 @@ import json, sys
 label, bench, stats = sys.argv[1:4]
 b = json.load(open(bench))
 nodes = json.load(open(stats))
-gets = {n["node"]: n["ops"]["get"] for n in nodes}
-served = {n["node"]: n.get("replication", {}).get("reads_served", 0) for n in nodes}
-total = sum(gets.values())
-busiest = max(gets, key=gets.get)
-lat = b["latency_us"]["get"]
-print(f"{label:16s} {b['ops_per_s']:10.0f} ops/s {b['gb_per_s']:7.3f} GB/s  p50 {lat['p50']:8.0f} us"
-      f"  p99 {lat['p99']:8.0f} us  busiest {busiest} {100*gets[busiest]/total:5.1f}% of reads"
-      f"  per node {dict(gets)}  served by copies {sum(served.values())}")
+rows = {n["node"]: n["replication"]["rows_read"] for n in nodes}
+served = sum(n["replication"]["reads_served"] for n in nodes)
+copies = sum(n["replication"]["created"] for n in nodes)
+total = sum(rows.values()) or 1
+busiest = max(rows, key=rows.get)
+op = "mget" if "mget" in b["latency_us"] else "get"
+lat = b["latency_us"][op]
+print(f"{label:24s} {b['keys_per_s']:10.0f} rows/s {b['gb_per_s']:7.3f} GB/s  {op} p50 {lat['p50']:8.0f} us"
+      f"  p99 {lat['p99']:8.0f} us  busiest {busiest} {100*rows[busiest]/total:5.1f}% of rows"
+      f" ({3*rows[busiest]/total:4.2f}x even)  copies {copies}  served by copies {served}"
+      f"  errors {sum(b['errors'].values())}")
 PY
 }
 
-echo "3 nodes, node egress limited to $RATE each; gkv-bench zipf:1.1, 64 KiB values, ${SECS}s"
-run replication-off
-run replication-on --replicate-hot "$HOT" --hot-replicas 2
+echo "3 nodes, node egress limited to $RATE each; ${SECS}s per run (+3 s warm-up)"
+for w in "${WORKLOADS[@]}"; do
+  run "$w-default" "$w"
+  run "$w-off" "$w" --replicate-hot off
+done

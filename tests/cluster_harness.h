@@ -73,6 +73,24 @@ inline std::string KeyOn(Client& client, int node, int salt = 0) {
   }
 }
 
+// A number in node `node`'s stats JSON: the first field `name` after `within` (e.g.
+// "\"replication\":{"). A missing field or node fails the test (and reads as 0).
+inline uint64_t StatsCounter(Client& c, int node, const std::string& name,
+                             const std::string& within = "") {
+  auto stats = c.NodeStats(node);
+  if (!stats.ok()) {
+    ADD_FAILURE() << "stats of node " << node << ": " << stats.status().ToString();
+    return 0;
+  }
+  const size_t from = within.empty() ? 0 : stats->find(within);
+  const size_t at = from == std::string::npos ? from : stats->find("\"" + name + "\":", from);
+  if (at == std::string::npos) {
+    ADD_FAILURE() << "no field " << within << name << " in the stats of node " << node;
+    return 0;
+  }
+  return std::stoull(stats->substr(at + name.size() + 3));
+}
+
 class Cluster {
  public:
   // Writes the cluster file and starts `n` nodes; waits until each answers a ping.

@@ -26,6 +26,7 @@ using testing::NodeSpec;
 using Clock = std::chrono::steady_clock;
 
 using testing::KeyOn;
+using testing::StatsCounter;
 
 bool NodeFailure(const Status& s) {
   return s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kTimeout;
@@ -247,22 +248,6 @@ class RawConnection {
 // A counter from node `node`'s stats JSON (docs/STATS.md): the first field `name` after the
 // object opened by `within` (e.g. "\"replication\":{"; empty: from the start). A missing field
 // or unreachable node fails the test (and reads 0), so a misspelt name cannot pass a check.
-uint64_t StatsCounter(Client& c, int node, const std::string& name,
-                      const std::string& within = "") {
-  auto stats = c.NodeStats(node);
-  if (!stats.ok()) {
-    ADD_FAILURE() << "stats of node " << node << ": " << stats.status().ToString();
-    return 0;
-  }
-  const size_t from = within.empty() ? 0 : stats->find(within);
-  const size_t at = from == std::string::npos ? from : stats->find("\"" + name + "\":", from);
-  if (at == std::string::npos) {
-    ADD_FAILURE() << "no field " << within << name << " in the stats of node " << node;
-    return 0;
-  }
-  return std::stoull(stats->substr(at + name.size() + 3));
-}
-
 uint64_t ReplicationCounter(Client& c, int node, const std::string& name) {
   return StatsCounter(c, node, name, "\"replication\":{");
 }
@@ -289,9 +274,9 @@ TEST(GuaranteesTest, ReplicationMessagesAreRefusedFromClients) {
   ASSERT_TRUE(client->Put(key, "v1", 2).ok());
   RawConnection raw(client->cluster().nodes[1].port);
   // As a client: REPLICA_PUT and INVALIDATE are refused, the payload never installed.
-  raw.Send(wire::Opcode::kReplicaPut, wire::EncodeReplicaPut({key, {}, 6}, 99), 1, "forged");
+  raw.Send(wire::Opcode::kReplicaPut, wire::EncodeReplicaPut({key, {}, 6}, 99, 1), 1, "forged");
   EXPECT_EQ(raw.WaitReply(1), StatusCode::kPermissionDenied);
-  raw.Send(wire::Opcode::kInvalidate, wire::EncodeInvalidate(key, 1ull << 60), 2);
+  raw.Send(wire::Opcode::kInvalidate, wire::EncodeInvalidate(key, 1ull << 60, 1ull << 60), 2);
   EXPECT_EQ(raw.WaitReply(2), StatusCode::kPermissionDenied);
   // Claiming to be a node without the peer secret (or as an unknown node) is refused.
   raw.Send(wire::Opcode::kPeerHello, wire::EncodePeerHello("n0", "guess"), 3);

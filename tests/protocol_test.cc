@@ -111,6 +111,56 @@ TEST(ProtocolTest, BatchBlocksRoundTripAndRejectLies) {
   EXPECT_EQ(pb[1].code, StatusCode::kNoSpace);
 }
 
+TEST(ProtocolTest, ReplicationEncodingsRoundTrip) {
+  // Versioned key lists (MGET rows that read copies).
+  std::vector<std::string> keys = {"a", "bb", ""};
+  std::vector<uint64_t> versions = {0, 7, 1ull << 63}, vback;
+  std::vector<std::string> kback;
+  const std::string list = EncodeKeyList(keys, &versions);
+  ASSERT_TRUE(DecodeKeyList(list, &kback, &vback).ok());
+  EXPECT_EQ(kback, keys);
+  EXPECT_EQ(vback, versions);
+  EXPECT_FALSE(DecodeKeyList(list, &kback).ok()) << "unversioned decode of a versioned list";
+  EXPECT_FALSE(DecodeKeyList(list.substr(0, list.size() - 1), &kback, &vback).ok());
+  EXPECT_FALSE(DecodeKeyList(EncodeKeyList(keys), &kback, &vback).ok());
+
+  // MGET rows carry replica hints.
+  std::vector<BatchGetResult> res(3);
+  res[0].meta.size = 2;
+  res[0].hint = {1, 2};
+  res[1].code = StatusCode::kNotFound;
+  res[2].meta.size = 1;
+  const std::string g = EncodeBatchGetBlock(res) + "xyz";
+  std::vector<BatchGetResult> gb;
+  size_t block = 0;
+  ASSERT_TRUE(DecodeBatchGetBlock(g, &gb, &block).ok());
+  EXPECT_EQ(gb[0].hint, (std::vector<uint16_t>{1, 2}));
+  EXPECT_TRUE(gb[2].hint.empty());
+  EXPECT_EQ(g.substr(block), "xyz");
+  // A hint count larger than what follows.
+  std::string cut = EncodeBatchGetBlock({res[0]});
+  EXPECT_FALSE(DecodeBatchGetBlock(cut.substr(0, cut.size() - 1), &gb, &block).ok());
+
+  // Replica puts and invalidations carry the replication attempt.
+  PutRequest put{"key", {}, 9}, pback;
+  uint64_t version = 0, attempt = 0;
+  ASSERT_TRUE(DecodeReplicaPut(EncodeReplicaPut(put, 5, 77), &pback, &version, &attempt).ok());
+  EXPECT_EQ(pback.key, "key");
+  EXPECT_EQ(pback.size, 9u);
+  EXPECT_EQ(version, 5u);
+  EXPECT_EQ(attempt, 77u);
+  std::string key;
+  ASSERT_TRUE(DecodeInvalidate(EncodeInvalidate("k", 3, 4), &key, &version, &attempt).ok());
+  EXPECT_EQ(key, "k");
+  EXPECT_EQ(version, 3u);
+  EXPECT_EQ(attempt, 4u);
+  EXPECT_FALSE(DecodeInvalidate(EncodeReplicaGet("k", 3), &key, &version, &attempt).ok());
+  uint64_t rate = 0;
+  ASSERT_TRUE(DecodeLoadReport(EncodeLoadReport(12345), &rate).ok());
+  EXPECT_EQ(rate, 12345u);
+  EXPECT_FALSE(DecodeLoadReport("1234567", &rate).ok());
+}
+
 // Random bytes and random mutations of valid messages never crash a decoder.
 TEST(ProtocolTest, RandomInputNeverCrashesDecoders) {
   Random rng(testing::TestSeed());

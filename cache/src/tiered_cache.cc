@@ -458,12 +458,13 @@ struct TieredCache::Impl {
   }
 
   bool WouldPromote(const Entry* e, Clock::time_point now) const {
-    return e->reads_in_tier >= 1 && now - e->last_read <= options.promotion_window &&
-           TopMemoryTierFor(e->size) < e->tier;
+    return options.promote_on_read && e->reads_in_tier >= 1 &&
+           now - e->last_read <= options.promotion_window && TopMemoryTierFor(e->size) < e->tier;
   }
 
   bool Admit(Entry* e, Clock::time_point now) {
-    bool promote = e->reads_in_tier >= 1 && now - e->last_read <= options.promotion_window;
+    bool promote = options.promote_on_read && e->reads_in_tier >= 1 &&
+                   now - e->last_read <= options.promotion_window;
     e->reads_in_tier++;
     e->last_read = now;
     return promote;

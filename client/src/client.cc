@@ -311,14 +311,15 @@ struct Client::Impl {
                  MemoryKind dst_kind, Clock::time_point deadline,
                  std::function<void(Result<Value>)> done, uint64_t replica_version = 0,
                  Accept accept = {}) {
-    auto on_reply = [this, key, replica_version, user_dst, capacity, dst_kind, done, accept](
+    const Clock::time_point sent = Clock::now();
+    auto on_reply = [this, key, replica_version, user_dst, capacity, dst_kind, done, accept, sent](
                         const PendingPtr& p, std::unique_ptr<Incoming> msg) {
       w::ObjectMeta meta;
       std::vector<uint16_t> hint;
       Status s = ParseReply(*msg, [&](std::string_view body, w::ReplyStatus* rs) {
         return w::DecodeObjectReply(body, rs, &meta, &hint);
       });
-      if (s.ok() && replica_version == 0) RememberHint(key, meta.version, std::move(hint));
+      if (s.ok() && replica_version == 0) RememberHint(key, meta.version, std::move(hint), sent);
       if (s.ok() && meta.size != msg->payload_size()) {
         s = Status::ProtocolError("reply carries a payload of the wrong size");
       }
@@ -361,32 +362,43 @@ struct Client::Impl {
   }
 
   // --- hot-key hints: which nodes hold a copy of which version (worker thread) ---
+  // A hint is good for kHintTtl from when the request that brought it was sent: the primary
+  // stopped hinting before it began withdrawing the copies and waits kWithdrawWait (1.5 s) for
+  // unconfirmed ones, so no hint outlives a withdrawal, however late its reply arrived.
   static constexpr auto kHintTtl = std::chrono::seconds(1);
+  // A read of a copy gets at most this much of the caller's budget (and at most half of what is
+  // left), so a slow copy leaves the primary time to answer.
+  static constexpr auto kReplicaReadBudget = std::chrono::milliseconds(250);
   struct Hint {
-    std::vector<uint16_t> nodes;
+    std::vector<uint16_t> nodes;  // empty: no copies; the entry only records `version`
     uint64_t version = 0;
     Clock::time_point expires;
   };
   std::unordered_map<std::string, Hint> hints;
   std::mt19937_64 hint_rng{0x9e3779b97f4a7c15ULL};
 
-  void RememberHint(const std::string& key, uint64_t version, std::vector<uint16_t> nodes) {
-    if (nodes.empty()) {
-      hints.erase(key);
-      return;
-    }
-    if (hints.size() > 65536) hints.clear();  // a bounded table of the hot few
+  // Hints only move forward: a reply of an older version than the one a hint (or a newer reply)
+  // recorded never takes its place, so this client never reads v2 and then v1 from a copy.
+  void RememberHint(const std::string& key, uint64_t version, std::vector<uint16_t> nodes,
+                    Clock::time_point sent) {
     for (uint16_t n : nodes) {
       if (n >= cluster.nodes.size()) return;  // a hint from a node with another cluster file
     }
-    hints[key] = Hint{std::move(nodes), version, Clock::now() + kHintTtl};
+    auto it = hints.find(key);
+    if (it != hints.end()) {
+      if (it->second.version > version) return;
+      it->second = Hint{std::move(nodes), version, sent + kHintTtl};
+      return;
+    }
+    if (nodes.empty()) return;  // nothing known of this key: keep the table to the hot few
+    if (hints.size() > 65536) hints.clear();  // bounded
+    hints.emplace(key, Hint{std::move(nodes), version, sent + kHintTtl});
   }
 
-  // Spreads reads of a hinted key over its primary and its copies; a copy that misses or has
-  // gone falls back to the normal path without the caller seeing an error.
-  bool TryReplicaRead(const std::string& key, void* user_dst, size_t capacity, MemoryKind dst_kind,
-                      Clock::time_point deadline, const std::function<void(Result<Value>)>& done,
-                      const std::function<void()>& fallback, const Accept& accept) {
+  // Chooses where to read `key`: its primary (false), or a copy a fresh hint names (true, with
+  // the node and the version to ask for). Reads spread evenly over the primary and the copies.
+  bool PickCopy(const std::string& key, int* node, uint64_t* version) {
+    if (hints.empty()) return false;
     auto it = hints.find(key);
     if (it == hints.end()) return false;
     if (Clock::now() >= it->second.expires) {
@@ -394,19 +406,155 @@ struct Client::Impl {
       return false;
     }
     const Hint& h = it->second;
+    if (h.nodes.empty()) return false;
     const size_t pick = hint_rng() % (h.nodes.size() + 1);
     if (pick == 0) return false;  // the primary's turn
-    const int node = h.nodes[pick - 1];
-    if (IsDown(node)) return false;
+    if (IsDown(h.nodes[pick - 1])) return false;
+    *node = h.nodes[pick - 1];
+    *version = h.version;
+    return true;
+  }
+
+  Clock::time_point ReplicaDeadline(Clock::time_point deadline) const {
+    const auto now = Clock::now();
+    if (deadline <= now) return deadline;
+    return std::min(deadline,
+                    now + std::min<Clock::duration>((deadline - now) / 2, kReplicaReadBudget));
+  }
+
+  // A copy that misses, has gone or is slow falls back to the normal path without the caller
+  // seeing an error.
+  bool TryReplicaRead(const std::string& key, void* user_dst, size_t capacity, MemoryKind dst_kind,
+                      Clock::time_point deadline, const std::function<void(Result<Value>)>& done,
+                      const std::function<void()>& fallback, const Accept& accept) {
+    int node = 0;
+    uint64_t version = 0;
+    if (!PickCopy(key, &node, &version)) return false;
     GetOnNode(
-        node, key, user_dst, capacity, dst_kind, deadline,
+        node, key, user_dst, capacity, dst_kind, ReplicaDeadline(deadline),
         [this, key, done, fallback](Result<Value> r) {
           if (r.ok()) return done(std::move(r));
+          // Not the caller's error: a copy missing or late. A wrong-sized buffer or a refused
+          // value is the caller's, and the primary would say the same.
+          if (r.status().code() == StatusCode::kInvalidArgument) return done(std::move(r));
           hints.erase(key);
           fallback();
         },
-        h.version, accept);
+        version, accept);
     return true;
+  }
+
+  // --- batch reads (worker thread) ---
+  // Rows are grouped by the node each is read from (its primary, or a copy a fresh hint names),
+  // one MGET per node. Rows whose copy missed (or whose copy's node failed) are asked again of
+  // their primary in a second round; rows whose primary failed are reported with that failure.
+  struct BatchRead {
+    const std::vector<std::string>* keys = nullptr;
+    Clock::time_point deadline;
+    // One row's outcome; `bytes` (the value) is valid during the call only.
+    std::function<void(size_t i, const Status& s, const w::ObjectMeta* meta, const char* bytes)>
+        row;
+    std::function<void()> done;
+    int remaining = 0;
+    std::vector<size_t> retry;
+  };
+
+  void IssueBatchRead(const std::shared_ptr<BatchRead>& b, const std::vector<size_t>& rows,
+                      bool use_copies) {
+    const size_t n_nodes = cluster.nodes.size();
+    std::vector<std::vector<size_t>> by_node(n_nodes);
+    std::vector<std::vector<uint64_t>> versions(n_nodes);
+    std::vector<bool> primary_rows(n_nodes, false);
+    // A key that is in the batch more than once is read from one place, so its rows agree.
+    std::unordered_map<std::string_view, std::pair<int, uint64_t>> chosen;
+    for (size_t i : rows) {
+      const std::string& key = (*b->keys)[i];
+      int node = 0;
+      uint64_t version = 0;
+      if (use_copies && !hints.empty()) {
+        auto [at, fresh] = chosen.try_emplace(key, 0, 0);
+        if (fresh && !PickCopy(key, &at->second.first, &at->second.second)) {
+          at->second.first = ring->NodeFor(key);
+        }
+        std::tie(node, version) = at->second;
+      } else {
+        node = ring->NodeFor(key);
+      }
+      by_node[node].push_back(i);
+      versions[node].push_back(version);
+      if (version == 0) primary_rows[node] = true;
+    }
+    const Clock::time_point sent = Clock::now();
+    b->remaining++;  // the loop's own count: a node that fails at once answers inside it
+    for (size_t n = 0; n < n_nodes; ++n) {
+      if (by_node[n].empty()) continue;
+      std::vector<std::string> node_keys;
+      node_keys.reserve(by_node[n].size());
+      for (size_t i : by_node[n]) node_keys.push_back((*b->keys)[i]);
+      const bool any_copy =
+          std::any_of(versions[n].begin(), versions[n].end(), [](uint64_t v) { return v != 0; });
+      auto payload = std::make_shared<std::string>(
+          w::EncodeKeyList(node_keys, any_copy ? &versions[n] : nullptr));
+      // A message of copies only gets the short budget of a replica read.
+      const Clock::time_point deadline =
+          primary_rows[n] ? b->deadline : ReplicaDeadline(b->deadline);
+      b->remaining++;
+      IssueWithPayloadReply(
+          static_cast<int>(n), w::Opcode::kMultiGet, any_copy ? w::kFlagVersionedKeys : 0, "",
+          payload, deadline,
+          [this, b, idx = std::move(by_node[n]), vers = std::move(versions[n]),
+           sent](Result<std::shared_ptr<std::string>> r) {
+            std::vector<w::BatchGetResult> res;
+            size_t block = 0;
+            Status s = r.status();
+            if (s.ok()) s = w::DecodeBatchGetBlock(**r, &res, &block);
+            if (s.ok() && res.size() != idx.size()) {
+              s = Status::ProtocolError("batch reply has the wrong number of results");
+            }
+            size_t off = block;
+            for (size_t j = 0; j < idx.size(); ++j) {
+              const size_t i = idx[j];
+              const bool copy = vers[j] != 0;
+              if (copy && (!s.ok() || res[j].code != StatusCode::kOk)) {
+                b->retry.push_back(i);  // not the caller's miss: ask the primary
+                continue;
+              }
+              if (!s.ok()) {
+                b->row(i, s, nullptr, nullptr);
+                continue;
+              }
+              if (res[j].code != StatusCode::kOk) {
+                static const Status kMiss = Status::NotFound("key not found");
+                b->row(i,
+                       res[j].code == StatusCode::kNotFound
+                           ? kMiss
+                           : Status(res[j].code, "batch get failed"),
+                       nullptr, nullptr);
+                continue;
+              }
+              if (!copy) {
+                RememberHint((*b->keys)[i], res[j].meta.version, std::move(res[j].hint), sent);
+              }
+              b->row(i, Status::OK(), &res[j].meta, (*r)->data() + off);
+              off += res[j].meta.size;
+            }
+            FinishBatchPart(b);
+          });
+    }
+    FinishBatchPart(b);
+  }
+
+  void FinishBatchPart(const std::shared_ptr<BatchRead>& b) {
+    if (--b->remaining > 0) return;
+    if (!b->retry.empty()) {
+      std::vector<size_t> again = std::move(b->retry);
+      b->retry.clear();
+      for (size_t i : again) hints.erase((*b->keys)[i]);
+      return IssueBatchRead(b, again, /*use_copies=*/false);
+    }
+    auto done = std::move(b->done);
+    b->row = nullptr;
+    done();
   }
 
   // Writes to every replica of the key and answers with the primary's outcome once every
@@ -669,72 +817,33 @@ Result<ValueInfo> Client::Stat(std::string_view key, std::chrono::milliseconds t
 std::vector<Result<Value>> Client::MultiGet(const std::vector<std::string>& keys,
                                             const GetOptions& o) {
   Impl* I = impl_.get();
-  // Shared with the I/O thread (see Delete): it may finish the last node's request before its
-  // loop over the nodes is done.
-  struct Batch {
-    std::vector<Result<Value>> results;
-    std::vector<std::vector<size_t>> by_node;  // indices into keys, grouped by node
-    std::vector<std::shared_ptr<std::string>> payloads;
-    int remaining = 0;
-    std::promise<void> all_done;
-  };
-  auto batch = std::make_shared<Batch>();
-  batch->results.reserve(keys.size());
-  for (size_t i = 0; i < keys.size(); ++i) batch->results.emplace_back(Status::Aborted("not sent"));
-  if (keys.empty()) return std::move(batch->results);
-  // Group by node: one message per node.
-  batch->by_node.resize(I->cluster.nodes.size());
-  batch->payloads.resize(I->cluster.nodes.size());
-  for (size_t i = 0; i < keys.size(); ++i) batch->by_node[I->ring->NodeFor(keys[i])].push_back(i);
-  for (size_t n = 0; n < batch->by_node.size(); ++n) {
-    if (batch->by_node[n].empty()) continue;
-    std::vector<std::string> node_keys;
-    node_keys.reserve(batch->by_node[n].size());
-    for (size_t i : batch->by_node[n]) node_keys.push_back(keys[i]);
-    batch->payloads[n] = std::make_shared<std::string>(w::EncodeKeyList(node_keys));
-    batch->remaining++;
-  }
-  auto done = batch->all_done.get_future();
-  I->transport->Post([I, batch, deadline = I->DeadlineFrom(o.timeout)] {
-    for (size_t n = 0; n < batch->by_node.size(); ++n) {
-      if (batch->by_node[n].empty()) continue;
-      I->IssueWithPayloadReply(
-          static_cast<int>(n), w::Opcode::kMultiGet, 0, "", batch->payloads[n], deadline,
-          [batch, n](Result<std::shared_ptr<std::string>> r) {
-            const std::vector<size_t>& idx = batch->by_node[n];
-            std::vector<w::BatchGetResult> res;
-            size_t block = 0;
-            Status s = r.status();
-            if (s.ok()) s = w::DecodeBatchGetBlock(**r, &res, &block);
-            if (s.ok() && res.size() != idx.size()) {
-              s = Status::ProtocolError("batch reply has the wrong number of results");
-            }
-            size_t off = block;
-            for (size_t j = 0; j < idx.size(); ++j) {
-              Result<Value>& out = batch->results[idx[j]];
-              if (!s.ok()) {
-                out = s;
-                continue;
-              }
-              if (res[j].code != StatusCode::kOk) {
-                out =
-                    Status(res[j].code, res[j].code == StatusCode::kNotFound ? "key not found"
-                                                                             : "batch get failed");
-                continue;
-              }
-              Value v;
-              v.info_ = ToInfo(res[j].meta);
-              v.bytes_.reset(new std::byte[v.info_.size ? v.info_.size : 1]);
-              std::memcpy(v.bytes_.get(), (*r)->data() + off, v.info_.size);
-              off += v.info_.size;
-              out = std::move(v);
-            }
-            if (--batch->remaining == 0) batch->all_done.set_value();
-          });
+  std::vector<Result<Value>> results;
+  results.reserve(keys.size());
+  for (size_t i = 0; i < keys.size(); ++i) results.emplace_back(Status::Aborted("not sent"));
+  if (keys.empty()) return results;
+  std::promise<void> all_done;
+  // The caller waits below, so the batch may point at its keys and results.
+  auto batch = std::make_shared<Impl::BatchRead>();
+  batch->keys = &keys;
+  batch->deadline = I->DeadlineFrom(o.timeout);
+  batch->row = [&results](size_t i, const Status& s, const w::ObjectMeta* meta, const char* bytes) {
+    if (!s.ok()) {
+      results[i] = s;
+      return;
     }
+    Value v;
+    v.info_ = ToInfo(*meta);
+    v.bytes_.reset(new std::byte[v.info_.size ? v.info_.size : 1]);
+    std::memcpy(v.bytes_.get(), bytes, v.info_.size);
+    results[i] = std::move(v);
+  };
+  batch->done = [&all_done] { all_done.set_value(); };
+  I->transport->Post([I, batch, n = keys.size()] {
+    std::vector<size_t> rows(n);
+    for (size_t i = 0; i < n; ++i) rows[i] = i;
+    I->IssueBatchRead(batch, rows, /*use_copies=*/true);
   });
-  done.wait();
-  std::vector<Result<Value>> results = std::move(batch->results);
+  all_done.get_future().wait();
   // Keys whose node failed: one by one through Get, which tries the other replicas.
   for (size_t i = 0; i < keys.size(); ++i) {
     if (results[i].ok() || !Impl::NodeFailure(results[i].status())) continue;
@@ -877,62 +986,24 @@ std::vector<Status> Client::MultiGetInto(const std::vector<std::string>& keys, v
     }
     return o.accept ? o.accept(info) : Status::OK();
   };
-  std::vector<std::vector<size_t>> by_node(I->cluster.nodes.size());
-  for (size_t i = 0; i < keys.size(); ++i) by_node[I->ring->NodeFor(keys[i])].push_back(i);
-  auto deadline = I->DeadlineFrom(o.timeout);
   std::promise<void> all_done;
-  // One count per node message plus one for the loop that issues them: a message that fails
-  // at once (node down) completes inside the loop, and the caller's state (by_node, results)
-  // must outlive the loop's last look at it.
-  int remaining = 1;
-  for (auto& v : by_node) remaining += v.empty() ? 0 : 1;
-  I->transport->Post([&] {
-    for (size_t n = 0; n < by_node.size(); ++n) {
-      if (by_node[n].empty()) continue;
-      std::vector<std::string> node_keys;
-      node_keys.reserve(by_node[n].size());
-      for (size_t i : by_node[n]) node_keys.push_back(keys[i]);
-      auto payload = std::make_shared<std::string>(w::EncodeKeyList(node_keys));
-      const std::vector<size_t>* idx = &by_node[n];
-      I->IssueWithPayloadReply(
-          static_cast<int>(n), w::Opcode::kMultiGet, 0, "", payload, deadline,
-          [&, idx](Result<std::shared_ptr<std::string>> r) {
-            std::vector<w::BatchGetResult> res;
-            size_t block = 0;
-            Status s = r.status();
-            if (s.ok()) s = w::DecodeBatchGetBlock(**r, &res, &block);
-            if (s.ok() && res.size() != idx->size()) {
-              s = Status::ProtocolError("batch reply has the wrong number of results");
-            }
-            size_t off = block;
-            for (size_t j = 0; s.ok() && j < idx->size(); ++j) {
-              if (res[j].code == StatusCode::kOk) off += res[j].meta.size;
-            }
-            if (s.ok() && off != (*r)->size()) {
-              s = Status::ProtocolError("batch reply values do not match their sizes");
-            }
-            off = block;
-            for (size_t j = 0; j < idx->size(); ++j) {
-              const size_t i = (*idx)[j];
-              if (!s.ok()) {
-                results[i] = s;
-                continue;
-              }
-              if (res[j].code != StatusCode::kOk) {
-                results[i] = res[j].code == StatusCode::kNotFound
-                                 ? miss
-                                 : Status(res[j].code, "batch get failed");
-                continue;
-              }
-              const size_t size = res[j].meta.size;
-              results[i] = check(ToInfo(res[j].meta));
-              if (results[i].ok()) std::memcpy(rows + i * row_stride, (*r)->data() + off, size);
-              off += size;
-            }
-            if (--remaining == 0) all_done.set_value();
-          });
+  // The caller waits below, so the batch may point at its keys, rows and results.
+  auto batch = std::make_shared<Impl::BatchRead>();
+  batch->keys = &keys;
+  batch->deadline = I->DeadlineFrom(o.timeout);
+  batch->row = [&](size_t i, const Status& s, const w::ObjectMeta* meta, const char* bytes) {
+    if (!s.ok()) {
+      results[i] = s;
+      return;
     }
-    if (--remaining == 0) all_done.set_value();
+    results[i] = check(ToInfo(*meta));
+    if (results[i].ok()) std::memcpy(rows + i * row_stride, bytes, meta->size);
+  };
+  batch->done = [&all_done] { all_done.set_value(); };
+  I->transport->Post([I, batch, n = keys.size()] {
+    std::vector<size_t> all(n);
+    for (size_t i = 0; i < n; ++i) all[i] = i;
+    I->IssueBatchRead(batch, all, /*use_copies=*/true);
   });
   all_done.get_future().wait();
   if (staging) {

@@ -4,13 +4,15 @@
 //              [--threads N] [--metrics-port N] [--log-level L]
 //              [--max-value-size SIZE] [--max-inflight SIZE] [--max-conn-inflight SIZE]
 //              [--max-conn-requests N] [--max-queued N] [--send-timeout-ms MS]
-//              [--replicate-hot R [--replicate-cool R] [--hot-replicas N] [--replica-share F]]
+//              [--replicate-hot auto|off|R] [--replicate-cool R] [--hot-share F]
+//              [--load-slack F] [--hot-replicas N] [--replica-share F]
 // SIGTERM or SIGINT: stop accepting, finish what is in flight, write back to disk, exit 0.
 // Exit codes: 0 clean stop, 1 could not start (message on stderr), 2 bad usage.
 #include <signal.h>
 
 #include <CLI/CLI.hpp>
 #include <cstdio>
+#include <cstdlib>
 
 #include "gkv/log.h"
 #include "gkv/size.h"
@@ -26,7 +28,9 @@ int main(int argc, char** argv) {
   int64_t send_timeout_ms = 30000;
   int threads = 4;
   int metrics_port = 0;
-  double hot_rate = 0, cool_rate = 0, replica_share = 0.10;
+  std::string replicate_hot = "auto";
+  double cool_rate = 0, replica_share = 0.10;
+  gkv::HotnessRule rule;
   int hot_replicas = 2;
   std::vector<int> gpus = {0};
   int64_t promotion_window_ms = 10000;
@@ -62,11 +66,20 @@ int main(int argc, char** argv) {
   app.add_option("--send-timeout-ms", send_timeout_ms,
                  "close a connection whose peer has not taken a reply for this long")
       ->check(CLI::Range(int64_t{10}, int64_t{3600000}));
-  app.add_option("--replicate-hot", hot_rate,
-                 "copy keys read more than this many times a second to other nodes (0: off)");
+  app.add_option("--replicate-hot", replicate_hot,
+                 "auto (default): copy a key when its node is loaded above the cluster's mean and "
+                 "the key takes --hot-share of its reads; R: copy keys read more than R times a "
+                 "second; off (or 0): never copy");
   app.add_option(
       "--replicate-cool", cool_rate,
-      "drop the copies when the rate falls under this (default: a quarter of the hot rate)");
+      "with --replicate-hot R: drop the copies under this rate (default: a quarter of R)");
+  app.add_option("--hot-share", rule.hot_share,
+                 "auto mode: share of its node's reads that makes a key hot (cools at a quarter)")
+      ->check(CLI::Range(0.0001, 1.0));
+  app.add_option("--load-slack", rule.load_slack,
+                 "auto mode: a node copies only while its read load exceeds its share of the "
+                 "cluster's by more than this fraction")
+      ->check(CLI::Range(0.0, 10.0));
   app.add_option("--hot-replicas", hot_replicas, "copies of a hot key (next nodes on the ring)")
       ->check(CLI::Range(1, 16));
   app.add_option("--replica-share", replica_share,
@@ -89,8 +102,23 @@ int main(int argc, char** argv) {
   options.node_id = node_id;
   options.executor_threads = threads;
   options.metrics_port = static_cast<uint16_t>(metrics_port);
-  options.hot_reads_per_s = hot_rate;
-  options.cool_reads_per_s = cool_rate;
+  if (replicate_hot == "auto") {
+    rule.mode = gkv::HotnessRule::Mode::kRelative;
+  } else if (replicate_hot == "off") {
+    rule.mode = gkv::HotnessRule::Mode::kOff;
+  } else {
+    char* end = nullptr;
+    const double rate = std::strtod(replicate_hot.c_str(), &end);
+    if (end == replicate_hot.c_str() || *end != '\0' || !(rate >= 0)) {
+      std::fprintf(stderr, "gkv-server: --replicate-hot takes auto, off or a rate, not '%s'\n",
+                   replicate_hot.c_str());
+      return 2;
+    }
+    rule.mode = rate > 0 ? gkv::HotnessRule::Mode::kAbsolute : gkv::HotnessRule::Mode::kOff;
+    rule.hot_reads_per_s = rate;
+  }
+  rule.cool_reads_per_s = cool_rate;
+  options.replication = rule;
   options.hot_replicas = hot_replicas;
   options.replica_share = replica_share;
   for (auto [text, out] : {std::pair{&gpu_mem, &options.cache.gpu_capacity},

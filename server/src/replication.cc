@@ -1,6 +1,7 @@
 // Adaptive replication of hot keys (docs/ARCHITECTURE.md, "Hot keys"): as primary, counting
 // reads, copying hot keys, invalidating copies before a write is acknowledged, cooling; as
-// replica, installing, serving and dropping copies. See server_impl.h for the map of server/.
+// replica, installing, serving and dropping copies; between nodes, the load exchange the
+// relative rule needs. See server_impl.h for the map of server/ and hotness.h for the rule.
 #include "gkv/hash.h"
 #include "gkv/log.h"
 #include "gkv/size.h"
@@ -8,15 +9,20 @@
 
 namespace gkv {
 
-bool Server::Impl::CoveredByFloor(const std::string& key, uint64_t version) const {
+namespace {
+constexpr auto kLoadReportFresh = std::chrono::seconds(3);
+constexpr auto kReportBackoff = std::chrono::seconds(5);
+}  // namespace
+
+bool Server::Impl::CoveredByFloor(const std::string& key, uint64_t attempt) const {
   auto fl = replica_floor.find(key);
-  return fl != replica_floor.end() && fl->second.version >= version;
+  return fl != replica_floor.end() && fl->second.attempt >= attempt;
 }
 
 std::vector<uint16_t> Server::Impl::HintFor(const std::string& key, uint64_t version) const {
   std::vector<uint16_t> hint;
   auto it = registry.find(key);
-  if (it == registry.end() || it->second.pending || it->second.cancelled ||
+  if (it == registry.end() || it->second.state != CopyState::kServing ||
       it->second.version != version) {
     return hint;
   }
@@ -26,13 +32,14 @@ std::vector<uint16_t> Server::Impl::HintFor(const std::string& key, uint64_t ver
 
 void Server::Impl::CountRead(const std::string& key) {
   const uint32_t est = sketch.Add(HashKey(key));
-  // Decay halves the counts every second: a steady R reads/s settles near 2R.
-  if (est < 2 * options.hot_reads_per_s || registry.find(key) != registry.end()) return;
+  if (!options.replication.IsHot(est, node_read_count, node_overloaded)) return;
+  if (copy_tokens <= 0 || registry.find(key) != registry.end()) return;
   auto wait = copy_again_after.find(key);
   if (wait != copy_again_after.end()) {
     if (Clock::now() < wait->second) return;
     copy_again_after.erase(wait);
   }
+  --copy_tokens;
   StartReplication(key);
 }
 
@@ -47,112 +54,192 @@ std::vector<int> Server::Impl::ReplicaTargets(const std::string& key) const {
 void Server::Impl::StartReplication(const std::string& key) {
   std::vector<int> targets = ReplicaTargets(key);
   if (targets.empty()) return;
-  registry[key] = ReplicaSet{};
-  executors->Submit([this, key, targets] {
+  const uint64_t attempt = ++next_attempt;
+  ReplicaSet& set = registry[key];
+  set = ReplicaSet{};
+  set.attempt = attempt;
+  executors->Submit([this, key, targets, attempt] {
     auto got = cache->Acquire(key);
     if (!got.ok()) {
-      return PostReply([this, key] { registry.erase(key); });
+      return PostReply([this, key, attempt] { ReplicationDone(key, attempt, 0, {}); });
     }
     auto bytes = std::make_shared<std::string>(got->size(), '\0');
     Status cs = cache->CopyBytes(bytes->data(), MemoryKind::kHost, got->data(), got->memory_kind(),
                                  got->size());
     const ObjectInfo info = got->info();
     *got = ReadHandle();
-    PostReply([this, key, targets, bytes, info, cs] {
-      if (!cs.ok()) {
-        registry.erase(key);
-        return;
-      }
-      auto results = std::make_shared<std::vector<int>>();
+    PostReply([this, key, targets, bytes, info, cs, attempt] {
+      if (!cs.ok()) return ReplicationDone(key, attempt, 0, {});
+      auto installed = std::make_shared<std::vector<int>>();
       auto remaining = std::make_shared<size_t>(targets.size());
       for (int node : targets) {
-        std::string body = w::EncodeReplicaPut({key, info.tensor, info.size}, info.version);
+        std::string body =
+            w::EncodeReplicaPut({key, info.tensor, info.size}, info.version, attempt);
+        // Only a real install counts: a replica that refused (its floor covers this attempt, or
+        // it holds a newer copy) answers an error and is never hinted.
         CallPeer(node, w::Opcode::kReplicaPut, std::move(body), bytes,
-                 [this, key, node, info, results, remaining, bytes](Status s, std::string_view) {
-                   if (s.ok()) results->push_back(node);
-                   if (--*remaining == 0) ReplicationDone(key, info.version, *results);
+                 [this, key, node, info, installed, remaining, bytes, attempt](Status s,
+                                                                               std::string_view) {
+                   if (s.ok()) installed->push_back(node);
+                   if (--*remaining == 0) ReplicationDone(key, attempt, info.version, *installed);
                  });
       }
     });
   });
 }
 
-void Server::Impl::ReplicationDone(const std::string& key, uint64_t version,
+void Server::Impl::ReplicationDone(const std::string& key, uint64_t attempt, uint64_t version,
                                    const std::vector<int>& nodes) {
   auto it = registry.find(key);
-  if (it == registry.end()) return;
-  if (it->second.cancelled || nodes.empty()) {
-    // Written while the copies were made: they are of an old version and never hinted;
-    // drop them anyway so they do not take replica room.
-    for (int n : nodes)
-      CallPeer(n, w::Opcode::kInvalidate, w::EncodeInvalidate(key, version), nullptr,
+  const bool ours = it != registry.end() && it->second.attempt == attempt &&
+                    it->second.state == CopyState::kCopying;
+  if (!ours || it->second.cancelled || nodes.empty()) {
+    // Written while the copies were made: they are of an old version and never hinted; drop
+    // them anyway so they do not take replica room.
+    for (int n : nodes) {
+      CallPeer(n, w::Opcode::kInvalidate, w::EncodeInvalidate(key, version, attempt), nullptr,
                [](Status, std::string_view) {});
-    registry.erase(it);
+    }
+    if (ours) registry.erase(it);
     return;
   }
-  it->second.pending = false;
-  it->second.nodes = nodes;
-  it->second.version = version;
+  ReplicaSet& set = it->second;
+  set.state = CopyState::kServing;
+  set.nodes = nodes;
+  set.version = version;
   counters.replicas_created.fetch_add(nodes.size(), std::memory_order_relaxed);
   std::string list;
   for (int n : nodes) list += (list.empty() ? "" : ",") + options.cluster.nodes[n].id;
-  GKV_LOG_INFO("replicating hot key '{}' (version {}) to {}", key, version, list);
+  GKV_LOG_INFO("replicating hot key '{}' (version {}) to {}", LogKey(key), version, list);
+}
+
+void Server::Impl::Withdraw(const std::string& key, const char* why) {
+  auto it = registry.find(key);
+  if (it == registry.end() || it->second.state != CopyState::kServing) return;
+  ReplicaSet& set = it->second;
+  set.state = CopyState::kWithdrawing;
+  set.unconfirmed = set.nodes.size();
+  counters.replicas_dropped.fetch_add(set.nodes.size(), std::memory_order_relaxed);
+  GKV_LOG_DEBUG("withdrawing the copies of key '{}' (version {}): {}", LogKey(key), set.version,
+                why);
+  const uint64_t attempt = set.attempt;
+  // Whichever comes first: every holder confirmed, or every hint has expired.
+  timers.push_back(
+      {Clock::now() + kWithdrawWait, [this, key, attempt] { FinishWithdraw(key, attempt); }});
+  for (int n : set.nodes) {
+    CallPeer(n, w::Opcode::kInvalidate, w::EncodeInvalidate(key, set.version, attempt), nullptr,
+             [this, key, attempt](Status s, std::string_view) {
+               if (!s.ok()) return;  // unconfirmed: the timer ends the withdrawal
+               auto at = registry.find(key);
+               if (at == registry.end() || at->second.attempt != attempt) return;
+               if (at->second.unconfirmed > 0 && --at->second.unconfirmed == 0) {
+                 FinishWithdraw(key, attempt);
+               }
+             });
+  }
+}
+
+void Server::Impl::FinishWithdraw(const std::string& key, uint64_t attempt) {
+  auto it = registry.find(key);
+  if (it == registry.end() || it->second.attempt != attempt ||
+      it->second.state != CopyState::kWithdrawing) {
+    return;
+  }
+  std::vector<std::function<void()>> waiters = std::move(it->second.waiters);
+  registry.erase(it);
+  for (auto& w : waiters) w();
 }
 
 void Server::Impl::AfterWrite(const std::vector<std::string>& keys, std::function<void()> reply) {
   if (registry.empty()) return reply();
   auto remaining = std::make_shared<size_t>(1);
-  auto any_failed = std::make_shared<bool>(false);
-  auto finish = [this, remaining, any_failed, reply] {
-    if (--*remaining > 0) return;
-    if (!*any_failed) return reply();
-    // A replica node that did not confirm may still serve clients holding a hint; hints live
-    // kHintTtl on the client, so wait that out (plus a deadline's margin) before acknowledging.
-    timers.push_back({Clock::now() + std::chrono::milliseconds(1500), reply});
+  auto finish = [remaining, reply] {
+    if (--*remaining == 0) reply();
   };
   for (const std::string& key : keys) {
     auto it = registry.find(key);
     if (it == registry.end()) continue;
     copy_again_after[key] = Clock::now() + std::chrono::seconds(2);
-    if (it->second.pending) {
-      it->second.cancelled = true;
+    if (it->second.state == CopyState::kCopying) {
+      it->second.cancelled = true;  // never hinted: nothing to wait for
       continue;
     }
-    const ReplicaSet set = it->second;
-    registry.erase(it);
-    counters.replicas_dropped.fetch_add(set.nodes.size(), std::memory_order_relaxed);
-    for (int n : set.nodes) {
-      ++*remaining;
-      CallPeer(n, w::Opcode::kInvalidate, w::EncodeInvalidate(key, set.version), nullptr,
-               [finish, any_failed](Status s, std::string_view) {
-                 if (!s.ok()) *any_failed = true;
-                 finish();
-               });
-    }
+    Withdraw(key, "written");
+    ++*remaining;
+    registry[key].waiters.push_back(finish);
   }
   finish();
 }
 
+void Server::Impl::ReplicationTick(Clock::time_point now) {
+  const uint64_t reads_per_s = static_cast<uint64_t>(node_read_count / 2);
+  counters.reads_per_s.store(reads_per_s, std::memory_order_relaxed);
+  // The relative rule compares this node's load with the others' (their reports, fresh ones).
+  std::vector<double> rates{static_cast<double>(reads_per_s)};
+  std::vector<double> shares{ring_shares[self_index]};
+  for (size_t n = 0; n < peer_load.size(); ++n) {
+    if (static_cast<int>(n) == self_index || peer_load[n].at == Clock::time_point{} ||
+        now - peer_load[n].at > kLoadReportFresh) {
+      continue;
+    }
+    rates.push_back(static_cast<double>(peer_load[n].reads_per_s));
+    shares.push_back(ring_shares[n]);
+  }
+  const bool was = node_overloaded;
+  node_overloaded = options.replication.mode == HotnessRule::Mode::kRelative &&
+                    options.replication.Overloaded(static_cast<double>(reads_per_s),
+                                                   ring_shares[self_index], rates, shares);
+  counters.overloaded.store(node_overloaded, std::memory_order_relaxed);
+  if (node_overloaded != was) {
+    GKV_LOG_DEBUG("read load {} reads/s: {} the cluster's mean", reads_per_s,
+                  node_overloaded ? "above" : "back within");
+  }
+  if (options.replication.mode == HotnessRule::Mode::kRelative) ReportLoad(now, reads_per_s);
+  copy_tokens = options.replication.max_copy_starts_per_s;
+  sketch.Decay();
+  node_read_count /= 2;
+  CoolDown();
+  PruneFloors(now);
+}
+
+void Server::Impl::ReportLoad(Clock::time_point now, uint64_t reads_per_s) {
+  for (int n = 0; n < static_cast<int>(peer_load.size()); ++n) {
+    if (n == self_index || now < report_again_after[n]) continue;
+    CallPeer(n, w::Opcode::kLoadReport, w::EncodeLoadReport(reads_per_s), nullptr,
+             [this, n](Status s, std::string_view) {
+               if (!s.ok()) report_again_after[n] = Clock::now() + kReportBackoff;
+             });
+  }
+}
+
+void Server::Impl::HandleLoadReport(const Req& r, std::string_view body) {
+  uint64_t rate = 0;
+  Status s = w::DecodeLoadReport(body, &rate);
+  if (s.ok()) {
+    const int node = peer_node_of_conn[r.conn];  // PeerOnly checked it is there
+    peer_load[node] = PeerLoad{rate, Clock::now()};
+  }
+  ReplyStatus(r, s);
+}
+
 void Server::Impl::CoolDown() {
-  const double cool =
-      options.cool_reads_per_s > 0 ? options.cool_reads_per_s : options.hot_reads_per_s / 4;
   const auto now = Clock::now();
   for (auto it = copy_again_after.begin(); it != copy_again_after.end();) {
     it = it->second <= now ? copy_again_after.erase(it) : std::next(it);
   }
   std::vector<std::string> cold;
   for (auto& [key, set] : registry) {
-    if (!set.pending && sketch.Estimate(HashKey(key)) < 2 * cool) cold.push_back(key);
+    if (set.state != CopyState::kServing) continue;
+    // This node sees only its share of the key's reads: clients spread a hinted key evenly
+    // over the primary and its copies.
+    const double total = static_cast<double>(sketch.Estimate(HashKey(key))) *
+                         static_cast<double>(set.nodes.size() + 1);
+    if (options.replication.IsCold(total, node_read_count)) cold.push_back(key);
   }
   for (const std::string& key : cold) {
-    ReplicaSet set = registry[key];
-    registry.erase(key);
-    counters.replicas_dropped.fetch_add(set.nodes.size(), std::memory_order_relaxed);
-    GKV_LOG_INFO("dropping the copies of cooled key '{}' (version {})", key, set.version);
-    for (int n : set.nodes) {
-      CallPeer(n, w::Opcode::kInvalidate, w::EncodeInvalidate(key, set.version), nullptr,
-               [](Status, std::string_view) {});
-    }
+    GKV_LOG_INFO("dropping the copies of cooled key '{}' (version {})", LogKey(key),
+                 registry[key].version);
+    Withdraw(key, "cooled");
   }
 }
 
@@ -162,77 +249,94 @@ void Server::Impl::PruneFloors(Clock::time_point now) {
   }
 }
 
-std::string Server::Impl::ReplicaKey(const std::string& key, uint64_t version) {
+std::string Server::Impl::ReplicaKey(const std::string& key, const HeldCopy& copy) {
   std::string k = key;
   k.push_back('\0');
-  k.append(reinterpret_cast<const char*>(&version), sizeof version);
+  k.append(reinterpret_cast<const char*>(&copy.version), sizeof copy.version);
+  k.append(reinterpret_cast<const char*>(&copy.attempt), sizeof copy.attempt);
   return k;
 }
 
 void Server::Impl::HandleReplicaPut(const Req& r, std::string_view body,
                                     std::unique_ptr<Incoming> msg) {
   w::PutRequest put;
-  uint64_t version = 0;
-  Status s = w::DecodeReplicaPut(body, &put, &version);
+  HeldCopy copy;
+  Status s = w::DecodeReplicaPut(body, &put, &copy.version, &copy.attempt);
   if (s.ok() && put.size != msg->payload_size()) s = Status::ProtocolError("replica size mismatch");
-  if (s.ok() && !replica_cache) s = Status::NotSupported("replication is off on this node");
   if (s.ok()) s = CheckValueSize(put.size);
   // Within the replica budget: a copy larger than the largest replica tier can never fit.
   if (s.ok() && put.size > replica_cache->max_object_size()) {
     s = Status::NoSpace("replica of " + FormatSize(put.size) + " exceeds the replica budget");
   }
+  if (s.ok() && CoveredByFloor(put.key, copy.attempt)) {
+    s = Status::Aborted("copy refused: its replication attempt was already invalidated");
+  }
   if (!s.ok()) return ReplyStatus(r, s);
   auto buf = std::make_shared<std::string>(put.size, '\0');
-  ReceivePayload(r.conn, std::move(msg), buf->data(), MemoryKind::kHost,
-                 [this, r, put, version, buf](Status rs) {
-                   if (!rs.ok()) return ReplyStatus(r, rs);
-                   if (r.Expired())
-                     return ReplyStatus(r, DeadlinePassed());  // its floor may be gone
-                   if (CoveredByFloor(put.key, version)) {
-                     return ReplyStatus(r, Status::OK());  // already invalidated
-                   }
-                   executors->Submit([this, r, put, version, buf] {
-                     auto p = replica_cache->Put(ReplicaKey(put.key, version), buf->data(),
-                                                 put.size, put.tensor);
-                     Status ps = p.status();
-                     PostReply([this, r, put, version, ps] {
-                       if (ps.ok()) InstallReplica(put.key, version);
-                       ReplyStatus(r, ps);
-                     });
-                   });
-                 });
+  ReceivePayload(
+      r.conn, std::move(msg), buf->data(), MemoryKind::kHost, [this, r, put, copy, buf](Status rs) {
+        if (!rs.ok()) return ReplyStatus(r, rs);
+        if (r.Expired()) return ReplyStatus(r, DeadlinePassed());  // its floor may be gone
+        if (CoveredByFloor(put.key, copy.attempt)) {
+          counters.replica_refused.fetch_add(1, std::memory_order_relaxed);
+          return ReplyStatus(r, Status::Aborted("copy refused: invalidated meanwhile"));
+        }
+        executors->Submit([this, r, put, copy, buf] {
+          auto p = replica_cache->Put(ReplicaKey(put.key, copy), buf->data(), put.size, put.tensor);
+          Status ps = p.status();
+          PostReply([this, r, put, copy, ps] {
+            if (!ps.ok()) return ReplyStatus(r, ps);
+            if (!InstallReplica(put.key, copy)) {
+              counters.replica_refused.fetch_add(1, std::memory_order_relaxed);
+              return ReplyStatus(r, Status::Aborted("copy refused: superseded"));
+            }
+            ReplyStatus(r, Status::OK());
+          });
+        });
+      });
 }
 
-void Server::Impl::InstallReplica(const std::string& key, uint64_t version) {
-  const bool covered = CoveredByFloor(key, version);
-  uint64_t& current = replica_version[key];
-  if (covered || current > version) {
-    DropReplicaCopy(key, version);  // landed after its invalidation, or older than what we hold
-    return;
+bool Server::Impl::InstallReplica(const std::string& key, const HeldCopy& copy) {
+  auto held = replica_version.find(key);
+  if (CoveredByFloor(key, copy.attempt) ||
+      (held != replica_version.end() && held->second.attempt > copy.attempt)) {
+    DropReplicaCopy(key, copy);  // landed after its invalidation, or older than what we hold
+    return false;
   }
-  if (current != 0 && current != version) DropReplicaCopy(key, current);
-  current = version;
+  if (held != replica_version.end()) {
+    DropReplicaCopy(key, held->second);
+    held->second = copy;
+  } else {
+    replica_version.emplace(key, copy);
+  }
   counters.replica_installs.fetch_add(1, std::memory_order_relaxed);
+  return true;
 }
 
-void Server::Impl::DropReplicaCopy(const std::string& key, uint64_t version) {
-  executors->Submit([this, rk = ReplicaKey(key, version)] { (void)replica_cache->Delete(rk); });
+void Server::Impl::DropReplicaCopy(const std::string& key, const HeldCopy& copy) {
+  executors->Submit([this, rk = ReplicaKey(key, copy)] { (void)replica_cache->Delete(rk); });
 }
 
 void Server::Impl::HandleInvalidate(const Req& r, std::string_view body) {
   std::string key;
-  uint64_t version = 0;
-  Status s = w::DecodeInvalidate(body, &key, &version);
+  uint64_t version = 0, attempt = 0;
+  Status s = w::DecodeInvalidate(body, &key, &version, &attempt);
   if (!s.ok()) return ReplyStatus(r, s);
   Floor& floor = replica_floor[key];
-  floor.version = std::max(floor.version, version);
+  floor.attempt = std::max(floor.attempt, attempt);
   floor.set_at = Clock::now();
   auto it = replica_version.find(key);
-  if (it != replica_version.end() && it->second <= floor.version) {
-    if (replica_cache) DropReplicaCopy(key, it->second);
+  if (it != replica_version.end() && it->second.attempt <= floor.attempt) {
+    DropReplicaCopy(key, it->second);
     replica_version.erase(it);
   }
   ReplyStatus(r, Status::OK());
+}
+
+std::string Server::Impl::ReplicaRowKey(const std::string& key, uint64_t version) const {
+  auto it = replica_version.find(key);
+  if (it == replica_version.end() || it->second.version != version) return {};
+  return ReplicaKey(key, it->second);
 }
 
 void Server::Impl::HandleReplicaGet(const Req& r, std::string_view body) {
@@ -240,22 +344,55 @@ void Server::Impl::HandleReplicaGet(const Req& r, std::string_view body) {
   uint64_t version = 0;
   Status s = w::DecodeReplicaGet(body, &key, &version);
   if (!s.ok()) return ReplyStatus(r, s);
-  Status miss = Status::NotFound("no replica of that version here");
-  auto it = replica_version.find(key);
-  ReadHandle h;
-  if (!replica_cache || it == replica_version.end() || it->second != version ||
-      CoveredByFloor(key, version) ||
-      replica_cache->TryAcquireFromMemory(ReplicaKey(key, version), &h) !=
-          TieredCache::FastPath::kServed ||
-      (h.memory_kind() == MemoryKind::kDevice && !transport->device_memory_supported())) {
+  CountRow();
+  const Status miss = Status::NotFound("no replica of that version here");
+  const std::string rk = ReplicaRowKey(key, version);
+  if (rk.empty()) {
     return Reply(r, miss, w::EncodeObjectReply(miss, {}), nullptr, 0, MemoryKind::kHost, nullptr);
   }
-  counters.replica_reads.fetch_add(1, std::memory_order_relaxed);
-  auto handle = std::make_shared<ReadHandle>(std::move(h));
-  w::ObjectMeta meta = ToWire(handle->info());
-  meta.version = version;  // the primary's version, not this cache's own counter
-  Reply(r, Status::OK(), w::EncodeObjectReply(Status::OK(), meta), handle->data(), handle->size(),
-        handle->memory_kind(), [handle] {});
+  auto send = [this, r, version](std::shared_ptr<ReadHandle> handle, const void* data,
+                                 MemoryKind kind, std::shared_ptr<std::string> staging) {
+    counters.replica_reads.fetch_add(1, std::memory_order_relaxed);
+    w::ObjectMeta meta = ToWire(handle->info());
+    meta.version = version;  // the primary's version, not this cache's own counter
+    Reply(r, Status::OK(), w::EncodeObjectReply(Status::OK(), meta), data, handle->size(), kind,
+          [handle, staging] {});
+  };
+  ReadHandle h;
+  const auto fp = replica_cache->TryAcquireFromMemory(rk, &h);
+  if (fp == TieredCache::FastPath::kMiss) {
+    return Reply(r, miss, w::EncodeObjectReply(miss, {}), nullptr, 0, MemoryKind::kHost, nullptr);
+  }
+  if (fp == TieredCache::FastPath::kServed &&
+      (h.memory_kind() == MemoryKind::kHost || transport->device_memory_supported())) {
+    auto handle = std::make_shared<ReadHandle>(std::move(h));
+    return send(handle, handle->data(), handle->memory_kind(), nullptr);
+  }
+  // A copy in GPU memory that UCX cannot send from: staged through host memory on an executor,
+  // as the primary's own slow path does (promotion is off in the replica cache).
+  h = ReadHandle();
+  SubmitRequestWork(r, [this, r, rk, miss, send] {
+    if (r.Expired()) return PostReply([this, r] { ReplyStatus(r, DeadlinePassed()); });
+    auto got = replica_cache->Acquire(rk);
+    if (!got.ok()) {
+      return PostReply([this, r, miss] {
+        Reply(r, miss, w::EncodeObjectReply(miss, {}), nullptr, 0, MemoryKind::kHost, nullptr);
+      });
+    }
+    auto handle = std::make_shared<ReadHandle>(std::move(*got));
+    std::shared_ptr<std::string> staging;
+    const void* data = handle->data();
+    MemoryKind kind = handle->memory_kind();
+    if (kind == MemoryKind::kDevice && !transport->device_memory_supported()) {
+      staging = std::make_shared<std::string>(handle->size(), '\0');
+      Status cs =
+          replica_cache->CopyBytes(staging->data(), MemoryKind::kHost, data, kind, handle->size());
+      if (!cs.ok()) return PostReply([this, r, cs] { ReplyStatus(r, cs); });
+      data = staging->data();
+      kind = MemoryKind::kHost;
+    }
+    PostReply([send, handle, data, kind, staging] { send(handle, data, kind, staging); });
+  });
 }
 
 }  // namespace gkv

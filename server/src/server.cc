@@ -136,9 +136,9 @@ void Server::Impl::ReplyStatus(const Req& r, const Status& s) {
   Reply(r, s, w::EncodeStatusReply(s), nullptr, 0, MemoryKind::kHost, nullptr);
 }
 
-void Server::Impl::ReadPayloadThen(
-    const Req& r, std::unique_ptr<Incoming> msg,
-    std::function<void(Status, std::shared_ptr<PayloadBuffer>)> next) {
+void Server::Impl::ReadPayloadThen(const Req& r, std::unique_ptr<Incoming> msg,
+                                   std::function<void(Status, std::shared_ptr<PayloadBuffer>)> next,
+                                   bool on_executor) {
   if (msg->payload_size() > options.max_batch_bytes) {
     return ReplyStatus(r, Status::NoSpace("batch of " + FormatSize(msg->payload_size()) +
                                           " exceeds the node's limit of " +
@@ -151,7 +151,8 @@ void Server::Impl::ReadPayloadThen(
   auto buf = std::make_shared<PayloadBuffer>(msg->payload_size());
   ReceivePayload(
       r.conn, std::move(msg), buf->data(), MemoryKind::kHost,
-      [this, r, buf, next = std::move(next)](Status s) {
+      [this, r, buf, next = std::move(next), on_executor](Status s) {
+        if (!on_executor) return next(r.Expired() ? DeadlinePassed() : s, buf);
         executors->Submit([r, s, buf, next] { next(r.Expired() ? DeadlinePassed() : s, buf); });
       });
 }
@@ -231,6 +232,9 @@ void Server::Impl::OnMessage(std::unique_ptr<Incoming> msg) {
     case w::Opcode::kInvalidate:
       if (!PeerOnly(r)) return;
       return HandleInvalidate(r, body);
+    case w::Opcode::kLoadReport:
+      if (!PeerOnly(r)) return;
+      return HandleLoadReport(r, body);
     case w::Opcode::kPeerHello:
       return;  // handled above
   }
@@ -307,9 +311,7 @@ void Server::Impl::OnTick() {
   if (!timers.empty()) RunTimers(now);
   if (replication_on() && now - last_decay >= std::chrono::seconds(1)) {
     last_decay = now;
-    sketch.Decay();
-    CoolDown();
-    PruneFloors(now);
+    ReplicationTick(now);
   }
   if (now - last_pressure_check < std::chrono::seconds(10)) return;
   last_pressure_check = now;
@@ -364,7 +366,15 @@ Result<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
   impl->ring = std::make_unique<HashRing>(options.cluster.nodes);
   impl->peer_conn.assign(options.cluster.nodes.size(), 0);
   CacheOptions own = options.cache;
-  if (options.hot_reads_per_s > 0) {
+  impl->ring_shares = impl->ring->Shares();
+  impl->copy_tokens = options.replication.max_copy_starts_per_s;
+  impl->peer_load.resize(options.cluster.nodes.size());
+  impl->report_again_after.resize(options.cluster.nodes.size());
+  impl->next_attempt =
+      static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(
+                                std::chrono::system_clock::now().time_since_epoch())
+                                .count());
+  if (options.replication.mode != HotnessRule::Mode::kOff && options.cluster.nodes.size() > 1) {
     if (options.replica_share <= 0 || options.replica_share >= 1 || options.hot_replicas < 1) {
       return Status::InvalidArgument("replica share must be in (0, 1) and hot replicas >= 1");
     }
@@ -374,7 +384,8 @@ Result<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
     rep.host_capacity = static_cast<uint64_t>(options.cache.host_capacity * options.replica_share);
     rep.disk_path.clear();
     rep.disk_capacity = 0;
-    rep.max_key_size = options.cache.max_key_size + 9;  // key, a zero byte, the version
+    rep.max_key_size = options.cache.max_key_size + 17;  // key, a zero byte, version, attempt
+    rep.promote_on_read = false;  // copies stay where they were installed (the top tier)
     own.gpu_capacity -= rep.gpu_capacity;
     own.host_capacity -= rep.host_capacity;
     auto rc = TieredCache::Open(rep);
@@ -416,9 +427,17 @@ Result<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
   auto tier = [&](Tier t) {
     return I.cache->tier_enabled(t) ? FormatSize(I.cache->tier_capacity(t)) : std::string("off");
   };
-  GKV_LOG_INFO("node {} up on {}:{} (gpu {}, host {}, disk {}; {}){}", I.self.id, topts.listen_host,
-               I.transport->listen_port(), tier(Tier::kGpu), tier(Tier::kHost), tier(Tier::kDisk),
-               I.transport->Describe(),
+  std::string replication = "replication off";
+  if (I.replica_cache) {
+    const HotnessRule& rule = options.replication;
+    replication = rule.mode == HotnessRule::Mode::kAbsolute
+                      ? fmt::format("replication of keys above {} reads/s", rule.hot_reads_per_s)
+                      : fmt::format("replication auto (hot share {}, load slack {})",
+                                    rule.hot_share, rule.load_slack);
+  }
+  GKV_LOG_INFO("node {} up on {}:{} (gpu {}, host {}, disk {}; {}; {}){}", I.self.id,
+               topts.listen_host, I.transport->listen_port(), tier(Tier::kGpu), tier(Tier::kHost),
+               tier(Tier::kDisk), replication, I.transport->Describe(),
                options.cluster.secret.empty() ? "" : "; clients must present the cluster secret");
   return std::unique_ptr<Server>(new Server(std::move(impl)));
 }

@@ -29,6 +29,7 @@
 #include "gkv/cache/tiered_cache.h"
 #include "gkv/cluster.h"
 #include "gkv/status.h"
+#include "hotness.h"
 
 namespace gkv {
 
@@ -63,13 +64,12 @@ struct ServerOptions {
   // entry pinned) closes that connection, which releases every pin it held.
   std::chrono::milliseconds send_timeout{30000};
 
-  // Adaptive replication of hot keys; off while hot_reads_per_s is 0. A key this node owns that
-  // is read more than hot_reads_per_s is copied to the next `hot_replicas` nodes on the ring;
-  // the copies are dropped when its rate falls under cool_reads_per_s (default a quarter of the
-  // hot rate: hysteresis). Copies this node holds for others live in their own memory budget,
-  // `replica_share` of the GPU and host tiers, so they never take room from the node's own data.
-  double hot_reads_per_s = 0;
-  double cool_reads_per_s = 0;
+  // Adaptive replication of hot keys, on by default (HotnessRule says when a key is hot and when
+  // it cools). A hot key this node owns is copied to the next `hot_replicas` nodes on the ring.
+  // Copies this node holds for others live in their own memory budget, `replica_share` of the
+  // GPU and host tiers, so they never take room from the node's own data. A cluster of one node
+  // has nobody to copy to: replication is off there and the whole memory is the node's.
+  HotnessRule replication;
   int hot_replicas = 2;
   double replica_share = 0.10;
 };

@@ -23,6 +23,7 @@
 #include "gkv/transport/protocol.h"
 #include "gkv/transport/ucx_transport.h"
 #include "hot_keys.h"
+#include "hotness.h"
 #include "server.h"
 #include "server_stats.h"
 #include "thread_pool.h"
@@ -80,33 +81,67 @@ struct Server::Impl {
   ServerCounters counters;
   std::once_flag stop_once;
 
-  // --- adaptive replication ---
+  // --- adaptive replication (replication.cc; the rule is in hotness.h) ---
   std::unique_ptr<TieredCache> replica_cache;  // copies held for other primaries (memory only)
   std::unique_ptr<HashRing> ring;
+  std::vector<double> ring_shares;  // of each node, for the load comparison
   int self_index = 0;
   HotKeySketch sketch;
+  // As primary, one entry per key with copies (or copies on the way or going away):
+  //   copying -> serving -> withdrawing -> (erased)
+  // copying: REPLICA_PUTs in flight, no hints yet; a write meanwhile marks it cancelled and is
+  //   acknowledged at once (no client can read those copies), they are dropped when they land.
+  // serving: `nodes` hold `version`; GET replies hint them.
+  // withdrawing: INVALIDATEs sent (a write, or the key cooled); no hints. Ends when every node
+  //   confirmed, or when kWithdrawWait has passed (every hint a client holds has expired by
+  //   then); writes of the key wait for that before they are acknowledged.
+  enum class CopyState { kCopying, kServing, kWithdrawing };
   struct ReplicaSet {
-    std::vector<int> nodes;  // nodes holding a copy of `version`
+    CopyState state = CopyState::kCopying;
+    uint64_t attempt = 0;
     uint64_t version = 0;
-    bool pending = true;     // copies being made; no hints until done
-    bool cancelled = false;  // written meanwhile: the copies are dropped when they land
+    std::vector<int> nodes;  // nodes holding a copy of `version` (serving, withdrawing)
+    bool cancelled = false;  // copying: written meanwhile
+    size_t unconfirmed = 0;  // withdrawing: INVALIDATEs not yet confirmed
+    std::vector<std::function<void()>> waiters;  // withdrawing: writes to acknowledge after
   };
+  // Client hints live kHintTtl (1 s) from the reply that carried them; half a second more covers
+  // a reply still on its way when withdrawing began.
+  static constexpr auto kWithdrawWait = std::chrono::milliseconds(1500);
   std::unordered_map<std::string, ReplicaSet> registry;  // as primary
+  // Replication attempts are numbered from the boot time (microseconds), so they increase across
+  // restarts too and a replica's floor from before a restart never refuses a new attempt.
+  uint64_t next_attempt = 0;
   // Keys whose copies a write just invalidated: not copied again until then, so a key that is
   // written often does not churn copies on every write.
   std::unordered_map<std::string, Clock::time_point> copy_again_after;
-  std::unordered_map<std::string, uint64_t> replica_version;  // as replica: version held
-  // As replica: invalidated up to `version`. A floor only has to outlive the hints and the
-  // installs in flight that could name an older version (hints live 1 s on clients, installs
-  // are sent with a 500 ms deadline), so floors expire after kFloorLifetime: the table is bounded
-  // by the invalidation rate, not by the number of keys ever invalidated.
-  struct Floor {
+  // The node's read load: every row served, decayed like the sketch (about 2x the rate).
+  double node_read_count = 0;
+  bool node_overloaded = false;
+  int copy_tokens = 0;  // replications this node may still start this second
+  struct PeerLoad {
+    uint64_t reads_per_s = 0;
+    Clock::time_point at;  // when it was reported; reports older than 3 s are not counted
+  };
+  std::vector<PeerLoad> peer_load;
+  std::vector<Clock::time_point> report_again_after;  // a peer that did not answer: back off
+  // As replica: the copy held of each key (one attempt of one version).
+  struct HeldCopy {
     uint64_t version = 0;
+    uint64_t attempt = 0;
+  };
+  std::unordered_map<std::string, HeldCopy> replica_version;
+  // As replica: installs of attempts up to `attempt` are refused (that attempt was invalidated).
+  // A floor only has to outlive the installs in flight that could name such an attempt (they
+  // are sent with a 500 ms budget and dropped past it), so floors expire after kFloorLifetime:
+  // the table is bounded by the invalidation rate, not by the number of keys ever invalidated.
+  struct Floor {
+    uint64_t attempt = 0;
     Clock::time_point set_at;
   };
   static constexpr auto kFloorLifetime = std::chrono::seconds(10);
   std::unordered_map<std::string, Floor> replica_floor;
-  bool CoveredByFloor(const std::string& key, uint64_t version) const;
+  bool CoveredByFloor(const std::string& key, uint64_t attempt) const;
   struct PeerCall {
     int node;
     ConnId conn;  // a reply counts only on the connection the call went out on
@@ -120,7 +155,7 @@ struct Server::Impl {
   std::vector<std::pair<Clock::time_point, std::function<void()>>> timers;
   Clock::time_point last_decay = Clock::now();
 
-  bool replication_on() const { return options.hot_reads_per_s > 0; }
+  bool replication_on() const { return replica_cache != nullptr; }
 
   // I/O-thread state.
   std::unordered_map<ConnId, bool> authenticated;
@@ -179,9 +214,11 @@ struct Server::Impl {
   // From an executor thread: hand the reply to the I/O thread.
   void PostReply(std::function<void()> fn) { transport->Post(std::move(fn)); }
 
-  // Reads a batch payload fully into a buffer, then continues on an executor.
+  // Reads a batch payload fully into a buffer, then continues on an executor (or, with
+  // on_executor false, on the I/O thread).
   void ReadPayloadThen(const Req& r, std::unique_ptr<Incoming> msg,
-                       std::function<void(Status, std::shared_ptr<PayloadBuffer>)> next);
+                       std::function<void(Status, std::shared_ptr<PayloadBuffer>)> next,
+                       bool on_executor = true);
 
   // --- dispatch (I/O thread) ---
   void OnMessage(std::unique_ptr<Incoming> msg);
@@ -232,34 +269,55 @@ struct Server::Impl {
 
   // ---------------- adaptive replication (I/O thread unless noted) ----------------
 
-  // Counts a read of a key this node serves as primary; starts copying it when it turns hot.
+  // Counts a read of a key this node serves as primary (replication on); starts copying it when
+  // it turns hot.
   void CountRead(const std::string& key);
+  // Counts a row served of any kind (the node's load): every get, batch row and replica read.
+  void CountRow() {
+    node_read_count += 1;
+    counters.rows_read.fetch_add(1, std::memory_order_relaxed);
+  }
 
   std::vector<int> ReplicaTargets(const std::string& key) const;
 
   void StartReplication(const std::string& key);
 
-  void ReplicationDone(const std::string& key, uint64_t version, const std::vector<int>& nodes);
+  void ReplicationDone(const std::string& key, uint64_t attempt, uint64_t version,
+                       const std::vector<int>& nodes);
 
   // Before a write or delete of `keys` is acknowledged: every copy of an older version becomes
   // unreadable. Runs `reply` when that holds (at once for keys that are not replicated).
   void AfterWrite(const std::vector<std::string>& keys, std::function<void()> reply);
 
-  // Once a second, after the decay: copies of keys that cooled down are dropped.
+  // serving -> withdrawing: INVALIDATE to every holder; ends as ReplicaSet says.
+  void Withdraw(const std::string& key, const char* why);
+  void FinishWithdraw(const std::string& key, uint64_t attempt);
+
+  // Once a second: decay, load exchange, cooling, floors.
+  void ReplicationTick(Clock::time_point now);
+  void ReportLoad(Clock::time_point now, uint64_t reads_per_s);
+  void HandleLoadReport(const Req& r, std::string_view body);
+
+  // Once a second, after the decay: copies of keys that cooled down are withdrawn.
   void CoolDown();
 
   void PruneFloors(Clock::time_point now);
 
-  static std::string ReplicaKey(const std::string& key, uint64_t version);
+  static std::string ReplicaKey(const std::string& key, const HeldCopy& copy);
 
-  // As a replica node: install a copy (unless a newer invalidation already covers it).
+  // As a replica node: install a copy (unless an invalidation of its attempt came first).
   void HandleReplicaPut(const Req& r, std::string_view body, std::unique_ptr<Incoming> msg);
 
-  void InstallReplica(const std::string& key, uint64_t version);
+  // Whether the copy (now in the replica cache) became the one served; when not, it is dropped.
+  bool InstallReplica(const std::string& key, const HeldCopy& copy);
 
-  void DropReplicaCopy(const std::string& key, uint64_t version);
+  void DropReplicaCopy(const std::string& key, const HeldCopy& copy);
 
   void HandleInvalidate(const Req& r, std::string_view body);
+
+  // As a replica node, for a MultiGet row: the replica cache key of the copy of exactly
+  // `version`, or "" when this node holds none.
+  std::string ReplicaRowKey(const std::string& key, uint64_t version) const;
 
   // As a replica node: serve a copy only for the exact version the client's hint named, and
   // never one an invalidation has covered.

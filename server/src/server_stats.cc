@@ -9,7 +9,7 @@ namespace w = wire;
 namespace {
 
 constexpr int kFirstOp = static_cast<int>(w::Opcode::kPing);
-constexpr int kLastOp = static_cast<int>(w::Opcode::kInvalidate);
+constexpr int kLastOp = static_cast<int>(w::Opcode::kLoadReport);
 
 std::string TierLabel(int t) { return std::string(TierName(static_cast<gkv::Tier>(t))); }
 
@@ -81,6 +81,10 @@ std::string RenderStatsJson(const std::string& node_id, const CacheStats& st,
   j += ",\"dropped\":" + std::to_string(counters.replicas_dropped.load());
   j += ",\"installed\":" + std::to_string(counters.replica_installs.load());
   j += ",\"reads_served\":" + std::to_string(counters.replica_reads.load());
+  j += ",\"refused\":" + std::to_string(counters.replica_refused.load());
+  j += ",\"rows_read\":" + std::to_string(counters.rows_read.load());
+  j += ",\"reads_per_s\":" + std::to_string(counters.reads_per_s.load());
+  j += std::string(",\"overloaded\":") + (counters.overloaded.load() ? "true" : "false");
   j += ",\"tiers\":{";
   for (int t = 0; t < 2; ++t) {
     if (t) j += ",";
@@ -197,6 +201,12 @@ std::string RenderPrometheus(const std::string& node_id, const CacheStats& st,
   family("gkv_replica_reads_total", "counter",
          "Reads this node served from copies it holds for other primaries.");
   sample("gkv_replica_reads_total", "", counters.replica_reads.load());
+  family("gkv_rows_read_total", "counter",
+         "Rows read from this node (gets, batch rows, replica reads): the load replication evens.");
+  sample("gkv_rows_read_total", "", counters.rows_read.load());
+  family("gkv_read_load_overloaded", "gauge",
+         "1 while this node's read load is above the cluster's mean by more than the slack.");
+  sample("gkv_read_load_overloaded", "", counters.overloaded.load() ? 1 : 0);
   family("gkv_replica_used_bytes", "gauge", "Bytes of copies held for other primaries, by tier.");
   for (int t = 0; t < 2; ++t) {
     sample("gkv_replica_used_bytes", "tier=\"" + TierLabel(t) + "\"", rep.tiers[t].used_bytes);

@@ -29,6 +29,14 @@ struct ServerCounters {
   // copies it installed for other primaries, and reads it served from those copies.
   std::atomic<uint64_t> replicas_created{0}, replicas_dropped{0};
   std::atomic<uint64_t> replica_installs{0}, replica_reads{0};
+  // Installs this node refused (an invalidation of that attempt came first, or a newer copy is
+  // held): the primary counts and hints only real installs.
+  std::atomic<uint64_t> replica_refused{0};
+  // Rows read from this node, of every kind (get, each MultiGet row, replica reads): the load
+  // adaptive replication evens out; and the rate it last reported to its peers (gauge).
+  std::atomic<uint64_t> rows_read{0};
+  std::atomic<uint64_t> reads_per_s{0};
+  std::atomic<bool> overloaded{false};  // its read load is above the cluster's mean (gauge)
 
   void RecordLatency(wire::Opcode op, uint64_t ns) {
     std::lock_guard<std::mutex> lock(latency_mu);

@@ -25,7 +25,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::vector<BatchPutResult> puts;
   ReplyStatus rs;
   ObjectMeta meta;
-  uint64_t version;
+  uint64_t version, attempt;
+  std::vector<uint64_t> key_versions;
   size_t block;
   switch (selector % 8) {
     case 0:
@@ -50,10 +51,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
             (void)DecodeHello(body, &key);
             break;
           case Opcode::kReplicaPut:
-            if (DecodeReplicaPut(body, &put, &version).ok()) (void)put.tensor.Validate(put.size);
+            if (DecodeReplicaPut(body, &put, &version, &attempt).ok()) {
+              (void)put.tensor.Validate(put.size);
+            }
             break;
           case Opcode::kInvalidate:
-            (void)DecodeInvalidate(body, &key, &version);
+            (void)DecodeInvalidate(body, &key, &version, &attempt);
+            break;
+          case Opcode::kLoadReport:
+            (void)DecodeLoadReport(body, &version);
             break;
           case Opcode::kPeerHello: {
             // Decoded before any authentication: the most exposed decoder.
@@ -68,6 +74,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       break;
     case 1:
       (void)DecodeKeyList(in, &keys);
+      (void)DecodeKeyList(in, &keys, &key_versions);
       break;
     case 2:
       (void)DecodeBatchPutBlock(in, &items, &block);

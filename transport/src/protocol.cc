@@ -1,5 +1,7 @@
 #include "gkv/transport/protocol.h"
 
+#include <algorithm>
+
 #include "gkv/bytes.h"
 
 namespace gkv::wire {
@@ -70,6 +72,8 @@ std::string_view OpcodeName(Opcode op) {
       return "invalidate";
     case Opcode::kPeerHello:
       return "peer_hello";
+    case Opcode::kLoadReport:
+      return "load_report";
   }
   return "unknown";
 }
@@ -109,7 +113,7 @@ Status DecodeMessage(const void* data, size_t size, Header* h, std::string_view*
     return Status::ProtocolError("message shorter than the 24-byte header");
   }
   if (opcode < static_cast<uint8_t>(Opcode::kPing) ||
-      opcode > static_cast<uint8_t>(Opcode::kPeerHello)) {
+      opcode > static_cast<uint8_t>(Opcode::kLoadReport)) {
     return Status::ProtocolError("unknown opcode " + std::to_string(opcode));
   }
   if (body_len != r.remaining()) {
@@ -176,22 +180,30 @@ Status DecodePeerHello(std::string_view body, std::string* node_id, std::string*
   return Status::OK();
 }
 
-std::string EncodeKeyList(const std::vector<std::string>& keys) {
+std::string EncodeKeyList(const std::vector<std::string>& keys,
+                          const std::vector<uint64_t>* versions) {
   std::string out;
   ByteWriter w(&out);
   w.U32(static_cast<uint32_t>(keys.size()));
-  for (const auto& k : keys) w.String(k);
+  for (size_t i = 0; i < keys.size(); ++i) {
+    w.String(keys[i]);
+    if (versions) w.U64((*versions)[i]);
+  }
   return out;
 }
 
-Status DecodeKeyList(std::string_view block, std::vector<std::string>* keys) {
+Status DecodeKeyList(std::string_view block, std::vector<std::string>* keys,
+                     std::vector<uint64_t>* versions) {
   ByteReader r(block);
   uint32_t n = 0;
-  // Each key needs at least its 4-byte length: a count beyond that is a lie.
-  if (!r.U32(&n) || n > kMaxBatch || n > r.remaining() / 4) return Malformed("key list");
+  // Each key needs at least its 4-byte length (and its version): a count beyond that is a lie.
+  const size_t min_entry = versions ? 12 : 4;
+  if (!r.U32(&n) || n > kMaxBatch || n > r.remaining() / min_entry) return Malformed("key list");
   keys->resize(n);
-  for (auto& k : *keys) {
-    if (!r.String(&k, kMaxKeySize)) return Malformed("key list");
+  if (versions) versions->assign(n, 0);
+  for (uint32_t i = 0; i < n; ++i) {
+    if (!r.String(&(*keys)[i], kMaxKeySize)) return Malformed("key list");
+    if (versions && !r.U64(&(*versions)[i])) return Malformed("key list");
   }
   if (r.remaining() != 0) return Malformed("key list");
   return Status::OK();
@@ -292,26 +304,49 @@ Status DecodeReplicaGet(std::string_view body, std::string* key, uint64_t* versi
   return Status::OK();
 }
 
-std::string EncodeReplicaPut(const PutRequest& p, uint64_t version) {
+std::string EncodeReplicaPut(const PutRequest& p, uint64_t version, uint64_t attempt) {
   std::string out = EncodePutRequest(p);
-  ByteWriter(&out).U64(version);
+  ByteWriter w(&out);
+  w.U64(version);
+  w.U64(attempt);
   return out;
 }
 
-Status DecodeReplicaPut(std::string_view body, PutRequest* p, uint64_t* version) {
-  if (body.size() < 8) return Malformed("replica put");
-  GKV_RETURN_IF_ERROR(DecodePutRequest(body.substr(0, body.size() - 8), p));
-  ByteReader r(body.substr(body.size() - 8));
+Status DecodeReplicaPut(std::string_view body, PutRequest* p, uint64_t* version,
+                        uint64_t* attempt) {
+  if (body.size() < 16) return Malformed("replica put");
+  GKV_RETURN_IF_ERROR(DecodePutRequest(body.substr(0, body.size() - 16), p));
+  ByteReader r(body.substr(body.size() - 16));
   r.U64(version);
+  r.U64(attempt);
   return Status::OK();
 }
 
-std::string EncodeInvalidate(std::string_view key, uint64_t version) {
-  return EncodeReplicaGet(key, version);
+std::string EncodeInvalidate(std::string_view key, uint64_t version, uint64_t attempt) {
+  std::string out = EncodeReplicaGet(key, version);
+  ByteWriter(&out).U64(attempt);
+  return out;
 }
 
-Status DecodeInvalidate(std::string_view body, std::string* key, uint64_t* version) {
-  return DecodeReplicaGet(body, key, version);
+Status DecodeInvalidate(std::string_view body, std::string* key, uint64_t* version,
+                        uint64_t* attempt) {
+  if (body.size() < 8) return Malformed("invalidate");
+  GKV_RETURN_IF_ERROR(DecodeReplicaGet(body.substr(0, body.size() - 8), key, version));
+  ByteReader r(body.substr(body.size() - 8));
+  r.U64(attempt);
+  return Status::OK();
+}
+
+std::string EncodeLoadReport(uint64_t reads_per_s) {
+  std::string out;
+  ByteWriter(&out).U64(reads_per_s);
+  return out;
+}
+
+Status DecodeLoadReport(std::string_view body, uint64_t* reads_per_s) {
+  ByteReader r(body);
+  if (!r.U64(reads_per_s) || r.remaining() != 0) return Malformed("load report");
+  return Status::OK();
 }
 
 std::string EncodePutReply(const Status& s, uint64_t version) {
@@ -352,7 +387,11 @@ std::string EncodeBatchGetBlock(const std::vector<BatchGetResult>& results) {
   w.U32(static_cast<uint32_t>(results.size()));
   for (const auto& res : results) {
     w.U8(static_cast<uint8_t>(res.code));
-    if (res.code == StatusCode::kOk) WriteMeta(w, res.meta);
+    if (res.code != StatusCode::kOk) continue;
+    WriteMeta(w, res.meta);
+    const size_t n = std::min<size_t>(res.hint.size(), UINT8_MAX);
+    w.U8(static_cast<uint8_t>(n));
+    for (size_t i = 0; i < n; ++i) w.U16(res.hint[i]);
   }
   return out;
 }
@@ -369,9 +408,13 @@ Status DecodeBatchGetBlock(std::string_view payload, std::vector<BatchGetResult>
     if (!r.U8(&code) || !ValidCode(code)) return Malformed("batch get block");
     res.code = static_cast<StatusCode>(code);
     if (res.code == StatusCode::kOk) {
-      if (!ReadMeta(r, &res.meta) || res.meta.size > payload.size()) {
+      uint8_t hints = 0;
+      if (!ReadMeta(r, &res.meta) || res.meta.size > payload.size() || !r.U8(&hints) ||
+          r.remaining() < 2u * hints) {
         return Malformed("batch get block");
       }
+      res.hint.resize(hints);
+      for (auto& h : res.hint) r.U16(&h);
       total += res.meta.size;
     }
   }

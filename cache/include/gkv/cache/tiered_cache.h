@@ -79,6 +79,9 @@ struct CacheOptions {
   uint64_t max_key_size = 1024;
   int index_shards = 16;
   std::chrono::milliseconds promotion_window{10'000};
+  // false: reads never promote (the admission rule is off); an entry stays in the tier it was
+  // written to or spilled to. A replica cache uses this: its copies are installed in the top tier.
+  bool promote_on_read = true;
 };
 
 struct ObjectInfo {

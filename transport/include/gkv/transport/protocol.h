@@ -21,7 +21,7 @@
 namespace gkv::wire {
 
 inline constexpr uint32_t kMagic = 0x31564B47;  // "GKV1" read as little-endian
-inline constexpr uint8_t kVersion = 2;
+inline constexpr uint8_t kVersion = 3;
 inline constexpr size_t kFixedHeaderSize = 24;
 inline constexpr unsigned kAmRequest = 0x6b1;
 inline constexpr unsigned kAmReply = 0x6b2;
@@ -44,6 +44,7 @@ enum class Opcode : uint8_t {
   kReplicaPut = 10,  // primary -> replica node: install a copy of a hot key's version
   kInvalidate = 11,  // primary -> replica node: drop copies of a key up to a version
   kPeerHello = 12,   // first message on a node -> node connection: the caller's node id
+  kLoadReport = 13,  // node -> node, once a second: the sender's read rate (replication)
 };
 std::string_view OpcodeName(Opcode op);
 
@@ -51,6 +52,9 @@ std::string_view OpcodeName(Opcode op);
 inline constexpr uint16_t kFlagDurable = 1 << 0;  // put/multiput: write through to disk
 inline constexpr uint16_t kFlagReplicaRead =
     1 << 1;  // get: read a replica copy (body adds u64 version)
+// mget: every key of the list carries a u64 version; 0 reads the node's own object, any other
+// value reads the replica copy of exactly that version (as kFlagReplicaRead does for a get).
+inline constexpr uint16_t kFlagVersionedKeys = 1 << 2;
 
 struct Header {
   Opcode opcode = Opcode::kPing;
@@ -96,9 +100,12 @@ Status DecodeHello(std::string_view body, std::string* secret);
 std::string EncodePeerHello(std::string_view node_id, std::string_view peer_secret);
 Status DecodePeerHello(std::string_view body, std::string* node_id, std::string* peer_secret);
 
-// MultiGet: the body is empty; the payload is this block.
-std::string EncodeKeyList(const std::vector<std::string>& keys);
-Status DecodeKeyList(std::string_view block, std::vector<std::string>* keys);
+// MultiGet: the body is empty; the payload is this block. With `versions` (same length as
+// keys; the request then has kFlagVersionedKeys) each key is followed by its u64 version.
+std::string EncodeKeyList(const std::vector<std::string>& keys,
+                          const std::vector<uint64_t>* versions = nullptr);
+Status DecodeKeyList(std::string_view block, std::vector<std::string>* keys,
+                     std::vector<uint64_t>* versions = nullptr);
 
 // MultiPut: the payload is this block followed by the values in order; the body is empty.
 struct BatchPutItem {
@@ -133,12 +140,21 @@ Status DecodeObjectReply(std::string_view body, ReplyStatus* status, ObjectMeta*
 std::string EncodeReplicaGet(std::string_view key, uint64_t version);
 Status DecodeReplicaGet(std::string_view body, std::string* key, uint64_t* version);
 
-// ReplicaPut: key, version (the primary's), tensor, size; the payload is the value.
-// Invalidate: key, version: copies of versions <= it must become unreadable.
-std::string EncodeReplicaPut(const PutRequest& r, uint64_t version);
-Status DecodeReplicaPut(std::string_view body, PutRequest* r, uint64_t* version);
-std::string EncodeInvalidate(std::string_view key, uint64_t version);
-Status DecodeInvalidate(std::string_view body, std::string* key, uint64_t* version);
+// ReplicaPut: key, tensor, size, then the version (the primary's) and the replication attempt
+// it belongs to; the payload is the value. A replica answers OK only when it installed the copy.
+// Invalidate: key, version, attempt: copies of versions <= `version` must become unreadable,
+// and installs of attempts <= `attempt` still in flight must be refused.
+// Attempts are numbered by the primary, increasing (across restarts too: they start from the
+// boot time), so a key that cooled and turns hot again is copied under a new attempt.
+std::string EncodeReplicaPut(const PutRequest& r, uint64_t version, uint64_t attempt);
+Status DecodeReplicaPut(std::string_view body, PutRequest* r, uint64_t* version, uint64_t* attempt);
+std::string EncodeInvalidate(std::string_view key, uint64_t version, uint64_t attempt);
+Status DecodeInvalidate(std::string_view body, std::string* key, uint64_t* version,
+                        uint64_t* attempt);
+
+// LoadReport: the sender's reads per second (rows served, all kinds), rounded.
+std::string EncodeLoadReport(uint64_t reads_per_s);
+Status DecodeLoadReport(std::string_view body, uint64_t* reads_per_s);
 
 // Put: status, then (when OK) the new version.
 std::string EncodePutReply(const Status& s, uint64_t version);
@@ -149,10 +165,12 @@ std::string EncodePingReply(const Status& s, std::string_view node_id);
 Status DecodePingReply(std::string_view body, ReplyStatus* status, std::string* node_id);
 
 // MultiGet reply: body = status. Payload = block of per-key results, then the values of the
-// found keys in request order.
+// found keys in request order. A found row carries a replica hint as a GET reply does (u8
+// count, count x u16 node index; count 0 when the key has no readable copies).
 struct BatchGetResult {
   StatusCode code = StatusCode::kOk;
-  ObjectMeta meta;  // when code is OK
+  ObjectMeta meta;             // when code is OK
+  std::vector<uint16_t> hint;  // when code is OK: nodes holding a copy of meta.version
 };
 std::string EncodeBatchGetBlock(const std::vector<BatchGetResult>& results);
 Status DecodeBatchGetBlock(std::string_view payload, std::vector<BatchGetResult>* results,
