@@ -322,7 +322,9 @@ void RunReplicationChecker(const CheckerOptions& opt) {
   EXPECT_EQ(backwards.load(), 0u);
   EXPECT_EQ(errors.load(), 0u) << first_error;
   EXPECT_GT(served, 0u) << "the copies never served a read: the test did not exercise them";
-  if (opt.rotate_hot_set) EXPECT_GT(cooled, 0u) << "no key cooled: the test did not exercise it";
+  if (opt.rotate_hot_set) {
+    EXPECT_GT(cooled, 0u) << "no key cooled: the test did not exercise it";
+  }
 }
 
 TEST(ReplicationTest, NoReadIsOlderThanAnAcknowledgedWriteAbsoluteRate) {
@@ -330,7 +332,10 @@ TEST(ReplicationTest, NoReadIsOlderThanAnAcknowledgedWriteAbsoluteRate) {
 }
 
 TEST(ReplicationTest, NoReadIsOlderThanAnAcknowledgedWriteDefaultsWithAStoppedReplica) {
-  RunReplicationChecker({.stop_a_replica = true, .duration = std::chrono::milliseconds(6000)});
+  CheckerOptions opt;  // default server flags
+  opt.stop_a_replica = true;
+  opt.duration = std::chrono::milliseconds(6000);
+  RunReplicationChecker(opt);
 }
 
 // About 450 reads/s a key while its half is read (a third of that at the primary once copied):
