@@ -10,7 +10,9 @@
 #   zipf0.99    single gets, 64 KiB values, zipf 0.99 over 1000 keys
 #   zipf1.2     the same at zipf 1.2
 # For each it prints throughput, p99, and the busiest node's share of the rows read (gets, batch
-# rows and reads served by copies, from the nodes' stats), against an even share of 33.3%.
+# rows and reads served by copies, from the nodes' stats), against an even share of 33.3%, and a
+# third run with uniform keys (replication off) as the reference of what the links allow when
+# the load is even.
 # Everything it creates (namespaces, veths, tc qdiscs, processes) is removed on exit; processes
 # are stopped by pid. Needs root, iproute2 and build/.
 #   bench/replication_netns.sh [SECONDS] [RATE] [WORKLOADS...]
@@ -58,9 +60,9 @@ for i in $(seq 0 $((N - 1))); do
   ip netns exec "gkvb$i" tc qdisc add dev "gkvb$i-n" root tbf rate "$RATE" burst 256kb latency 50ms
 done
 
-run() {  # label workload extra-server-args...
-  local label=$1 workload=$2
-  shift 2
+run() {  # label workload dist extra-server-args...   (dist "" keeps the workload's own)
+  local label=$1 workload=$2 dist=$3
+  shift 3
   echo "nodes:" > "$DIR/cluster.yaml"
   for i in $(seq 0 $((N - 1))); do
     echo "  - {id: n$i, address: 10.77.0.$((11 + i)):7000}" >> "$DIR/cluster.yaml"
@@ -78,12 +80,13 @@ run() {  # label workload extra-server-args...
   done
   local load=()
   case $workload in
-    embeddings) load=(--workload embeddings) ;;
-    zipf0.99) load=(--keys 1000 --key-dist zipf:0.99 --value-size 64KiB --ratio 1:0) ;;
-    zipf1.2) load=(--keys 1000 --key-dist zipf:1.2 --value-size 64KiB --ratio 1:0) ;;
+    embeddings) load=(--workload embeddings --key-dist "${dist:-zipf:0.99}") ;;
+    zipf0.99) load=(--keys 1000 --key-dist "${dist:-zipf:0.99}" --value-size 64KiB --ratio 1:0) ;;
+    zipf1.2) load=(--keys 1000 --key-dist "${dist:-zipf:1.2}" --value-size 64KiB --ratio 1:0) ;;
     *) echo "unknown workload $workload" >&2; return 1 ;;
   esac
-  export UCX_NET_DEVICES=gkvb-br
+  # UCX >= 1.15 leaves bridge devices out unless asked.
+  export UCX_NET_DEVICES=gkvb-br UCX_TCP_BRIDGE_ENABLE=y
   build/bin/gkv-bench --cluster "$DIR/cluster.yaml" --threads 2 --connections 4 "${load[@]}" \
     --duration "$SECS" --warmup 3 --json "$DIR/$label.json" > "$DIR/$label.bench.log" 2>&1 ||
     { tail -n 20 "$DIR/$label.bench.log" "$DIR/$label"-node*.log >&2; return 1; }
@@ -111,7 +114,14 @@ PY
 }
 
 echo "3 nodes, node egress limited to $RATE each; ${SECS}s per run (+3 s warm-up)"
+echo "(-even: the same workload with uniform keys and replication off, the links' even-load rate)"
 for w in "${WORKLOADS[@]}"; do
-  run "$w-default" "$w"
-  run "$w-off" "$w" --replicate-hot off
+  run "$w-default" "$w" ""
+  run "$w-off" "$w" "" --replicate-hot off
+  run "$w-even" "$w" uniform --replicate-hot off
+  python3 - "$DIR/$w-default.json" "$DIR/$w-even.json" <<'PY'
+import json, sys
+d, e = (json.load(open(f)) for f in sys.argv[1:3])
+print(f"  default / even: {d['gb_per_s'] / e['gb_per_s']:.2f}x throughput")
+PY
 done

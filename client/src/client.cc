@@ -7,6 +7,7 @@
 #include <unordered_map>
 
 #include "gkv/cuda.h"
+#include "gkv/hash.h"
 #include "gkv/log.h"
 #include "gkv/transport/protocol.h"
 #include "gkv/transport/ucx_transport.h"
@@ -81,6 +82,18 @@ struct Client::Impl {
     std::chrono::milliseconds backoff{0};
   };
   std::vector<NodeHealth> health;
+  // Nodes whose copy was too slow to answer a replica read: not picked for copies until then
+  // (their primaries answer instead; the node may be fine for its own keys).
+  std::vector<Clock::time_point> copies_avoided_until;
+  // Worker-thread timers (the batch reads' hedges), run from OnTick: a min-heap on the time, so
+  // a loop pass with nothing due costs one comparison.
+  using Timer = std::pair<Clock::time_point, std::function<void()>>;
+  static bool LaterTimer(const Timer& a, const Timer& b) { return a.first > b.first; }
+  std::vector<Timer> timers;
+  void AddTimer(Clock::time_point at, std::function<void()> fn) {
+    timers.emplace_back(at, std::move(fn));
+    std::push_heap(timers.begin(), timers.end(), LaterTimer);
+  }
   std::vector<ConnId> node_conn;
   std::unordered_map<ConnId, int> node_of_conn;
   std::unordered_map<uint64_t, PendingPtr> pending;
@@ -160,6 +173,7 @@ struct Client::Impl {
 
   void OnTick() {
     const auto now = Clock::now();
+    if (!timers.empty()) RunTimers(now);
     while (!deadlines.empty() && deadlines.top().first <= now) {
       const uint64_t id = deadlines.top().second;
       deadlines.pop();
@@ -172,6 +186,15 @@ struct Client::Impl {
       // Bytes still moving into or out of the caller's buffer: the connection goes, so the
       // buffer is released before the caller sees the timeout.
       if (p->io > 0) FailNode(p->node, timeout, /*force_close=*/true);
+    }
+  }
+
+  void RunTimers(Clock::time_point now) {
+    while (!timers.empty() && timers.front().first <= now) {
+      std::pop_heap(timers.begin(), timers.end(), LaterTimer);
+      std::function<void()> fn = std::move(timers.back().second);
+      timers.pop_back();
+      fn();  // may add timers
     }
   }
 
@@ -376,14 +399,24 @@ struct Client::Impl {
   };
   std::unordered_map<std::string, Hint> hints;
   std::mt19937_64 hint_rng{0x9e3779b97f4a7c15ULL};
+  // The newest version this client was answered for recently read keys, by key hash in a
+  // direct-mapped table (a slot holds the last key that hashed there): a hint older than it is
+  // refused even when the key has no hint entry (two reads of one key in flight at once).
+  static constexpr size_t kSeenSlots = 4096;
+  std::vector<std::pair<uint64_t, uint64_t>> seen_version =
+      std::vector<std::pair<uint64_t, uint64_t>>(kSeenSlots);
 
-  // Hints only move forward: a reply of an older version than the one a hint (or a newer reply)
-  // recorded never takes its place, so this client never reads v2 and then v1 from a copy.
+  // Hints only move forward: a reply of an older version than this client already knows for
+  // the key never takes its place, so this client never reads v2 and then v1 from a copy.
   void RememberHint(const std::string& key, uint64_t version, std::vector<uint16_t> nodes,
                     Clock::time_point sent) {
     for (uint16_t n : nodes) {
       if (n >= cluster.nodes.size()) return;  // a hint from a node with another cluster file
     }
+    const uint64_t h = HashKey(key);
+    auto& slot = seen_version[h % kSeenSlots];
+    if (slot.first == h && slot.second > version) return;
+    slot = {h, version};
     auto it = hints.find(key);
     if (it != hints.end()) {
       if (it->second.version > version) return;
@@ -391,8 +424,15 @@ struct Client::Impl {
       return;
     }
     if (nodes.empty()) return;  // nothing known of this key: keep the table to the hot few
-    if (hints.size() > 65536) hints.clear();  // bounded
+    if (hints.size() > 65536) hints.clear();  // bounded (the seen table still holds versions)
     hints.emplace(key, Hint{std::move(nodes), version, sent + kHintTtl});
+  }
+
+  // A copy of `key` missed or was late: read the primary until a new hint comes, keeping the
+  // version this client knows.
+  void DropCopies(const std::string& key) {
+    auto it = hints.find(key);
+    if (it != hints.end()) it->second.nodes.clear();
   }
 
   // Chooses where to read `key`: its primary (false), or a copy a fresh hint names (true, with
@@ -401,19 +441,24 @@ struct Client::Impl {
     if (hints.empty()) return false;
     auto it = hints.find(key);
     if (it == hints.end()) return false;
-    if (Clock::now() >= it->second.expires) {
-      hints.erase(it);
+    const auto now = Clock::now();
+    if (now >= it->second.expires) {
+      hints.erase(it);  // the seen table keeps its version
       return false;
     }
     const Hint& h = it->second;
     if (h.nodes.empty()) return false;
     const size_t pick = hint_rng() % (h.nodes.size() + 1);
     if (pick == 0) return false;  // the primary's turn
-    if (IsDown(h.nodes[pick - 1])) return false;
+    const int n = h.nodes[pick - 1];
+    if (IsDown(n) || now < copies_avoided_until[n]) return false;
     *node = h.nodes[pick - 1];
     *version = h.version;
     return true;
   }
+
+  void AvoidCopiesOn(int node) { copies_avoided_until[node] = Clock::now() + kAvoidSlowCopies; }
+  static constexpr auto kAvoidSlowCopies = std::chrono::seconds(2);
 
   Clock::time_point ReplicaDeadline(Clock::time_point deadline) const {
     const auto now = Clock::now();
@@ -432,12 +477,13 @@ struct Client::Impl {
     if (!PickCopy(key, &node, &version)) return false;
     GetOnNode(
         node, key, user_dst, capacity, dst_kind, ReplicaDeadline(deadline),
-        [this, key, done, fallback](Result<Value> r) {
+        [this, key, node, done, fallback](Result<Value> r) {
           if (r.ok()) return done(std::move(r));
           // Not the caller's error: a copy missing or late. A wrong-sized buffer or a refused
           // value is the caller's, and the primary would say the same.
           if (r.status().code() == StatusCode::kInvalidArgument) return done(std::move(r));
-          hints.erase(key);
+          if (r.status().code() == StatusCode::kTimeout) AvoidCopiesOn(node);
+          DropCopies(key);
           fallback();
         },
         version, accept);
@@ -457,6 +503,13 @@ struct Client::Impl {
     std::function<void()> done;
     int remaining = 0;
     std::vector<size_t> retry;
+  };
+  // One node's message of a batch read.
+  struct BatchPart {
+    std::vector<size_t> idx;     // rows (indices into keys)
+    std::vector<uint64_t> vers;  // per row: 0 the node's own, else the copy's version
+    bool answered = false;
+    bool hedged = false;  // its copy rows went to their primaries: ignore them here
   };
 
   void IssueBatchRead(const std::shared_ptr<BatchRead>& b, const std::vector<size_t>& rows,
@@ -495,18 +548,40 @@ struct Client::Impl {
           std::any_of(versions[n].begin(), versions[n].end(), [](uint64_t v) { return v != 0; });
       auto payload = std::make_shared<std::string>(
           w::EncodeKeyList(node_keys, any_copy ? &versions[n] : nullptr));
-      // A message of copies only gets the short budget of a replica read.
+      // A message of copies only gets the short budget of a replica read. One that also holds
+      // rows this node owns keeps the caller's deadline; should it not have answered within a
+      // replica read's budget, its copy rows are asked of their primaries meanwhile (a hedge),
+      // so a stalled node holding copies never turns healthy primaries' rows into timeouts.
       const Clock::time_point deadline =
           primary_rows[n] ? b->deadline : ReplicaDeadline(b->deadline);
+      auto part = std::make_shared<BatchPart>();
+      part->idx = std::move(by_node[n]);
+      part->vers = std::move(versions[n]);
+      if (primary_rows[n] && any_copy) {
+        AddTimer(ReplicaDeadline(b->deadline), [this, b, part, n] {
+          if (part->answered) return;
+          part->hedged = true;
+          AvoidCopiesOn(static_cast<int>(n));
+          std::vector<size_t> copy_rows;
+          for (size_t j = 0; j < part->idx.size(); ++j) {
+            if (part->vers[j] != 0) copy_rows.push_back(part->idx[j]);
+          }
+          IssueBatchRead(b, copy_rows, /*use_copies=*/false);
+        });
+      }
       b->remaining++;
       IssueWithPayloadReply(
           static_cast<int>(n), w::Opcode::kMultiGet, any_copy ? w::kFlagVersionedKeys : 0, "",
           payload, deadline,
-          [this, b, idx = std::move(by_node[n]), vers = std::move(versions[n]),
+          [this, b, part, n, primary = primary_rows[n],
            sent](Result<std::shared_ptr<std::string>> r) {
+            part->answered = true;
+            const std::vector<size_t>& idx = part->idx;
+            const std::vector<uint64_t>& vers = part->vers;
             std::vector<w::BatchGetResult> res;
             size_t block = 0;
             Status s = r.status();
+            if (!primary && s.code() == StatusCode::kTimeout) AvoidCopiesOn(static_cast<int>(n));
             if (s.ok()) s = w::DecodeBatchGetBlock(**r, &res, &block);
             if (s.ok() && res.size() != idx.size()) {
               s = Status::ProtocolError("batch reply has the wrong number of results");
@@ -515,6 +590,10 @@ struct Client::Impl {
             for (size_t j = 0; j < idx.size(); ++j) {
               const size_t i = idx[j];
               const bool copy = vers[j] != 0;
+              if (copy && part->hedged) {  // asked of its primary already
+                if (s.ok() && res[j].code == StatusCode::kOk) off += res[j].meta.size;
+                continue;
+              }
               if (copy && (!s.ok() || res[j].code != StatusCode::kOk)) {
                 b->retry.push_back(i);  // not the caller's miss: ask the primary
                 continue;
@@ -549,7 +628,7 @@ struct Client::Impl {
     if (!b->retry.empty()) {
       std::vector<size_t> again = std::move(b->retry);
       b->retry.clear();
-      for (size_t i : again) hints.erase((*b->keys)[i]);
+      for (size_t i : again) DropCopies((*b->keys)[i]);
       return IssueBatchRead(b, again, /*use_copies=*/false);
     }
     auto done = std::move(b->done);
@@ -654,6 +733,7 @@ Result<std::unique_ptr<Client>> Client::Open(const ClientOptions& options) {
   impl->ring = std::make_unique<HashRing>(impl->cluster.nodes);
   impl->node_conn.assign(impl->cluster.nodes.size(), 0);
   impl->health.assign(impl->cluster.nodes.size(), {});
+  impl->copies_avoided_until.assign(impl->cluster.nodes.size(), {});
   if (options.replicas < 1) return Status::InvalidArgument("replicas must be at least 1");
   Impl* raw = impl.get();
   UcxTransport::Handlers handlers;

@@ -194,112 +194,115 @@ void Server::Impl::HandleKeyOp(const Req& r, std::string_view body) {
 
 void Server::Impl::HandleMultiGet(const Req& r, std::unique_ptr<Incoming> msg) {
   const bool versioned = (r.h.flags & w::kFlagVersionedKeys) != 0;
-  ReadPayloadThen(
-      r, std::move(msg),
-      [this, r, versioned](Status s, std::shared_ptr<PayloadBuffer> buf) {
-        // I/O thread: count every row toward hotness and load, find the copies replica rows
-        // name, and note the hints of primary rows (checked again when the reply goes out).
-        struct Row {
-          std::string key;
-          uint64_t replica_version = 0;  // a replica row: the version its hint named
-          std::string replica_key;       // a replica row: the copy's key here ("" if none)
-          std::vector<uint16_t> hint;    // a primary row: copies of hint_version
-          uint64_t hint_version = 0;
-        };
-        std::vector<std::string> keys;
-        std::vector<uint64_t> versions;
-        if (s.ok()) s = w::DecodeKeyList(buf->view(), &keys, versioned ? &versions : nullptr);
-        if (!s.ok()) return ReplyStatus(r, s);
-        auto rows = std::make_shared<std::vector<Row>>(keys.size());
-        for (size_t i = 0; i < keys.size(); ++i) {
-          Row& row = (*rows)[i];
-          row.key = std::move(keys[i]);
-          CountRow();
-          if (versioned && versions[i] != 0) {
-            row.replica_version = versions[i];
-            if (replication_on()) row.replica_key = ReplicaRowKey(row.key, versions[i]);
-            continue;
-          }
-          if (!replication_on()) continue;
-          CountRead(row.key);
-          auto it = registry.find(row.key);
-          if (it != registry.end() && it->second.state == CopyState::kServing) {
-            row.hint_version = it->second.version;
-            row.hint = HintFor(row.key, row.hint_version);
-          }
-        }
-        SubmitRequestWork(r, [this, r, rows] {
-          if (r.Expired()) return PostReply([this, r] { ReplyStatus(r, DeadlinePassed()); });
-          auto results = std::make_shared<std::vector<w::BatchGetResult>>(rows->size());
-          std::vector<ReadHandle> handles;
-          std::vector<TieredCache*> owners;  // the cache each handle's bytes come from
-          handles.reserve(rows->size());
-          uint64_t total = 0;
-          for (size_t i = 0; i < rows->size(); ++i) {
-            const Row& row = (*rows)[i];
-            w::BatchGetResult& res = (*results)[i];
-            TieredCache* from = cache.get();
-            Result<ReadHandle> got = Status::NotFound("no replica of that version here");
-            if (row.replica_version == 0) {
-              got = cache->Acquire(row.key);
-            } else if (!row.replica_key.empty()) {
-              from = replica_cache.get();
-              got = replica_cache->Acquire(row.replica_key);
-            }
-            res.code = got.status().code();
-            if (!got.ok()) continue;
-            if (total + got->size() > options.max_batch_bytes) {
-              res.code = StatusCode::kNoSpace;  // the reply would be too large: ask again
-              continue;
-            }
-            res.meta = ToWire(got->info());
-            if (row.replica_version != 0) {
-              res.meta.version = row.replica_version;  // the primary's version
-              counters.replica_reads.fetch_add(1, std::memory_order_relaxed);
-            } else if (res.meta.version == row.hint_version) {
-              res.hint = row.hint;
-            }
-            total += got->size();
-            handles.push_back(std::move(*got));
-            owners.push_back(from);
-          }
-          // One reply: the result block, then every found value in order (gathered here).
-          auto payload = std::make_shared<std::string>(w::EncodeBatchGetBlock(*results));
-          const size_t block = payload->size();
-          payload->resize(block + total);
-          size_t off = block;
-          Status cs;
-          for (size_t j = 0; j < handles.size(); ++j) {
-            ReadHandle& hd = handles[j];
-            if (cs.ok()) {
-              cs = owners[j]->CopyBytes(payload->data() + off, MemoryKind::kHost, hd.data(),
-                                        hd.memory_kind(), hd.size());
-            }
-            off += hd.size();
-          }
-          handles.clear();
-          if (!cs.ok()) return PostReply([this, r, cs] { ReplyStatus(r, cs); });
-          PostReply([this, r, rows, results, payload, block] {
-            // A hint noted before the executor ran must still hold now: copies withdrawn
-            // meanwhile are never hinted (rare: the block is rebuilt without them).
-            bool changed = false;
-            for (size_t i = 0; i < rows->size(); ++i) {
-              w::BatchGetResult& res = (*results)[i];
-              if (res.hint.empty()) continue;
-              std::vector<uint16_t> now = HintFor((*rows)[i].key, res.meta.version);
-              if (now != res.hint) {
-                res.hint = std::move(now);
-                changed = true;
-              }
-            }
-            if (changed) {
-              *payload = w::EncodeBatchGetBlock(*results) + payload->substr(block);
-            }
-            ReplyPayload(r, payload);
-          });
-        });
-      },
-      /*on_executor=*/false);
+  // Executor: decode (up to a million rows) off the I/O thread.
+  ReadPayloadThen(r, std::move(msg),
+                  [this, r, versioned](Status s, std::shared_ptr<PayloadBuffer> buf) {
+                    std::vector<std::string> keys;
+                    std::vector<uint64_t> versions;
+                    if (s.ok())
+                      s = w::DecodeKeyList(buf->view(), &keys, versioned ? &versions : nullptr);
+                    if (!s.ok()) return PostReply([this, r, s] { ReplyStatus(r, s); });
+                    auto rows = std::make_shared<std::vector<BatchRow>>(keys.size());
+                    for (size_t i = 0; i < keys.size(); ++i) {
+                      (*rows)[i].key = std::move(keys[i]);
+                      if (versioned) (*rows)[i].replica_version = versions[i];
+                    }
+                    // I/O thread: count every row toward hotness and load, find the copies replica
+                    // rows name, and note the hints of primary rows (checked again when the reply
+                    // goes out).
+                    PostReply([this, r, rows] {
+                      for (BatchRow& row : *rows) {
+                        if (row.replica_version != 0) {
+                          if (replication_on())
+                            row.replica_key = ReplicaRowKey(row.key, row.replica_version);
+                          if (!row.replica_key.empty()) CountRow();
+                          continue;
+                        }
+                        CountRow();
+                        if (!replication_on()) continue;
+                        CountRead(row.key);
+                        auto it = registry.find(row.key);
+                        if (it != registry.end() && it->second.state == CopyState::kServing) {
+                          row.hint_version = it->second.version;
+                          row.hint = HintFor(row.key, row.hint_version);
+                        }
+                      }
+                      SubmitRequestWork(r, [this, r, rows] { ServeMultiGet(r, rows); });
+                    });
+                  });
+}
+
+void Server::Impl::ServeMultiGet(const Req& r, std::shared_ptr<std::vector<BatchRow>> rows) {
+  if (r.Expired()) return PostReply([this, r] { ReplyStatus(r, DeadlinePassed()); });
+  auto results = std::make_shared<std::vector<w::BatchGetResult>>(rows->size());
+  std::vector<ReadHandle> handles;
+  std::vector<TieredCache*> owners;  // the cache each handle's bytes come from
+  handles.reserve(rows->size());
+  uint64_t total = 0;
+  for (size_t i = 0; i < rows->size(); ++i) {
+    const BatchRow& row = (*rows)[i];
+    w::BatchGetResult& res = (*results)[i];
+    TieredCache* from = cache.get();
+    Result<ReadHandle> got = Status::NotFound("no replica of that version here");
+    if (row.replica_version == 0) {
+      got = cache->Acquire(row.key);
+    } else if (!row.replica_key.empty()) {
+      from = replica_cache.get();
+      got = replica_cache->Acquire(row.replica_key);
+    }
+    res.code = got.status().code();
+    if (!got.ok()) continue;
+    if (total + got->size() > options.max_batch_bytes) {
+      res.code = StatusCode::kNoSpace;  // the reply would be too large: ask again
+      continue;
+    }
+    res.meta = ToWire(got->info());
+    if (row.replica_version != 0) {
+      res.meta.version = row.replica_version;  // the primary's version
+      counters.replica_reads.fetch_add(1, std::memory_order_relaxed);
+    } else if (res.meta.version == row.hint_version) {
+      res.hint = row.hint;
+    }
+    total += got->size();
+    handles.push_back(std::move(*got));
+    owners.push_back(from);
+  }
+  // One reply: the result block, then every found value in order (gathered here).
+  auto payload = std::make_shared<std::string>(w::EncodeBatchGetBlock(*results));
+  const size_t block = payload->size();
+  payload->resize(block + total);
+  size_t off = block;
+  Status cs;
+  for (size_t j = 0; j < handles.size(); ++j) {
+    ReadHandle& hd = handles[j];
+    if (cs.ok()) {
+      cs = owners[j]->CopyBytes(payload->data() + off, MemoryKind::kHost, hd.data(),
+                                hd.memory_kind(), hd.size());
+    }
+    off += hd.size();
+  }
+  handles.clear();
+  if (!cs.ok()) return PostReply([this, r, cs] { ReplyStatus(r, cs); });
+  PostReply([this, r, rows, results, payload, block] {
+    // A hint noted before the executor ran must still hold now: copies withdrawn meanwhile are
+    // never hinted. Rare; the block is then rebuilt on an executor.
+    bool changed = false;
+    for (size_t i = 0; i < rows->size(); ++i) {
+      w::BatchGetResult& res = (*results)[i];
+      if (res.hint.empty()) continue;
+      std::vector<uint16_t> now = HintFor((*rows)[i].key, res.meta.version);
+      if (now != res.hint) {
+        res.hint = std::move(now);
+        changed = true;
+      }
+    }
+    if (!changed) return ReplyPayload(r, payload);
+    executors->Submit([this, r, results, payload, block] {
+      auto rebuilt = std::make_shared<std::string>(w::EncodeBatchGetBlock(*results));
+      rebuilt->append(*payload, block, std::string::npos);
+      PostReply([this, r, rebuilt] { ReplyPayload(r, rebuilt); });
+    });
+  });
 }
 
 void Server::Impl::HandleMultiPut(const Req& r, std::unique_ptr<Incoming> msg) {

@@ -71,12 +71,21 @@ struct HotnessRule {
   // included); a node alone (no reports) is never overloaded.
   bool Overloaded(double own_rate, double own_share, const std::vector<double>& rates,
                   const std::vector<double>& shares) const {
+    return Excess(own_rate, own_share, rates, shares) > 0 && own_rate >= min_key_reads_per_s;
+  }
+
+  // Reads/s above (1 + load_slack) times the node's share of the cluster's rate (0 when none):
+  // how much load copies should move elsewhere. Keys are copied, hottest first as they cross
+  // the bar, until their expected relief covers it, so a node a little over its share copies a
+  // key or two rather than every key above hot_share.
+  double Excess(double own_rate, double own_share, const std::vector<double>& rates,
+                const std::vector<double>& shares) const {
     double total_rate = 0, total_share = 0;
     for (double r : rates) total_rate += r;
     for (double s : shares) total_share += s;
-    if (rates.size() < 2 || total_share <= 0 || total_rate <= 0) return false;
+    if (rates.size() < 2 || total_share <= 0 || total_rate <= 0) return 0;
     const double expected = total_rate * own_share / total_share;
-    return own_rate > (1 + load_slack) * expected && own_rate >= min_key_reads_per_s;
+    return std::max(0.0, own_rate - (1 + load_slack) * expected);
   }
 
  private:

@@ -116,6 +116,13 @@ int main(int argc, char** argv) {
     }
     rule.mode = rate > 0 ? gkv::HotnessRule::Mode::kAbsolute : gkv::HotnessRule::Mode::kOff;
     rule.hot_reads_per_s = rate;
+    if (rate > 0 && cool_rate >= rate) {
+      std::fprintf(stderr,
+                   "gkv-server: --replicate-cool (%g) must be below --replicate-hot (%g), or a "
+                   "key near the rate would gain and lose its copies over and over\n",
+                   cool_rate, rate);
+      return 2;
+    }
   }
   rule.cool_reads_per_s = cool_rate;
   options.replication = rule;

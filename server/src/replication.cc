@@ -31,15 +31,25 @@ std::vector<uint16_t> Server::Impl::HintFor(const std::string& key, uint64_t ver
 }
 
 void Server::Impl::CountRead(const std::string& key) {
+  // Only the keys this node owns: a read served here for another primary (a client's failover
+  // with ClientOptions::replicas > 1) is not this node's to copy, and its versions are not the
+  // primary's.
+  if (ring->NodeFor(key) != self_index) return;
   const uint32_t est = sketch.Add(HashKey(key));
   if (!options.replication.IsHot(est, node_read_count, node_overloaded)) return;
-  if (copy_tokens <= 0 || registry.find(key) != registry.end()) return;
+  const bool relative = options.replication.mode == HotnessRule::Mode::kRelative;
+  if (copy_tokens <= 0 || (relative && shed_left <= 0)) return;
+  if (registry.find(key) != registry.end()) return;
   auto wait = copy_again_after.find(key);
   if (wait != copy_again_after.end()) {
     if (Clock::now() < wait->second) return;
     copy_again_after.erase(wait);
   }
+  if (executors->queued() >= options.max_queued_tasks / 2) return;  // requests come first
   --copy_tokens;
+  // The copies will take about hot_replicas / (hot_replicas + 1) of the key's reads off this
+  // node: enough keys to cover the excess are copied, not every key above the share.
+  shed_left -= est * static_cast<double>(options.hot_replicas) / (options.hot_replicas + 1);
   StartReplication(key);
 }
 
@@ -60,7 +70,8 @@ void Server::Impl::StartReplication(const std::string& key) {
   set.attempt = attempt;
   executors->Submit([this, key, targets, attempt] {
     auto got = cache->Acquire(key);
-    if (!got.ok()) {
+    // A value no replica budget can hold (peers have the same share) is not copied.
+    if (!got.ok() || got->size() > replica_cache->max_object_size()) {
       return PostReply([this, key, attempt] { ReplicationDone(key, attempt, 0, {}); });
     }
     auto bytes = std::make_shared<std::string>(got->size(), '\0');
@@ -93,6 +104,13 @@ void Server::Impl::ReplicationDone(const std::string& key, uint64_t attempt, uin
   auto it = registry.find(key);
   const bool ours = it != registry.end() && it->second.attempt == attempt &&
                     it->second.state == CopyState::kCopying;
+  // Targets that did not confirm may still install late (their call timed out here): tell them
+  // the attempt is over, so a late copy is refused or dropped instead of lingering.
+  for (int n : ReplicaTargets(key)) {
+    if (std::find(nodes.begin(), nodes.end(), n) != nodes.end()) continue;
+    CallPeer(n, w::Opcode::kInvalidate, w::EncodeInvalidate(key, version, attempt), nullptr,
+             [](Status, std::string_view) {});
+  }
   if (!ours || it->second.cancelled || nodes.empty()) {
     // Written while the copies were made: they are of an old version and never hinted; drop
     // them anyway so they do not take replica room.
@@ -100,7 +118,13 @@ void Server::Impl::ReplicationDone(const std::string& key, uint64_t attempt, uin
       CallPeer(n, w::Opcode::kInvalidate, w::EncodeInvalidate(key, version, attempt), nullptr,
                [](Status, std::string_view) {});
     }
-    if (ours) registry.erase(it);
+    if (!ours) return;
+    // Nothing was installed (the key is gone, too large, or every replica refused): wait before
+    // trying again, so a key that cannot be copied does not start an attempt on every read.
+    if (nodes.empty() && !it->second.cancelled) {
+      copy_again_after[key] = Clock::now() + std::chrono::seconds(5);
+    }
+    registry.erase(it);
     return;
   }
   ReplicaSet& set = it->second;
@@ -119,6 +143,12 @@ void Server::Impl::Withdraw(const std::string& key, const char* why) {
   ReplicaSet& set = it->second;
   set.state = CopyState::kWithdrawing;
   set.unconfirmed = set.nodes.size();
+  // No new attempt while a hint of this one can still be alive (kWithdrawWait covers every
+  // hint, whether or not the holders confirm early): a new attempt may copy the same version to
+  // the same node, and an old hint must never find that copy after a later write was
+  // acknowledged (writes during a new attempt's copying are acknowledged at once).
+  Clock::time_point& again = copy_again_after[key];
+  again = std::max(again, Clock::now() + kWithdrawWait);
   counters.replicas_dropped.fetch_add(set.nodes.size(), std::memory_order_relaxed);
   GKV_LOG_DEBUG("withdrawing the copies of key '{}' (version {}): {}", LogKey(key), set.version,
                 why);
@@ -159,7 +189,8 @@ void Server::Impl::AfterWrite(const std::vector<std::string>& keys, std::functio
   for (const std::string& key : keys) {
     auto it = registry.find(key);
     if (it == registry.end()) continue;
-    copy_again_after[key] = Clock::now() + std::chrono::seconds(2);
+    Clock::time_point& again = copy_again_after[key];
+    again = std::max(again, Clock::now() + std::chrono::seconds(2));
     if (it->second.state == CopyState::kCopying) {
       it->second.cancelled = true;  // never hinted: nothing to wait for
       continue;
@@ -186,9 +217,13 @@ void Server::Impl::ReplicationTick(Clock::time_point now) {
     shares.push_back(ring_shares[n]);
   }
   const bool was = node_overloaded;
-  node_overloaded = options.replication.mode == HotnessRule::Mode::kRelative &&
-                    options.replication.Overloaded(static_cast<double>(reads_per_s),
-                                                   ring_shares[self_index], rates, shares);
+  const HotnessRule& rule = options.replication;
+  node_overloaded =
+      rule.mode == HotnessRule::Mode::kRelative &&
+      rule.Overloaded(static_cast<double>(reads_per_s), ring_shares[self_index], rates, shares);
+  shed_left = node_overloaded ? 2 * rule.Excess(static_cast<double>(reads_per_s),
+                                                ring_shares[self_index], rates, shares)
+                              : 0;
   counters.overloaded.store(node_overloaded, std::memory_order_relaxed);
   if (node_overloaded != was) {
     GKV_LOG_DEBUG("read load {} reads/s: {} the cluster's mean", reads_per_s,
@@ -196,10 +231,25 @@ void Server::Impl::ReplicationTick(Clock::time_point now) {
   }
   if (options.replication.mode == HotnessRule::Mode::kRelative) ReportLoad(now, reads_per_s);
   copy_tokens = options.replication.max_copy_starts_per_s;
+  // Cooling compares counts before they are halved: right after a decay a steady R reads as R,
+  // not 2R, which would halve the hysteresis.
+  CoolDown();
   sketch.Decay();
   node_read_count /= 2;
-  CoolDown();
   PruneFloors(now);
+  if (now - last_copy_sweep >= std::chrono::seconds(10)) {
+    last_copy_sweep = now;
+    SweepHeldCopies();
+  }
+}
+
+void Server::Impl::SweepHeldCopies() {
+  // A copy the replica budget evicted, or one whose invalidation never arrived, leaves its
+  // entry behind: drop the entries whose copy is gone, so the table stays as large as the copies.
+  for (auto it = replica_version.begin(); it != replica_version.end();) {
+    const bool held = replica_cache->Stat(ReplicaKey(it->first, it->second)).ok();
+    it = held ? std::next(it) : replica_version.erase(it);
+  }
 }
 
 void Server::Impl::ReportLoad(Clock::time_point now, uint64_t reads_per_s) {
@@ -269,6 +319,7 @@ void Server::Impl::HandleReplicaPut(const Req& r, std::string_view body,
     s = Status::NoSpace("replica of " + FormatSize(put.size) + " exceeds the replica budget");
   }
   if (s.ok() && CoveredByFloor(put.key, copy.attempt)) {
+    counters.replica_refused.fetch_add(1, std::memory_order_relaxed);
     s = Status::Aborted("copy refused: its replication attempt was already invalidated");
   }
   if (!s.ok()) return ReplyStatus(r, s);
@@ -304,6 +355,9 @@ bool Server::Impl::InstallReplica(const std::string& key, const HeldCopy& copy) 
     return false;
   }
   if (held != replica_version.end()) {
+    if (held->second.attempt == copy.attempt && held->second.version == copy.version) {
+      return true;  // the same copy again (a duplicate message): the same cache key
+    }
     DropReplicaCopy(key, held->second);
     held->second = copy;
   } else {
@@ -344,7 +398,6 @@ void Server::Impl::HandleReplicaGet(const Req& r, std::string_view body) {
   uint64_t version = 0;
   Status s = w::DecodeReplicaGet(body, &key, &version);
   if (!s.ok()) return ReplyStatus(r, s);
-  CountRow();
   const Status miss = Status::NotFound("no replica of that version here");
   const std::string rk = ReplicaRowKey(key, version);
   if (rk.empty()) {
@@ -353,6 +406,7 @@ void Server::Impl::HandleReplicaGet(const Req& r, std::string_view body) {
   auto send = [this, r, version](std::shared_ptr<ReadHandle> handle, const void* data,
                                  MemoryKind kind, std::shared_ptr<std::string> staging) {
     counters.replica_reads.fetch_add(1, std::memory_order_relaxed);
+    CountRow();  // a miss costs the node little; it is read again from the primary
     w::ObjectMeta meta = ToWire(handle->info());
     meta.version = version;  // the primary's version, not this cache's own counter
     Reply(r, Status::OK(), w::EncodeObjectReply(Status::OK(), meta), data, handle->size(), kind,

@@ -2,7 +2,8 @@
 // role of a node:
 //   server.cc       start and stop, dispatch of requests, admission control, replies, metrics
 //   data_path.cc    the request handlers of the data path: put, get, delete, stat, batches, stats
-//   replication.cc  adaptive replication of hot keys, as primary and as replica
+//   replication.cc  adaptive replication of hot keys, as primary and as replica, and the load
+//                   exchange between nodes (hotness.h: when a key is hot; hot_keys.h: the sketch)
 //   peers.cc        calls to other nodes (peer connections, matching replies, deadlines, timers)
 // Threading: everything here runs on the transport's worker thread (the I/O thread) unless a
 // comment says "executor"; executors hand results back with PostReply.
@@ -67,6 +68,15 @@ struct PayloadBuffer {
   std::string_view view() const { return {bytes.get(), size}; }
 };
 
+// One MultiGet row on its way through the I/O thread (counting, copies, hints) and an executor.
+struct BatchRow {
+  std::string key;
+  uint64_t replica_version = 0;  // a replica row: the version its hint named
+  std::string replica_key;       // a replica row: the copy's key here ("" if none)
+  std::vector<uint16_t> hint;    // a primary row: copies of hint_version
+  uint64_t hint_version = 0;
+};
+
 struct Server::Impl {
   ServerOptions options;
   NodeInfo self;
@@ -118,7 +128,9 @@ struct Server::Impl {
   // The node's read load: every row served, decayed like the sketch (about 2x the rate).
   double node_read_count = 0;
   bool node_overloaded = false;
-  int copy_tokens = 0;  // replications this node may still start this second
+  int copy_tokens = 0;   // replications this node may still start this second
+  double shed_left = 0;  // relative mode: load (decayed count) still to move off this second
+  Clock::time_point last_copy_sweep = Clock::now();
   struct PeerLoad {
     uint64_t reads_per_s = 0;
     Clock::time_point at;  // when it was reported; reports older than 3 s are not counted
@@ -259,6 +271,8 @@ struct Server::Impl {
   void ReplyPayload(const Req& r, std::shared_ptr<std::string> payload);
 
   void HandleMultiGet(const Req& r, std::unique_ptr<Incoming> msg);
+  // Executor: reads the rows (own cache or replica cache), gathers the reply.
+  void ServeMultiGet(const Req& r, std::shared_ptr<std::vector<BatchRow>> rows);
 
   void HandleMultiPut(const Req& r, std::unique_ptr<Incoming> msg);
 
@@ -295,6 +309,8 @@ struct Server::Impl {
 
   // Once a second: decay, load exchange, cooling, floors.
   void ReplicationTick(Clock::time_point now);
+  // As replica, every 10 s: forget the copies the replica cache no longer holds.
+  void SweepHeldCopies();
   void ReportLoad(Clock::time_point now, uint64_t reads_per_s);
   void HandleLoadReport(const Req& r, std::string_view body);
 
