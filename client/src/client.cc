@@ -573,7 +573,7 @@ struct Client::Impl {
       IssueWithPayloadReply(
           static_cast<int>(n), w::Opcode::kMultiGet, any_copy ? w::kFlagVersionedKeys : 0, "",
           payload, deadline,
-          [this, b, part, n, primary = primary_rows[n],
+          [this, b, part, n, primary = static_cast<bool>(primary_rows[n]),
            sent](Result<std::shared_ptr<std::string>> r) {
             part->answered = true;
             const std::vector<size_t>& idx = part->idx;

@@ -302,6 +302,7 @@ void Server::Impl::ReplyPayload(const Req& r, std::shared_ptr<std::string> paylo
 }
 
 void Server::Impl::OnTick() {
+  if (!ticking.load(std::memory_order_acquire)) return;
   const auto now = Clock::now();
   if (!peer_calls.empty()) ExpirePeerCalls(now);
   if (now - last_send_check >= std::chrono::milliseconds(100)) {
@@ -416,6 +417,9 @@ Result<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
   auto transport = UcxTransport::Create(topts, std::move(handlers));
   if (!transport.ok()) return transport.status();
   impl->transport = std::move(*transport);
+  // The worker thread ticks from inside Create: its timers and peer calls start only now that
+  // `transport` is set.
+  impl->ticking.store(true, std::memory_order_release);
   if (options.metrics_port) {
     Status ms = impl->StartMetrics();
     if (!ms.ok()) {

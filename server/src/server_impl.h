@@ -87,6 +87,7 @@ struct Server::Impl {
   std::thread metrics_thread;
   int metrics_bound_port = 0;
   std::atomic<bool> stopping{false};
+  std::atomic<bool> ticking{false};  // set once `transport` is: OnTick may use it
   std::atomic<int64_t> in_flight{0};
   ServerCounters counters;
   std::once_flag stop_once;
