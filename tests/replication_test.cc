@@ -88,6 +88,31 @@ TEST(ReplicationTest, HotKeysAreCopiedServeReadsCoolDownAndAreCopiedAgain) {
   EXPECT_GT(Sum(*client, "reads_served"), served + 300) << "the new copies served no read";
 }
 
+// Issue 13 item 3: copies live in the highest tier the receiving node has (its GPU tier here,
+// backed by host memory on a machine without a GPU), within the replica budget.
+TEST(ReplicationTest, CopiesLiveInTheReceivingNodesGpuTier) {
+  NodeSpec spec;
+  spec.extra_args = {"--replicate-hot", "100", "--gpu-mem", "64MiB", "--gpu-tier-in-host-memory"};
+  Cluster cluster(3, spec);
+  auto client = cluster.NewClient(std::chrono::seconds(2));
+  ASSERT_TRUE(client);
+  const std::string key = KeyOn(*client, 0);
+  std::string value(4096, 'g');
+  ASSERT_TRUE(client->Put(key, value.data(), value.size()).ok());
+  for (int i = 0; i < 3000; ++i) ASSERT_TRUE(client->Get(key).ok());
+  ASSERT_EQ(Counter(*client, 0, "created"), 2u);
+  for (int n = 1; n <= 2; ++n) {
+    // The first "objects" of the replication object is its GPU tier's.
+    EXPECT_EQ(StatsCounter(*client, n, "objects", "\"replication\":{"), 1u)
+        << "node " << n << ": the copy is not in the GPU tier\n"
+        << *client->NodeStats(n);
+  }
+  // Reads of the copies are served from there.
+  const uint64_t served = Sum(*client, "reads_served");
+  for (int i = 0; i < 600; ++i) ASSERT_EQ(client->Get(key)->view(), value);
+  EXPECT_GT(Sum(*client, "reads_served"), served + 100);
+}
+
 // Issue 13 item 5a: a write right after the copies of a cooled key began to go must wait until
 // they are gone (every invalidation confirmed, or every hint expired), or a replica that has not
 // processed its INVALIDATE yet would serve the old version to a client holding a fresh hint.

@@ -1,5 +1,6 @@
 // gkv-server: one node of a gkv cluster.
-//   gkv-server --cluster FILE --node ID [--gpu-mem SIZE] [--host-mem SIZE] [--disk DIR]
+//   gkv-server --cluster FILE --node ID [--gpu-mem SIZE] [--gpu-tier-in-host-memory]
+//              [--host-mem SIZE] [--disk DIR]
 //              [--disk-capacity SIZE] [--durable-share F] [--promotion-window MS]
 //              [--threads N] [--metrics-port N] [--log-level L]
 //              [--max-value-size SIZE] [--max-inflight SIZE] [--max-conn-inflight SIZE]
@@ -38,6 +39,10 @@ int main(int argc, char** argv) {
   app.add_option("--node", node_id, "this node's id in the cluster file")->required();
   app.add_option("--gpu-mem", gpu_mem, "GPU tier size per device, e.g. 8GiB (0: off)");
   app.add_option("--gpus", gpus, "CUDA devices for the GPU tier")->delimiter(',');
+  bool gpu_in_host_memory = false;
+  app.add_flag("--gpu-tier-in-host-memory", gpu_in_host_memory,
+               "tests and CPU-only machines: back the GPU tier with host memory, so its tier "
+               "logic (placement, spills, copies) runs without a GPU");
   app.add_option("--host-mem", host_mem, "host (pinned) tier size (0: off)");
   app.add_option("--disk", disk_dir, "directory of the RocksDB disk tier (empty: no disk tier)");
   app.add_option("--disk-capacity", disk_capacity, "disk tier capacity");
@@ -151,6 +156,7 @@ int main(int argc, char** argv) {
   options.max_queued_tasks = max_queued;
   options.send_timeout = std::chrono::milliseconds(send_timeout_ms);
   options.cache.gpu_devices = gpus;
+  options.cache.gpu_tier_in_host_memory = gpu_in_host_memory;
   options.cache.disk_path = disk_dir;
   options.cache.disk_durable_share = durable_share;
   options.cache.promotion_window = std::chrono::milliseconds(promotion_window_ms);
