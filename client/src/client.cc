@@ -61,6 +61,10 @@ struct Client::Impl {
     int node = 0;
     ConnId conn = 0;
     Clock::time_point deadline;
+    // Set for replica reads: once the reply has arrived, the transfer of its payload runs
+    // against this (the caller's) deadline instead of the short one the request had, so a
+    // large copy is never cut off mid-transfer (which would close the node's connection).
+    Clock::time_point transfer_deadline{};
     int io = 0;  // transport operations still holding our buffers
     bool finished = false;
     std::function<void()> ready;  // the outcome, run once io == 0
@@ -180,6 +184,7 @@ struct Client::Impl {
       auto it = pending.find(id);
       if (it == pending.end()) continue;
       PendingPtr p = it->second;
+      if (p->deadline > now) continue;  // extended (see transfer_deadline): a later entry is due
       Status timeout = Status::Timeout("no reply from node " + cluster.nodes[p->node].id +
                                        " within the deadline");
       Fail(p, timeout);
@@ -210,6 +215,10 @@ struct Client::Impl {
     if (it == pending.end()) return;  // timed out earlier; dropping releases its payload
     PendingPtr p = it->second;
     MarkUp(p->node);
+    if (p->transfer_deadline > p->deadline) {
+      p->deadline = p->transfer_deadline;
+      deadlines.push({p->deadline, p->id});
+    }
     if (p->on_reply) p->on_reply(p, std::move(msg));
   }
 
@@ -241,7 +250,7 @@ struct Client::Impl {
   void Issue(int node, w::Opcode op, uint16_t flags, std::string body, const void* payload,
              size_t size, MemoryKind kind, Clock::time_point deadline,
              std::function<void(const PendingPtr&, std::unique_ptr<Incoming>)> on_reply,
-             std::function<void(Status)> on_error) {
+             std::function<void(Status)> on_error, Clock::time_point transfer_deadline = {}) {
     if (IsDown(node)) {
       auto left = std::chrono::duration_cast<std::chrono::milliseconds>(health[node].down_until -
                                                                         Clock::now());
@@ -256,6 +265,7 @@ struct Client::Impl {
     p->node = node;
     p->conn = *conn;
     p->deadline = deadline;
+    p->transfer_deadline = transfer_deadline;
     p->on_reply = std::move(on_reply);
     p->on_error = std::move(on_error);
     pending[p->id] = p;
@@ -333,16 +343,19 @@ struct Client::Impl {
   void GetOnNode(int node, const std::string& key, void* user_dst, size_t capacity,
                  MemoryKind dst_kind, Clock::time_point deadline,
                  std::function<void(Result<Value>)> done, uint64_t replica_version = 0,
-                 Accept accept = {}) {
+                 Accept accept = {}, Clock::time_point transfer_deadline = {}) {
     const Clock::time_point sent = Clock::now();
-    auto on_reply = [this, key, replica_version, user_dst, capacity, dst_kind, done, accept, sent](
-                        const PendingPtr& p, std::unique_ptr<Incoming> msg) {
+    auto on_reply = [this, node, key, replica_version, user_dst, capacity, dst_kind, done, accept,
+                     sent](const PendingPtr& p, std::unique_ptr<Incoming> msg) {
       w::ObjectMeta meta;
       std::vector<uint16_t> hint;
       Status s = ParseReply(*msg, [&](std::string_view body, w::ReplyStatus* rs) {
         return w::DecodeObjectReply(body, rs, &meta, &hint);
       });
-      if (s.ok() && replica_version == 0) RememberHint(key, meta.version, std::move(hint), sent);
+      // Versions are per node: only the key's own node's count (a failover read is not).
+      if (s.ok() && replica_version == 0 && node == ring->NodeFor(key)) {
+        RememberHint(key, meta.version, std::move(hint), sent);
+      }
       if (s.ok() && meta.size != msg->payload_size()) {
         s = Status::ProtocolError("reply carries a payload of the wrong size");
       }
@@ -376,8 +389,10 @@ struct Client::Impl {
                      });
     };
     if (replica_version != 0) {
-      Issue(node, w::Opcode::kGet, w::kFlagReplicaRead, w::EncodeReplicaGet(key, replica_version),
-            nullptr, 0, MemoryKind::kHost, deadline, on_reply, [done](Status s) { done(s); });
+      Issue(
+          node, w::Opcode::kGet, w::kFlagReplicaRead, w::EncodeReplicaGet(key, replica_version),
+          nullptr, 0, MemoryKind::kHost, deadline, on_reply, [done](Status s) { done(s); },
+          transfer_deadline);
       return;
     }
     Issue(node, w::Opcode::kGet, 0, w::EncodeKeyRequest(key), nullptr, 0, MemoryKind::kHost,
@@ -396,6 +411,9 @@ struct Client::Impl {
     std::vector<uint16_t> nodes;  // empty: no copies; the entry only records `version`
     uint64_t version = 0;
     Clock::time_point expires;
+    // Copies of `version` that missed here (evicted from a replica budget, say): not picked
+    // again while the primary keeps hinting the same version.
+    std::vector<uint16_t> missed;
   };
   std::unordered_map<std::string, Hint> hints;
   std::mt19937_64 hint_rng{0x9e3779b97f4a7c15ULL};
@@ -419,20 +437,34 @@ struct Client::Impl {
     slot = {h, version};
     auto it = hints.find(key);
     if (it != hints.end()) {
-      if (it->second.version > version) return;
-      it->second = Hint{std::move(nodes), version, sent + kHintTtl};
+      Hint& old = it->second;
+      if (old.version > version) return;
+      if (old.version == version) {
+        std::erase_if(nodes, [&](uint16_t n) {
+          return std::find(old.missed.begin(), old.missed.end(), n) != old.missed.end();
+        });
+      } else {
+        old.missed.clear();
+      }
+      old.nodes = std::move(nodes);
+      old.version = version;
+      old.expires = sent + kHintTtl;
       return;
     }
     if (nodes.empty()) return;  // nothing known of this key: keep the table to the hot few
     if (hints.size() > 65536) hints.clear();  // bounded (the seen table still holds versions)
-    hints.emplace(key, Hint{std::move(nodes), version, sent + kHintTtl});
+    hints.emplace(key, Hint{std::move(nodes), version, sent + kHintTtl, {}});
   }
 
-  // A copy of `key` missed or was late: read the primary until a new hint comes, keeping the
-  // version this client knows.
-  void DropCopies(const std::string& key) {
+  // The copy of `key` on `node` missed or was late: not read there again for this version.
+  void DropCopies(const std::string& key, int node) {
     auto it = hints.find(key);
-    if (it != hints.end()) it->second.nodes.clear();
+    if (it == hints.end()) return;
+    Hint& h = it->second;
+    std::erase(h.nodes, static_cast<uint16_t>(node));
+    if (std::find(h.missed.begin(), h.missed.end(), node) == h.missed.end()) {
+      h.missed.push_back(static_cast<uint16_t>(node));
+    }
   }
 
   // Chooses where to read `key`: its primary (false), or a copy a fresh hint names (true, with
@@ -483,17 +515,18 @@ struct Client::Impl {
           // value is the caller's, and the primary would say the same.
           if (r.status().code() == StatusCode::kInvalidArgument) return done(std::move(r));
           if (r.status().code() == StatusCode::kTimeout) AvoidCopiesOn(node);
-          DropCopies(key);
+          DropCopies(key, node);
           fallback();
         },
-        version, accept);
+        version, accept, deadline);
     return true;
   }
 
   // --- batch reads (worker thread) ---
   // Rows are grouped by the node each is read from (its primary, or a copy a fresh hint names),
   // one MGET per node. Rows whose copy missed (or whose copy's node failed) are asked again of
-  // their primary in a second round; rows whose primary failed are reported with that failure.
+  // their primaries as soon as that node's reply is in; rows whose primary failed are reported
+  // with that failure.
   struct BatchRead {
     const std::vector<std::string>* keys = nullptr;
     Clock::time_point deadline;
@@ -501,8 +534,7 @@ struct Client::Impl {
     std::function<void(size_t i, const Status& s, const w::ObjectMeta* meta, const char* bytes)>
         row;
     std::function<void()> done;
-    int remaining = 0;
-    std::vector<size_t> retry;
+    int remaining = 0;  // parts in flight, plus one per IssueBatchRead loop still running
   };
   // One node's message of a batch read.
   struct BatchPart {
@@ -572,7 +604,7 @@ struct Client::Impl {
       b->remaining++;
       IssueWithPayloadReply(
           static_cast<int>(n), w::Opcode::kMultiGet, any_copy ? w::kFlagVersionedKeys : 0, "",
-          payload, deadline,
+          payload, deadline, primary_rows[n] ? Clock::time_point{} : b->deadline,
           [this, b, part, n, primary = static_cast<bool>(primary_rows[n]),
            sent](Result<std::shared_ptr<std::string>> r) {
             part->answered = true;
@@ -587,6 +619,7 @@ struct Client::Impl {
               s = Status::ProtocolError("batch reply has the wrong number of results");
             }
             size_t off = block;
+            std::vector<size_t> again;  // copy rows that missed: asked of their primaries now
             for (size_t j = 0; j < idx.size(); ++j) {
               const size_t i = idx[j];
               const bool copy = vers[j] != 0;
@@ -595,7 +628,8 @@ struct Client::Impl {
                 continue;
               }
               if (copy && (!s.ok() || res[j].code != StatusCode::kOk)) {
-                b->retry.push_back(i);  // not the caller's miss: ask the primary
+                again.push_back(i);  // not the caller's miss: ask the primary
+                DropCopies((*b->keys)[i], static_cast<int>(n));
                 continue;
               }
               if (!s.ok()) {
@@ -617,6 +651,9 @@ struct Client::Impl {
               b->row(i, Status::OK(), &res[j].meta, (*r)->data() + off);
               off += res[j].meta.size;
             }
+            // At once, not after the slowest node answered: a stalled node elsewhere in the
+            // batch must not use up these rows' time.
+            if (!again.empty()) IssueBatchRead(b, again, /*use_copies=*/false);
             FinishBatchPart(b);
           });
     }
@@ -625,12 +662,6 @@ struct Client::Impl {
 
   void FinishBatchPart(const std::shared_ptr<BatchRead>& b) {
     if (--b->remaining > 0) return;
-    if (!b->retry.empty()) {
-      std::vector<size_t> again = std::move(b->retry);
-      b->retry.clear();
-      for (size_t i : again) DropCopies((*b->keys)[i]);
-      return IssueBatchRead(b, again, /*use_copies=*/false);
-    }
     auto done = std::move(b->done);
     b->row = nullptr;
     done();
@@ -683,7 +714,7 @@ struct Client::Impl {
   // Replies whose payload is a block to read fully (batches, stats).
   void IssueWithPayloadReply(int node, w::Opcode op, uint16_t flags, std::string body,
                              std::shared_ptr<std::string> request_payload,
-                             Clock::time_point deadline,
+                             Clock::time_point deadline, Clock::time_point transfer_deadline,
                              std::function<void(Result<std::shared_ptr<std::string>>)> done) {
     auto on_reply = [this, done, request_payload](const PendingPtr& p,
                                                   std::unique_ptr<Incoming> msg) {
@@ -701,8 +732,9 @@ struct Client::Impl {
     };
     const void* data = request_payload ? request_payload->data() : nullptr;
     size_t size = request_payload ? request_payload->size() : 0;
-    Issue(node, op, flags, std::move(body), data, size, MemoryKind::kHost, deadline, on_reply,
-          [done](Status s) { done(s); });
+    Issue(
+        node, op, flags, std::move(body), data, size, MemoryKind::kHost, deadline, on_reply,
+        [done](Status s) { done(s); }, transfer_deadline);
   }
 };
 
@@ -1010,7 +1042,7 @@ std::vector<Result<uint64_t>> Client::MultiPut(const std::vector<PutItem>& items
     for (size_t n = 0; n < batch->by_node.size(); ++n) {
       if (batch->by_node[n].empty()) continue;
       I->IssueWithPayloadReply(
-          static_cast<int>(n), w::Opcode::kMultiPut, flags, "", batch->payloads[n], deadline,
+          static_cast<int>(n), w::Opcode::kMultiPut, flags, "", batch->payloads[n], deadline, {},
           [batch, n](Result<std::shared_ptr<std::string>> r) {
             const std::vector<size_t>& idx = batch->by_node[n];
             std::vector<w::BatchPutResult> res;
@@ -1150,7 +1182,7 @@ Result<std::string> Client::NodeStats(int node, std::chrono::milliseconds timeou
   std::promise<Result<std::string>> promise;
   auto future = promise.get_future();
   I->transport->Post([&] {
-    I->IssueWithPayloadReply(node, w::Opcode::kStats, 0, "", nullptr, deadline,
+    I->IssueWithPayloadReply(node, w::Opcode::kStats, 0, "", nullptr, deadline, {},
                              [&promise](Result<std::shared_ptr<std::string>> r) {
                                if (r.ok())
                                  promise.set_value(**r);

@@ -108,9 +108,12 @@ void Server::Impl::CommitAndReply(const std::shared_ptr<PutOp>& op) {
       s = v.status();
   }
   PostReply([this, op, s, version] {
-    AfterWrite({op->put.key}, [this, op, s, version] {
+    auto reply = [this, op, s, version] {
       Reply(op->req, s, w::EncodePutReply(s, version), nullptr, 0, MemoryKind::kHost, nullptr);
-    });
+    };
+    // Nothing was written when it failed: the copies stay, and the error is not held up.
+    if (!s.ok()) return reply();
+    AfterWrite({op->put.key}, reply);
   });
 }
 
@@ -339,8 +342,10 @@ void Server::Impl::HandleMultiPut(const Req& r, std::unique_ptr<Incoming> msg) {
       if (committed[j].ok()) results[slot[j]].version = *committed[j];
     }
     auto payload = std::make_shared<std::string>(w::EncodeBatchPutResults(results));
-    std::vector<std::string> keys;
-    for (auto& it : items) keys.push_back(it.key);
+    std::vector<std::string> keys;  // the ones written (their copies must go first)
+    for (size_t i = 0; i < items.size(); ++i) {
+      if (results[i].code == StatusCode::kOk) keys.push_back(items[i].key);
+    }
     PostReply([this, r, payload, keys = std::move(keys)] {
       AfterWrite(keys, [this, r, payload] { ReplyPayload(r, payload); });
     });

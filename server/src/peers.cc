@@ -23,7 +23,11 @@ Result<ConnId> Server::Impl::PeerConn(int node) {
 
 void Server::Impl::CallPeer(int node, w::Opcode op, std::string body,
                             std::shared_ptr<std::string> payload,
-                            std::function<void(Status, std::string_view)> done) {
+                            std::function<void(Status, std::string_view)> done, uint16_t flags) {
+  // A peer whose connection was just lost is not dialled again on every call.
+  if (Clock::now() < peer_down_until[node]) {
+    return done(Status::Unavailable("peer " + options.cluster.nodes[node].id + " is down"), {});
+  }
   auto conn = PeerConn(node);
   if (!conn.ok()) return done(conn.status(), {});
   const uint64_t id = next_peer_call++;
@@ -32,7 +36,7 @@ void Server::Impl::CallPeer(int node, w::Opcode op, std::string body,
   // The budget travels too: a replica drops an install that arrives after the caller gave up.
   transport->Send(
       *conn, w::kAmRequest,
-      w::EncodeMessage({op, 0, id, static_cast<uint32_t>(kPeerCallBudget.count())}, body),
+      w::EncodeMessage({op, flags, id, static_cast<uint32_t>(kPeerCallBudget.count())}, body),
       payload ? payload->data() : nullptr, payload ? payload->size() : 0, MemoryKind::kHost,
       [this, id, payload](Status s) {
         if (s.ok() || s.code() == StatusCode::kAborted) return;
@@ -91,6 +95,7 @@ void Server::Impl::OnPeerDisconnect(ConnId conn) {
   const int node = it->second;
   peer_of_conn.erase(it);
   if (peer_conn[node] == conn) peer_conn[node] = 0;
+  peer_down_until[node] = Clock::now() + kPeerDownFor;
   std::vector<uint64_t> failed;
   for (auto& [id, call] : peer_calls) {
     if (call.conn == conn) failed.push_back(id);  // not calls already on a newer connection

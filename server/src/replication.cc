@@ -49,14 +49,21 @@ void Server::Impl::CountRead(const std::string& key) {
   --copy_tokens;
   // The copies will take about hot_replicas / (hot_replicas + 1) of the key's reads off this
   // node: enough keys to cover the excess are copied, not every key above the share.
-  shed_left -= est * static_cast<double>(options.hot_replicas) / (options.hot_replicas + 1);
+  const double relief =
+      est * static_cast<double>(options.hot_replicas) / (options.hot_replicas + 1);
+  shed_left -= relief;
+  recent_relief.emplace_back(Clock::now(), relief);
   StartReplication(key);
 }
 
 std::vector<int> Server::Impl::ReplicaTargets(const std::string& key) const {
+  // The next nodes on the ring, passing over ones that are down (a hot key then still gets its
+  // copies from the live ones).
   std::vector<int> out;
-  for (int n : ring->NodesFor(key, options.hot_replicas + 1)) {
-    if (n != self_index && static_cast<int>(out.size()) < options.hot_replicas) out.push_back(n);
+  const auto now = Clock::now();
+  for (int n : ring->NodesFor(key, ring->node_count())) {
+    if (static_cast<int>(out.size()) == options.hot_replicas) break;
+    if (n != self_index && now >= peer_down_until[n]) out.push_back(n);
   }
   return out;
 }
@@ -105,8 +112,9 @@ void Server::Impl::ReplicationDone(const std::string& key, uint64_t attempt, uin
   const bool ours = it != registry.end() && it->second.attempt == attempt &&
                     it->second.state == CopyState::kCopying;
   // Targets that did not confirm may still install late (their call timed out here): tell them
-  // the attempt is over, so a late copy is refused or dropped instead of lingering.
-  for (int n : ReplicaTargets(key)) {
+  // the attempt is over, so a late copy is refused or dropped instead of lingering. (Version 0:
+  // nothing was sent.)
+  for (int n : version == 0 ? std::vector<int>{} : ReplicaTargets(key)) {
     if (std::find(nodes.begin(), nodes.end(), n) != nodes.end()) continue;
     CallPeer(n, w::Opcode::kInvalidate, w::EncodeInvalidate(key, version, attempt), nullptr,
              [](Status, std::string_view) {});
@@ -181,6 +189,13 @@ void Server::Impl::FinishWithdraw(const std::string& key, uint64_t attempt) {
 }
 
 void Server::Impl::AfterWrite(const std::vector<std::string>& keys, std::function<void()> reply) {
+  // Just after a restart the registry is empty, yet clients may still hold hints of copies
+  // made before it (other nodes keep them until invalidated or evicted): writes wait until every
+  // such hint has expired.
+  if (!boot_sync_done) {
+    boot_waiters.push_back(std::move(reply));
+    return;
+  }
   if (registry.empty()) return reply();
   auto remaining = std::make_shared<size_t>(1);
   auto finish = [remaining, reply] {
@@ -195,11 +210,45 @@ void Server::Impl::AfterWrite(const std::vector<std::string>& keys, std::functio
       it->second.cancelled = true;  // never hinted: nothing to wait for
       continue;
     }
-    Withdraw(key, "written");
+    Withdraw(key, "written");  // serving -> withdrawing; a withdrawing one is joined
     ++*remaining;
-    registry[key].waiters.push_back(finish);
+    it->second.waiters.push_back(finish);
   }
   finish();
+}
+
+void Server::Impl::StartBootSync() {
+  boot_sync_started = true;
+  if (!replication_on()) return FinishBootSync();
+  // Peers may hold copies this node's previous run made, and clients may hold hints naming them
+  // (up to 1 s old): they are told to drop them before any write is acknowledged. One that does
+  // not answer is waited out (kWithdrawWait from boot: every hint of the previous run has
+  // expired by then).
+  timers.push_back({hints_from_before_boot_until, [this] { FinishBootSync(); }});
+  auto pending = std::make_shared<size_t>(1);
+  auto one_done = [this, pending] {
+    if (--*pending == 0) FinishBootSync();
+  };
+  for (int n = 0; n < static_cast<int>(peer_conn.size()); ++n) {
+    if (n == self_index) continue;
+    ++*pending;
+    CallPeer(
+        n, w::Opcode::kInvalidate, w::EncodeInvalidate("", 0, next_attempt), nullptr,
+        [one_done](Status s, std::string_view) {
+          // Only silence is waited out: a peer that answered, refused or cannot be reached
+          // holds no copy of ours that a client can be reading.
+          if (s.code() != StatusCode::kTimeout) one_done();
+        },
+        w::kFlagAllKeys);
+  }
+  one_done();
+}
+
+void Server::Impl::FinishBootSync() {
+  if (boot_sync_done) return;
+  boot_sync_done = true;
+  std::vector<std::function<void()>> waiters = std::move(boot_waiters);
+  for (auto& w : waiters) w();
 }
 
 void Server::Impl::ReplicationTick(Clock::time_point now) {
@@ -224,6 +273,12 @@ void Server::Impl::ReplicationTick(Clock::time_point now) {
   shed_left = node_overloaded ? 2 * rule.Excess(static_cast<double>(reads_per_s),
                                                 ring_shares[self_index], rates, shares)
                               : 0;
+  // Copies started in the last few seconds have not shown in the decayed load yet: their
+  // expected relief still counts against the excess, or a node would copy 2-3x the keys it needs.
+  while (!recent_relief.empty() && now - recent_relief.front().first > kReliefShowsAfter) {
+    recent_relief.pop_front();
+  }
+  for (const auto& [at, relief] : recent_relief) shed_left -= relief;
   counters.overloaded.store(node_overloaded, std::memory_order_relaxed);
   if (node_overloaded != was) {
     GKV_LOG_DEBUG("read load {} reads/s: {} the cluster's mean", reads_per_s,
@@ -246,10 +301,25 @@ void Server::Impl::ReplicationTick(Clock::time_point now) {
 void Server::Impl::SweepHeldCopies() {
   // A copy the replica budget evicted, or one whose invalidation never arrived, leaves its
   // entry behind: drop the entries whose copy is gone, so the table stays as large as the copies.
-  for (auto it = replica_version.begin(); it != replica_version.end();) {
-    const bool held = replica_cache->Stat(ReplicaKey(it->first, it->second)).ok();
-    it = held ? std::next(it) : replica_version.erase(it);
-  }
+  // The lookups run on an executor; an entry is dropped only if it still names the same copy.
+  if (replica_version.empty()) return;
+  auto held = std::make_shared<std::vector<std::pair<std::string, HeldCopy>>>(
+      replica_version.begin(), replica_version.end());
+  executors->Submit([this, held] {
+    auto gone = std::make_shared<std::vector<std::pair<std::string, HeldCopy>>>();
+    for (auto& [key, copy] : *held) {
+      if (!replica_cache->Stat(ReplicaKey(key, copy)).ok()) gone->emplace_back(key, copy);
+    }
+    PostReply([this, gone] {
+      for (auto& [key, copy] : *gone) {
+        auto it = replica_version.find(key);
+        if (it != replica_version.end() && it->second.attempt == copy.attempt &&
+            it->second.version == copy.version) {
+          replica_version.erase(it);
+        }
+      }
+    });
+  });
 }
 
 void Server::Impl::ReportLoad(Clock::time_point now, uint64_t reads_per_s) {
@@ -376,6 +446,19 @@ void Server::Impl::HandleInvalidate(const Req& r, std::string_view body) {
   uint64_t version = 0, attempt = 0;
   Status s = w::DecodeInvalidate(body, &key, &version, &attempt);
   if (!s.ok()) return ReplyStatus(r, s);
+  if (r.h.flags & w::kFlagAllKeys) {
+    // The sender restarted: its previous run's copies here go (PeerOnly checked the sender).
+    const int sender = peer_node_of_conn[r.conn];
+    for (auto it = replica_version.begin(); it != replica_version.end();) {
+      if (ring->NodeFor(it->first) != sender) {
+        ++it;
+        continue;
+      }
+      DropReplicaCopy(it->first, it->second);
+      it = replica_version.erase(it);
+    }
+    return ReplyStatus(r, Status::OK());
+  }
   Floor& floor = replica_floor[key];
   floor.attempt = std::max(floor.attempt, attempt);
   floor.set_at = Clock::now();

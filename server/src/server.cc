@@ -158,6 +158,14 @@ void Server::Impl::ReadPayloadThen(const Req& r, std::unique_ptr<Incoming> msg,
 }
 
 void Server::Impl::OnMessage(std::unique_ptr<Incoming> msg) {
+  // A message can arrive between the listener's start (inside UcxTransport::Create) and the
+  // assignment of `transport` a few instructions later: wait for that.
+  // (Bounded: should Create fail after its listener started, the message is dropped.)
+  for (auto give_up = Clock::now() + std::chrono::seconds(1);
+       !ticking.load(std::memory_order_acquire);) {
+    if (Clock::now() > give_up) return;
+    std::this_thread::yield();
+  }
   if (msg->am_id() == w::kAmReply) return OnPeerReply(std::move(msg));  // our peer calls
   if (msg->am_id() != w::kAmRequest) return;
   Req r;
@@ -303,6 +311,7 @@ void Server::Impl::ReplyPayload(const Req& r, std::shared_ptr<std::string> paylo
 
 void Server::Impl::OnTick() {
   if (!ticking.load(std::memory_order_acquire)) return;
+  if (!boot_sync_started) StartBootSync();
   const auto now = Clock::now();
   if (!peer_calls.empty()) ExpirePeerCalls(now);
   if (now - last_send_check >= std::chrono::milliseconds(100)) {
@@ -366,6 +375,7 @@ Result<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
   impl->self_index = idx;
   impl->ring = std::make_unique<HashRing>(options.cluster.nodes);
   impl->peer_conn.assign(options.cluster.nodes.size(), 0);
+  impl->peer_down_until.assign(options.cluster.nodes.size(), {});
   CacheOptions own = options.cache;
   impl->ring_shares = impl->ring->Shares();
   impl->copy_tokens = options.replication.max_copy_starts_per_s;

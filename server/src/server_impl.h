@@ -131,6 +131,16 @@ struct Server::Impl {
   bool node_overloaded = false;
   int copy_tokens = 0;   // replications this node may still start this second
   double shed_left = 0;  // relative mode: load (decayed count) still to move off this second
+  std::deque<std::pair<Clock::time_point, double>> recent_relief;  // copies started lately
+  static constexpr auto kReliefShowsAfter = std::chrono::seconds(3);
+  // Boot: before the first write is acknowledged, peers drop the copies a previous run of this
+  // node made (StartBootSync); writes wait in boot_waiters until then, at most until
+  // boot + kWithdrawWait.
+  Clock::time_point hints_from_before_boot_until = Clock::now() + kWithdrawWait;
+  bool boot_sync_started = false, boot_sync_done = false;
+  std::vector<std::function<void()>> boot_waiters;
+  void StartBootSync();
+  void FinishBootSync();
   Clock::time_point last_copy_sweep = Clock::now();
   struct PeerLoad {
     uint64_t reads_per_s = 0;
@@ -162,6 +172,10 @@ struct Server::Impl {
     std::function<void(Status, std::string_view body)> done;
   };
   std::vector<ConnId> peer_conn;
+  // A peer whose connection was lost: calls to it fail at once until then (no redial per call),
+  // and it is not chosen for new copies.
+  std::vector<Clock::time_point> peer_down_until;
+  static constexpr auto kPeerDownFor = std::chrono::milliseconds(250);
   std::unordered_map<ConnId, int> peer_of_conn;
   std::unordered_map<uint64_t, PeerCall> peer_calls;
   uint64_t next_peer_call = 1;
@@ -344,7 +358,7 @@ struct Server::Impl {
   Result<ConnId> PeerConn(int node);
 
   void CallPeer(int node, w::Opcode op, std::string body, std::shared_ptr<std::string> payload,
-                std::function<void(Status, std::string_view)> done);
+                std::function<void(Status, std::string_view)> done, uint16_t flags = 0);
 
   void OnPeerReply(std::unique_ptr<Incoming> msg);
 

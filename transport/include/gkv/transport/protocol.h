@@ -55,6 +55,9 @@ inline constexpr uint16_t kFlagReplicaRead =
 // mget: every key of the list carries a u64 version; 0 reads the node's own object, any other
 // value reads the replica copy of exactly that version (as kFlagReplicaRead does for a get).
 inline constexpr uint16_t kFlagVersionedKeys = 1 << 2;
+// invalidate: every copy the receiver holds of keys the sender owns (a node that just started
+// has no record of the copies its previous run made); key, version and attempt are ignored.
+inline constexpr uint16_t kFlagAllKeys = 1 << 3;
 
 struct Header {
   Opcode opcode = Opcode::kPing;
