@@ -660,6 +660,18 @@ struct Client::Impl {
     FinishBatchPart(b);
   }
 
+  // Caller's thread: reads every key of `b` and returns when every row has its outcome.
+  void RunBatchRead(const std::shared_ptr<BatchRead>& b) {
+    std::promise<void> all_done;
+    b->done = [&all_done] { all_done.set_value(); };
+    transport->Post([this, b] {
+      std::vector<size_t> all(b->keys->size());
+      for (size_t i = 0; i < all.size(); ++i) all[i] = i;
+      IssueBatchRead(b, all, /*use_copies=*/true);
+    });
+    all_done.get_future().wait();
+  }
+
   void FinishBatchPart(const std::shared_ptr<BatchRead>& b) {
     if (--b->remaining > 0) return;
     auto done = std::move(b->done);
@@ -933,8 +945,7 @@ std::vector<Result<Value>> Client::MultiGet(const std::vector<std::string>& keys
   results.reserve(keys.size());
   for (size_t i = 0; i < keys.size(); ++i) results.emplace_back(Status::Aborted("not sent"));
   if (keys.empty()) return results;
-  std::promise<void> all_done;
-  // The caller waits below, so the batch may point at its keys and results.
+  // The caller waits in RunBatchRead, so the batch may point at its keys and results.
   auto batch = std::make_shared<Impl::BatchRead>();
   batch->keys = &keys;
   batch->deadline = I->DeadlineFrom(o.timeout);
@@ -949,13 +960,7 @@ std::vector<Result<Value>> Client::MultiGet(const std::vector<std::string>& keys
     std::memcpy(v.bytes_.get(), bytes, v.info_.size);
     results[i] = std::move(v);
   };
-  batch->done = [&all_done] { all_done.set_value(); };
-  I->transport->Post([I, batch, n = keys.size()] {
-    std::vector<size_t> rows(n);
-    for (size_t i = 0; i < n; ++i) rows[i] = i;
-    I->IssueBatchRead(batch, rows, /*use_copies=*/true);
-  });
-  all_done.get_future().wait();
+  I->RunBatchRead(batch);
   // Keys whose node failed: one by one through Get, which tries the other replicas.
   for (size_t i = 0; i < keys.size(); ++i) {
     if (results[i].ok() || !Impl::NodeFailure(results[i].status())) continue;
@@ -1098,8 +1103,7 @@ std::vector<Status> Client::MultiGetInto(const std::vector<std::string>& keys, v
     }
     return o.accept ? o.accept(info) : Status::OK();
   };
-  std::promise<void> all_done;
-  // The caller waits below, so the batch may point at its keys, rows and results.
+  // The caller waits in RunBatchRead, so the batch may point at its keys, rows and results.
   auto batch = std::make_shared<Impl::BatchRead>();
   batch->keys = &keys;
   batch->deadline = I->DeadlineFrom(o.timeout);
@@ -1111,13 +1115,7 @@ std::vector<Status> Client::MultiGetInto(const std::vector<std::string>& keys, v
     results[i] = check(ToInfo(*meta));
     if (results[i].ok()) std::memcpy(rows + i * row_stride, bytes, meta->size);
   };
-  batch->done = [&all_done] { all_done.set_value(); };
-  I->transport->Post([I, batch, n = keys.size()] {
-    std::vector<size_t> all(n);
-    for (size_t i = 0; i < n; ++i) all[i] = i;
-    I->IssueBatchRead(batch, all, /*use_copies=*/true);
-  });
-  all_done.get_future().wait();
+  I->RunBatchRead(batch);
   if (staging) {
     // Runs of consecutive hits, one copy each (all rows at once when everything hit).
     for (size_t i = 0; i < keys.size();) {

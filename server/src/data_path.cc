@@ -127,6 +127,19 @@ void Server::Impl::SendObject(const Req& r, const std::string& key,
         data, handle->size(), kind, [handle, staging] {});
 }
 
+Status Server::Impl::StageForSend(TieredCache& from, const ReadHandle& h, const void** data,
+                                  MemoryKind* kind, std::shared_ptr<std::string>* staging) {
+  *data = h.data();
+  *kind = h.memory_kind();
+  if (*kind != MemoryKind::kDevice || transport->device_memory_supported()) return Status::OK();
+  *staging = std::make_shared<std::string>(h.size(), '\0');
+  GKV_RETURN_IF_ERROR(
+      from.CopyBytes((*staging)->data(), MemoryKind::kHost, h.data(), *kind, h.size()));
+  *data = (*staging)->data();
+  *kind = MemoryKind::kHost;
+  return Status::OK();
+}
+
 void Server::Impl::HandleGet(const Req& r, std::string_view body) {
   if (r.h.flags & w::kFlagReplicaRead) return HandleReplicaGet(r, body);
   std::string key;
@@ -160,15 +173,10 @@ void Server::Impl::HandleGet(const Req& r, std::string_view body) {
     }
     auto handle = std::make_shared<ReadHandle>(std::move(*acquired));
     std::shared_ptr<std::string> staging;
-    const void* data = handle->data();
-    MemoryKind kind = handle->memory_kind();
-    if (kind == MemoryKind::kDevice && !transport->device_memory_supported()) {
-      staging = std::make_shared<std::string>(handle->size(), '\0');
-      Status cs = cache->CopyBytes(staging->data(), MemoryKind::kHost, data, kind, handle->size());
-      if (!cs.ok()) return PostReply([this, r, cs] { ReplyStatus(r, cs); });
-      data = staging->data();
-      kind = MemoryKind::kHost;
-    }
+    const void* data = nullptr;
+    MemoryKind kind = MemoryKind::kHost;
+    Status cs = StageForSend(*cache, *handle, &data, &kind, &staging);
+    if (!cs.ok()) return PostReply([this, r, cs] { ReplyStatus(r, cs); });
     PostReply([this, r, key, handle, staging, data, kind] {
       SendObject(r, key, handle, data, kind, staging);
     });

@@ -518,16 +518,10 @@ void Server::Impl::HandleReplicaGet(const Req& r, std::string_view body) {
     }
     auto handle = std::make_shared<ReadHandle>(std::move(*got));
     std::shared_ptr<std::string> staging;
-    const void* data = handle->data();
-    MemoryKind kind = handle->memory_kind();
-    if (kind == MemoryKind::kDevice && !transport->device_memory_supported()) {
-      staging = std::make_shared<std::string>(handle->size(), '\0');
-      Status cs =
-          replica_cache->CopyBytes(staging->data(), MemoryKind::kHost, data, kind, handle->size());
-      if (!cs.ok()) return PostReply([this, r, cs] { ReplyStatus(r, cs); });
-      data = staging->data();
-      kind = MemoryKind::kHost;
-    }
+    const void* data = nullptr;
+    MemoryKind kind = MemoryKind::kHost;
+    Status cs = StageForSend(*replica_cache, *handle, &data, &kind, &staging);
+    if (!cs.ok()) return PostReply([this, r, cs] { ReplyStatus(r, cs); });
     PostReply([send, handle, data, kind, staging] { send(handle, data, kind, staging); });
   });
 }

@@ -281,6 +281,11 @@ struct Server::Impl {
 
   void HandleGet(const Req& r, std::string_view body);
 
+  // Executor: what a reply sends from `h` (of cache `from`): its own bytes, or a host copy in
+  // `*staging` when they are in GPU memory UCX cannot send from.
+  Status StageForSend(TieredCache& from, const ReadHandle& h, const void** data, MemoryKind* kind,
+                      std::shared_ptr<std::string>* staging);
+
   void HandleKeyOp(const Req& r, std::string_view body);
 
   void ReplyPayload(const Req& r, std::shared_ptr<std::string> payload);
