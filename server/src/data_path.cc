@@ -127,6 +127,27 @@ void Server::Impl::SendObject(const Req& r, const std::string& key,
         data, handle->size(), kind, [handle, staging] {});
 }
 
+void Server::Impl::ReadOnExecutor(const Req& r, TieredCache* from, std::string key,
+                                  std::optional<Status> error_as, SendRead send) {
+  SubmitRequestWork(r, [this, r, from, key = std::move(key), error_as, send] {
+    if (r.Expired()) return PostReply([this, r] { ReplyStatus(r, DeadlinePassed()); });
+    auto acquired = from->Acquire(key);
+    if (!acquired.ok()) {
+      Status err = error_as ? *error_as : acquired.status();
+      return PostReply([this, r, err] {
+        Reply(r, err, w::EncodeObjectReply(err, {}), nullptr, 0, MemoryKind::kHost, nullptr);
+      });
+    }
+    auto handle = std::make_shared<ReadHandle>(std::move(*acquired));
+    std::shared_ptr<std::string> staging;
+    const void* data = nullptr;
+    MemoryKind kind = MemoryKind::kHost;
+    Status cs = StageForSend(*from, *handle, &data, &kind, &staging);
+    if (!cs.ok()) return PostReply([this, r, cs] { ReplyStatus(r, cs); });
+    PostReply([send, handle, data, kind, staging] { send(handle, data, kind, staging); });
+  });
+}
+
 Status Server::Impl::StageForSend(TieredCache& from, const ReadHandle& h, const void** data,
                                   MemoryKind* kind, std::shared_ptr<std::string>* staging) {
   *data = h.data();
@@ -162,25 +183,11 @@ void Server::Impl::HandleGet(const Req& r, std::string_view body) {
       return SendObject(r, key, handle, handle->data(), handle->memory_kind(), nullptr);
     }
   }
-  SubmitRequestWork(r, [this, r, key = std::move(key)] {
-    if (r.Expired()) return PostReply([this, r] { ReplyStatus(r, DeadlinePassed()); });
-    auto acquired = cache->Acquire(key);
-    if (!acquired.ok()) {
-      Status err = acquired.status();
-      return PostReply([this, r, err] {
-        Reply(r, err, w::EncodeObjectReply(err, {}), nullptr, 0, MemoryKind::kHost, nullptr);
-      });
-    }
-    auto handle = std::make_shared<ReadHandle>(std::move(*acquired));
-    std::shared_ptr<std::string> staging;
-    const void* data = nullptr;
-    MemoryKind kind = MemoryKind::kHost;
-    Status cs = StageForSend(*cache, *handle, &data, &kind, &staging);
-    if (!cs.ok()) return PostReply([this, r, cs] { ReplyStatus(r, cs); });
-    PostReply([this, r, key, handle, staging, data, kind] {
-      SendObject(r, key, handle, data, kind, staging);
-    });
-  });
+  ReadOnExecutor(r, cache.get(), key, std::nullopt,
+                 [this, r, key](std::shared_ptr<ReadHandle> handle, const void* data,
+                                MemoryKind kind, std::shared_ptr<std::string> staging) {
+                   SendObject(r, key, handle, data, kind, staging);
+                 });
 }
 
 void Server::Impl::HandleKeyOp(const Req& r, std::string_view body) {

@@ -508,22 +508,7 @@ void Server::Impl::HandleReplicaGet(const Req& r, std::string_view body) {
   // A copy in GPU memory that UCX cannot send from: staged through host memory on an executor,
   // as the primary's own slow path does (promotion is off in the replica cache).
   h = ReadHandle();
-  SubmitRequestWork(r, [this, r, rk, miss, send] {
-    if (r.Expired()) return PostReply([this, r] { ReplyStatus(r, DeadlinePassed()); });
-    auto got = replica_cache->Acquire(rk);
-    if (!got.ok()) {
-      return PostReply([this, r, miss] {
-        Reply(r, miss, w::EncodeObjectReply(miss, {}), nullptr, 0, MemoryKind::kHost, nullptr);
-      });
-    }
-    auto handle = std::make_shared<ReadHandle>(std::move(*got));
-    std::shared_ptr<std::string> staging;
-    const void* data = nullptr;
-    MemoryKind kind = MemoryKind::kHost;
-    Status cs = StageForSend(*replica_cache, *handle, &data, &kind, &staging);
-    if (!cs.ok()) return PostReply([this, r, cs] { ReplyStatus(r, cs); });
-    PostReply([send, handle, data, kind, staging] { send(handle, data, kind, staging); });
-  });
+  ReadOnExecutor(r, replica_cache.get(), rk, miss, send);
 }
 
 }  // namespace gkv

@@ -16,6 +16,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -280,6 +281,13 @@ struct Server::Impl {
                   const void* data, MemoryKind kind, std::shared_ptr<std::string> staging);
 
   void HandleGet(const Req& r, std::string_view body);
+
+  // The slow path of a read: on an executor, Acquire `key` from `from` (errors answered as
+  // `error_as` when given), stage it if needed, then `send` on the I/O thread.
+  using SendRead = std::function<void(std::shared_ptr<ReadHandle>, const void* data,
+                                      MemoryKind kind, std::shared_ptr<std::string> staging)>;
+  void ReadOnExecutor(const Req& r, TieredCache* from, std::string key,
+                      std::optional<Status> error_as, SendRead send);
 
   // Executor: what a reply sends from `h` (of cache `from`): its own bytes, or a host copy in
   // `*staging` when they are in GPU memory UCX cannot send from.
