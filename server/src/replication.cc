@@ -189,13 +189,6 @@ void Server::Impl::FinishWithdraw(const std::string& key, uint64_t attempt) {
 }
 
 void Server::Impl::AfterWrite(const std::vector<std::string>& keys, std::function<void()> reply) {
-  // Just after a restart the registry is empty, yet clients may still hold hints of copies
-  // made before it (other nodes keep them until invalidated or evicted): writes wait until every
-  // such hint has expired.
-  if (!boot_sync_done) {
-    boot_waiters.push_back(std::move(reply));
-    return;
-  }
   if (registry.empty()) return reply();
   auto remaining = std::make_shared<size_t>(1);
   auto finish = [remaining, reply] {
@@ -219,36 +212,18 @@ void Server::Impl::AfterWrite(const std::vector<std::string>& keys, std::functio
 
 void Server::Impl::StartBootSync() {
   boot_sync_started = true;
-  if (!replication_on()) return FinishBootSync();
+  if (!replication_on()) return;
   // Peers may hold copies this node's previous run made, and clients may hold hints naming them
-  // (up to 1 s old): they are told to drop them before any write is acknowledged. One that does
-  // not answer is waited out (kWithdrawWait from boot: every hint of the previous run has
-  // expired by then).
-  timers.push_back({hints_from_before_boot_until, [this] { FinishBootSync(); }});
-  auto pending = std::make_shared<size_t>(1);
-  auto one_done = [this, pending] {
-    if (--*pending == 0) FinishBootSync();
-  };
+  // (up to 1 s old): they are told to drop them at once. Best effort: writes are not held for
+  // the answers (a slow or absent peer would stall every first write after a start), so a write
+  // acknowledged in the moment before a peer processed this can still be read old through such
+  // a hint (docs/ARCHITECTURE.md, "Hot keys").
   for (int n = 0; n < static_cast<int>(peer_conn.size()); ++n) {
     if (n == self_index) continue;
-    ++*pending;
     CallPeer(
         n, w::Opcode::kInvalidate, w::EncodeInvalidate("", 0, next_attempt), nullptr,
-        [one_done](Status s, std::string_view) {
-          // Only silence is waited out: a peer that answered, refused or cannot be reached
-          // holds no copy of ours that a client can be reading.
-          if (s.code() != StatusCode::kTimeout) one_done();
-        },
-        w::kFlagAllKeys);
+        [](Status, std::string_view) {}, w::kFlagAllKeys);
   }
-  one_done();
-}
-
-void Server::Impl::FinishBootSync() {
-  if (boot_sync_done) return;
-  boot_sync_done = true;
-  std::vector<std::function<void()>> waiters = std::move(boot_waiters);
-  for (auto& w : waiters) w();
 }
 
 void Server::Impl::ReplicationTick(Clock::time_point now) {

@@ -134,14 +134,10 @@ struct Server::Impl {
   double shed_left = 0;  // relative mode: load (decayed count) still to move off this second
   std::deque<std::pair<Clock::time_point, double>> recent_relief;  // copies started lately
   static constexpr auto kReliefShowsAfter = std::chrono::seconds(3);
-  // Boot: before the first write is acknowledged, peers drop the copies a previous run of this
-  // node made (StartBootSync); writes wait in boot_waiters until then, at most until
-  // boot + kWithdrawWait.
-  Clock::time_point hints_from_before_boot_until = Clock::now() + kWithdrawWait;
-  bool boot_sync_started = false, boot_sync_done = false;
-  std::vector<std::function<void()>> boot_waiters;
+  // Boot: peers are asked to drop the copies a previous run of this node made (StartBootSync,
+  // on the first tick).
+  bool boot_sync_started = false;
   void StartBootSync();
-  void FinishBootSync();
   Clock::time_point last_copy_sweep = Clock::now();
   struct PeerLoad {
     uint64_t reads_per_s = 0;
