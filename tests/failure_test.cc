@@ -30,7 +30,12 @@ TEST(FailureTest, FailOpenTurnsADeadNodeIntoAMiss) {
   auto client = cluster.NewClient(std::chrono::milliseconds(300));
   ASSERT_TRUE(client);
   std::string k = KeyOn(*client, 2);
-  ASSERT_TRUE(client->Put(k, "v", 1).ok());
+  // Setup, not under test: a sanitizer build on a loaded machine can take longer than the
+  // 300 ms the test gives the calls it measures.
+  PutOptions setup;
+  setup.timeout = std::chrono::seconds(5);
+  auto put = client->Put(k, "v", 1, setup);
+  ASSERT_TRUE(put.ok()) << put.status().ToString();
   cluster.StopNode(2, SIGKILL);
   auto t0 = Clock::now();
   auto strict = client->Get(k);
@@ -255,10 +260,15 @@ TEST(FailureTest, FaultInjectionKillAndRestartUnderLoad) {
   std::vector<std::atomic<uint64_t>> acked(kKeys), next_seq(kKeys);
   PutOptions durable;
   durable.durable = true;
+  // The fill is setup, not under test: it gets a sanitizer-proof timeout (the load below keeps
+  // the 300 ms the test is about).
+  PutOptions fill = durable;
+  fill.timeout = std::chrono::seconds(5);
   for (int i = 0; i < kKeys; ++i) {
     keys.push_back("fi/" + std::to_string(i));
     std::string v = MakeValue(keys[i], 1, 2048);
-    ASSERT_TRUE(c.Put(keys[i], v.data(), v.size(), durable).ok());
+    auto put = c.Put(keys[i], v.data(), v.size(), fill);
+    ASSERT_TRUE(put.ok()) << put.status().ToString();
     acked[i] = 1;
     next_seq[i] = 2;
   }

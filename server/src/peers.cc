@@ -60,7 +60,7 @@ void Server::Impl::OnPeerReply(std::unique_ptr<Incoming> msg) {
   auto cb = std::move(it->second.done);
   peer_calls.erase(it);
   w::ReplyStatus rs;
-  Status s = w::DecodeStatusReply(body, &rs);
+  Status s = w::DecodeStatusPrefix(body, &rs);  // some replies carry more (LOAD_REPORT's rate)
   cb(s.ok() ? rs.ToStatus() : s, body);
 }
 

@@ -259,7 +259,13 @@ void Server::Impl::ReplicationTick(Clock::time_point now) {
     GKV_LOG_DEBUG("read load {} reads/s: {} the cluster's mean", reads_per_s,
                   node_overloaded ? "above" : "back within");
   }
-  if (options.replication.mode == HotnessRule::Mode::kRelative) ReportLoad(now, reads_per_s);
+  // An idle node does not report by itself (busy peers learn its rate from their reports'
+  // replies): no peer traffic, nor peer connections, on a cluster nobody reads from.
+  if (options.replication.mode == HotnessRule::Mode::kRelative &&
+      (reads_per_s > 0 || last_reported_reads > 0)) {
+    ReportLoad(now, reads_per_s);
+  }
+  last_reported_reads = reads_per_s;
   copy_tokens = options.replication.max_copy_starts_per_s;
   // Cooling compares counts before they are halved: right after a decay a steady R reads as R,
   // not 2R, which would halve the hysteresis.
@@ -300,8 +306,14 @@ void Server::Impl::SweepHeldCopies() {
 void Server::Impl::ReportLoad(Clock::time_point now, uint64_t reads_per_s) {
   for (int n = 0; n < static_cast<int>(peer_load.size()); ++n) {
     if (n == self_index || now < report_again_after[n]) continue;
+    // The reply carries the peer's own rate: an idle peer never has to report by itself.
     CallPeer(n, w::Opcode::kLoadReport, w::EncodeLoadReport(reads_per_s), nullptr,
-             [this, n](Status s, std::string_view) {
+             [this, n](Status s, std::string_view body) {
+               w::ReplyStatus rs;
+               uint64_t rate = 0;
+               if (s.ok() && w::DecodePutReply(body, &rs, &rate).ok()) {
+                 peer_load[n] = PeerLoad{rate, Clock::now()};
+               }
                if (!s.ok()) report_again_after[n] = Clock::now() + kReportBackoff;
              });
   }
@@ -314,7 +326,10 @@ void Server::Impl::HandleLoadReport(const Req& r, std::string_view body) {
     const int node = peer_node_of_conn[r.conn];  // PeerOnly checked it is there
     peer_load[node] = PeerLoad{rate, Clock::now()};
   }
-  ReplyStatus(r, s);
+  if (!s.ok()) return ReplyStatus(r, s);
+  // Answered with this node's own rate (status + u64, the PUT reply's shape).
+  Reply(r, s, w::EncodePutReply(s, counters.reads_per_s.load(std::memory_order_relaxed)), nullptr,
+        0, MemoryKind::kHost, nullptr);
 }
 
 void Server::Impl::CoolDown() {

@@ -144,6 +144,7 @@ struct Server::Impl {
     Clock::time_point at;  // when it was reported; reports older than 3 s are not counted
   };
   std::vector<PeerLoad> peer_load;
+  uint64_t last_reported_reads = 0;
   std::vector<Clock::time_point> report_again_after;  // a peer that did not answer: back off
   // As replica: the copy held of each key (one attempt of one version).
   struct HeldCopy {

@@ -257,6 +257,12 @@ Status DecodeStatusReply(std::string_view body, ReplyStatus* status) {
   return Status::OK();
 }
 
+Status DecodeStatusPrefix(std::string_view body, ReplyStatus* status) {
+  ByteReader r(body);
+  if (!ReadStatus(r, status)) return Malformed("reply status");
+  return Status::OK();
+}
+
 std::string EncodeObjectReply(const Status& s, const ObjectMeta& meta,
                               const std::vector<uint16_t>& replica_hint) {
   std::string out;

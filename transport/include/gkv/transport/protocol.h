@@ -130,6 +130,8 @@ struct ReplyStatus {
 
 std::string EncodeStatusReply(const Status& s);
 Status DecodeStatusReply(std::string_view body, ReplyStatus* status);
+// Only the status every reply body starts with (the rest is the caller's to decode).
+Status DecodeStatusPrefix(std::string_view body, ReplyStatus* status);
 
 // Get and Stat: status, then (when OK) the object's metadata. Get's payload is the value.
 // A primary's GET reply for a replicated key adds a hint: u8 count, count x u16 node index (into
@@ -155,7 +157,8 @@ std::string EncodeInvalidate(std::string_view key, uint64_t version, uint64_t at
 Status DecodeInvalidate(std::string_view body, std::string* key, uint64_t* version,
                         uint64_t* attempt);
 
-// LoadReport: the sender's reads per second (rows served, all kinds), rounded.
+// LoadReport: the sender's reads per second (rows served, all kinds), rounded. The reply is a
+// status and the receiver's own reads per second (u64), encoded as a Put reply.
 std::string EncodeLoadReport(uint64_t reads_per_s);
 Status DecodeLoadReport(std::string_view body, uint64_t* reads_per_s);
 
