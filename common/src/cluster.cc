@@ -123,7 +123,9 @@ size_t HashRing::Find(uint64_t hash) const {
   return it == points_.end() ? 0 : static_cast<size_t>(it - points_.begin());
 }
 
-int HashRing::NodeFor(std::string_view key) const { return points_[Find(HashKey(key))].node; }
+int HashRing::NodeFor(std::string_view key) const { return NodeForHash(HashKey(key)); }
+
+int HashRing::NodeForHash(uint64_t hash) const { return points_[Find(hash)].node; }
 
 std::vector<int> HashRing::NodesFor(std::string_view key, int count) const {
   std::vector<int> out;

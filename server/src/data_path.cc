@@ -240,10 +240,9 @@ void Server::Impl::HandleMultiGet(const Req& r, std::unique_ptr<Incoming> msg) {
                         if (!replication_on()) continue;
                         CountRead(row.key);
                         auto it = registry.find(row.key);
-                        if (it != registry.end() && it->second.state == CopyState::kServing) {
-                          row.hint_version = it->second.version;
-                          row.hint = HintFor(row.key, row.hint_version);
-                        }
+                        if (it == registry.end()) continue;
+                        row.hint_version = it->second.version;  // HintFor: serving ones only
+                        row.hint = HintFor(row.key, row.hint_version);
                       }
                       SubmitRequestWork(r, [this, r, rows] { ServeMultiGet(r, rows); });
                     });

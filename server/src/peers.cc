@@ -59,6 +59,7 @@ void Server::Impl::OnPeerReply(std::unique_ptr<Incoming> msg) {
   if (it == peer_calls.end() || it->second.conn != msg->conn()) return;
   auto cb = std::move(it->second.done);
   peer_calls.erase(it);
+  answered_conns.insert(msg->conn());
   w::ReplyStatus rs;
   Status s = w::DecodeStatusPrefix(body, &rs);  // some replies carry more (LOAD_REPORT's rate)
   cb(s.ok() ? rs.ToStatus() : s, body);
@@ -95,7 +96,9 @@ void Server::Impl::OnPeerDisconnect(ConnId conn) {
   const int node = it->second;
   peer_of_conn.erase(it);
   if (peer_conn[node] == conn) peer_conn[node] = 0;
-  peer_down_until[node] = Clock::now() + kPeerDownFor;
+  // Only a connection the peer had answered on: one dialled before the peer listened (nodes
+  // starting together) says nothing about it once it is up.
+  if (answered_conns.erase(conn) > 0) peer_down_until[node] = Clock::now() + kPeerDownFor;
   std::vector<uint64_t> failed;
   for (auto& [id, call] : peer_calls) {
     if (call.conn == conn) failed.push_back(id);  // not calls already on a newer connection

@@ -34,8 +34,9 @@ void Server::Impl::CountRead(const std::string& key) {
   // Only the keys this node owns: a read served here for another primary (a client's failover
   // with ClientOptions::replicas > 1) is not this node's to copy, and its versions are not the
   // primary's.
-  if (ring->NodeFor(key) != self_index) return;
-  const uint32_t est = sketch.Add(HashKey(key));
+  const uint64_t hash = HashKey(key);  // once: for the ring and the sketch
+  if (ring->NodeForHash(hash) != self_index) return;
+  const uint32_t est = sketch.Add(hash);
   if (!options.replication.IsHot(est, node_read_count, node_overloaded)) return;
   const bool relative = options.replication.mode == HotnessRule::Mode::kRelative;
   if (copy_tokens <= 0 || (relative && shed_left <= 0)) return;

@@ -20,6 +20,7 @@
 #include <string>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "gkv/transport/protocol.h"
@@ -117,8 +118,8 @@ struct Server::Impl {
     size_t unconfirmed = 0;  // withdrawing: INVALIDATEs not yet confirmed
     std::vector<std::function<void()>> waiters;  // withdrawing: writes to acknowledge after
   };
-  // Client hints live kHintTtl (1 s) from the reply that carried them; half a second more covers
-  // a reply still on its way when withdrawing began.
+  // Client hints live kHintTtl (1 s) from the send time of the request that brought them, and
+  // the primary stops hinting before a withdrawal begins: half a second more is margin.
   static constexpr auto kWithdrawWait = std::chrono::milliseconds(1500);
   std::unordered_map<std::string, ReplicaSet> registry;  // as primary
   // Replication attempts are numbered from the boot time (microseconds), so they increase across
@@ -174,6 +175,7 @@ struct Server::Impl {
   // and it is not chosen for new copies.
   std::vector<Clock::time_point> peer_down_until;
   static constexpr auto kPeerDownFor = std::chrono::milliseconds(250);
+  std::unordered_set<ConnId> answered_conns;  // peer connections a reply came on
   std::unordered_map<ConnId, int> peer_of_conn;
   std::unordered_map<uint64_t, PeerCall> peer_calls;
   uint64_t next_peer_call = 1;

@@ -60,6 +60,8 @@ class HashRing {
   // Index (into the node list given at construction) of the node owning `key`.
   // REQUIRES: at least one node.
   int NodeFor(std::string_view key) const;
+  // The same for a key whose HashKey() the caller already has.
+  int NodeForHash(uint64_t hash) const;
   // Up to `count` distinct nodes clockwise from the key's position, the owner first.
   std::vector<int> NodesFor(std::string_view key, int count) const;
   int node_count() const { return node_count_; }
