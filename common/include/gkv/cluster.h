@@ -30,8 +30,22 @@ struct NodeInfo {
   std::string address() const { return host + ":" + std::to_string(port); }
 };
 
+// Where the members come from when the cluster file says `membership: etcd`:
+//   membership: etcd
+//   etcd: {endpoints: [http://127.0.0.1:2379], cluster: prod, lease_ttl_s: 5}
+// (gkv/membership.h). `nodes:` is then optional and ignored.
+struct EtcdConfig {
+  std::vector<std::string> endpoints;  // http://host:port, tried in order
+  std::string cluster = "gkv";         // the key prefix is /gkv/<cluster>/
+  int lease_ttl_s = 5;                 // a dead node leaves every ring within about this
+  std::string prefix() const { return "/gkv/" + cluster + "/"; }
+};
+
 struct ClusterConfig {
-  std::vector<NodeInfo> nodes;
+  enum class Membership { kStatic, kEtcd };
+  Membership membership = Membership::kStatic;
+  EtcdConfig etcd;         // membership == kEtcd
+  std::vector<NodeInfo> nodes;  // kStatic: the members; kEtcd: unused
   std::string secret;  // empty: no access control
   // What a node presents to another node (PEER_HELLO) to be allowed the replication messages.
   // Empty: the cluster secret serves (so any holder of it may act as a node); set it (or

@@ -1,0 +1,113 @@
+// Cluster membership in etcd (docs/ARCHITECTURE.md, "Membership").
+//
+// gkv talks to etcd's v3 JSON gateway (POST /v3/kv/range, /v3/watch, /v3/lease/...) over HTTP
+// with cpp-httplib: no gRPC stack to build, and every etcd >= 3.4 serves it.
+//
+// Keys under the cluster's prefix ("/gkv/<cluster>/"):
+//   members/<id>   a MemberRecord (JSON), attached to the node's lease: it goes when the node
+//                  stops keeping the lease alive (a crash: after the lease TTL).
+//   drain/<id>     written by `gkv drain <id>` (no lease): the node leaves the ring, hands its keys
+//                  off, removes its record and this key, and exits.
+//   handoff/<id>   present (on the node's lease) while node <id> is handing keys off; clients
+//                  ask a key's previous owner after a miss while any is present.
+//
+// The ring is built from the members that are neither draining nor asked to drain, sorted by
+// id. Its epoch is the etcd revision at which this process saw the member set change (its first
+// read counts as a change at that read's revision): processes that watched the same change agree
+// on its epoch; one that started later may show a higher epoch for the same members.
+//
+// etcd being unreachable never stops the data path: a watcher keeps its last view (and logs the
+// outage once), a registration keeps trying to keep its lease and registers again under a new
+// lease when its old one expired meanwhile.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <set>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "gkv/cluster.h"
+#include "gkv/status.h"
+
+namespace gkv {
+
+// What a node publishes about itself.
+struct MemberRecord {
+  NodeInfo node;  // id, host, port, weight
+  uint64_t gpu_bytes = 0;
+  uint64_t host_bytes = 0;
+  uint64_t disk_bytes = 0;
+  bool draining = false;  // set by the node once it starts handing everything off
+};
+
+std::string EncodeMemberRecord(const MemberRecord& record);
+Result<MemberRecord> DecodeMemberRecord(std::string_view json);
+
+// One consistent reading of the prefix.
+struct MembershipView {
+  uint64_t epoch = 0;     // see above
+  uint64_t revision = 0;  // etcd revision this view is current at
+  std::vector<MemberRecord> members;  // every registered node, sorted by id
+  std::set<std::string> drain_requested;
+  std::set<std::string> handoffs_running;
+
+  // The members that own keys: not draining and not asked to drain, sorted by id.
+  std::vector<NodeInfo> RingNodes() const;
+  const MemberRecord* Find(std::string_view id) const;
+};
+
+// Thread-safety of both classes: every method may be called from any thread.
+class MembershipWatcher {
+ public:
+  using Callback = std::function<void(const MembershipView&)>;
+  // Reads the prefix once (an error when etcd cannot be reached: a process needs one ring to
+  // start), then watches it from the next revision on a thread of its own, resuming from the
+  // last revision seen after a broken stream. `on_change` runs on that thread whenever the
+  // view changed (members, their records, drain or handoff keys), never concurrently with
+  // itself; it is not called for the initial view (see Current()).
+  static Result<std::unique_ptr<MembershipWatcher>> Start(const EtcdConfig& etcd,
+                                                          Callback on_change);
+  ~MembershipWatcher();  // stops the watch; no callback runs after it returns
+  MembershipView Current() const;
+  // Whether the watch stream is connected now.
+  bool connected() const;
+
+ private:
+  struct Impl;
+  explicit MembershipWatcher(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+class MemberRegistration {
+ public:
+  // Grants a lease of etcd.lease_ttl and writes members/<id> on it; a thread keeps it alive
+  // (every third of the TTL) and registers again, under a new lease, if it expired while etcd was
+  // unreachable. Fails when etcd cannot be reached or another live node holds the same id.
+  static Result<std::unique_ptr<MemberRegistration>> Register(const EtcdConfig& etcd,
+                                                              const MemberRecord& record);
+  ~MemberRegistration();  // stops the keepalive (the record then expires with the lease)
+
+  // Rewrites the record (e.g. draining = true), on the same lease.
+  Status Update(const MemberRecord& record);
+  // handoff/<id> on this node's lease: present while `running`.
+  Status SetHandoffRunning(bool running);
+  // Deletes members/<id>, drain/<id> and handoff/<id> and revokes the lease; the keepalive stops.
+  Status Deregister();
+  int64_t lease_id() const;
+
+ private:
+  struct Impl;
+  explicit MemberRegistration(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// `gkv drain <id>`: writes drain/<id>. NotFound when no such member is registered.
+Status RequestDrain(const EtcdConfig& etcd, std::string_view node_id);
+// `gkv ring`: one reading of the prefix (no watch).
+Result<MembershipView> ReadMembership(const EtcdConfig& etcd);
+
+}  // namespace gkv
