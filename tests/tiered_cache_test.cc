@@ -3,6 +3,8 @@
 // real device arena.
 #include <gtest/gtest.h>
 
+#include <cstring>
+
 #include <atomic>
 #include <map>
 #include <thread>
@@ -789,6 +791,60 @@ TEST(TieredCacheCrashTest, DurableCommitBatchSurvivesACrashWithPerItemResults) {
       EXPECT_EQ(out, std::string(1000, 'a' + i % 26)) << i;
     }
   }
+}
+
+}  // namespace
+}  // namespace gkv
+
+namespace gkv {
+namespace {
+
+// Membership handoff: versions of different caches compare in write order (hybrid clocks), a
+// handed-off version never replaces a newer one, and later versions are above it.
+TEST(TieredCacheTest, HandedOffObjectsKeepTheirVersionAndNeverReplaceANewerOne) {
+  testing::TempDir da, db, dc;
+  auto a = MustOpen(SmallOptions(da.path(), 0, 1 << 20, 8 << 20));
+  auto b = MustOpen(SmallOptions(db.path(), 0, 1 << 20, 8 << 20));
+  auto c = MustOpen(SmallOptions(dc.path(), 0, 1 << 20, 8 << 20));
+  auto va = a->Put("k", "old", 3);
+  ASSERT_TRUE(va.ok());
+  auto vb = b->Put("k", "new", 3);  // written later, on another cache
+  ASSERT_TRUE(vb.ok());
+  EXPECT_GT(*vb, *va);
+
+  // b holds a newer version: the handed-off one does not land.
+  auto h = b->Reserve("k", 3, {});
+  ASSERT_TRUE(h.ok());
+  std::memcpy(h->data(), "old", 3);
+  auto landed = b->CommitHandedOff(std::move(*h), /*durable=*/true, *va);
+  ASSERT_TRUE(landed.ok()) << landed.status().ToString();
+  EXPECT_FALSE(*landed);
+  std::string got;
+  ASSERT_TRUE(b->Get("k", &got).ok());
+  EXPECT_EQ(got, "new");
+
+  // c has nothing: it keeps the version the object had, durable flag included.
+  h = c->Reserve("k", 3, {});
+  ASSERT_TRUE(h.ok());
+  std::memcpy(h->data(), "old", 3);
+  landed = c->CommitHandedOff(std::move(*h), /*durable=*/true, *va);
+  ASSERT_TRUE(landed.ok() && *landed);
+  auto info = c->Stat("k");
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->version, *va);
+  EXPECT_TRUE(info->on_disk);
+  auto listed = c->ListKeys();
+  ASSERT_EQ(listed.size(), 1u);
+  EXPECT_TRUE(listed[0].durable);
+  EXPECT_GT(c->VersionClock(), *va);
+  auto vc = c->Put("k2", "x", 1);
+  ASSERT_TRUE(vc.ok());
+  EXPECT_GT(*vc, *va);
+
+  // A delete of a version that is no longer the newest leaves the key alone.
+  EXPECT_EQ(c->DeleteVersion("k", *va + 1).code(), StatusCode::kAborted);
+  EXPECT_TRUE(c->DeleteVersion("k", *va).ok());
+  EXPECT_EQ(c->Stat("k").status().code(), StatusCode::kNotFound);
 }
 
 }  // namespace

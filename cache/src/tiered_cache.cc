@@ -45,6 +45,7 @@ struct Entry : std::enable_shared_from_this<Entry> {
   int pins = 0;
   bool live = true;      // false once deleted, replaced or dropped
   bool on_disk = false;  // the disk tier holds this version
+  bool durable = false;  // committed durable (a disk copy that capacity eviction keeps)
   // Writes of this version to the disk tier in flight (spill, Flush, write-through). While
   // > 0 the version may land on disk at any moment: whoever replaces or deletes it must see to
   // that copy (Impl::writeback_done signals the end of each).
@@ -79,6 +80,15 @@ struct Shard {
 
 }  // namespace
 
+// The wall clock as a version floor: microseconds since the epoch times 1024 (room for 1024
+// versions per microsecond; 2^64 lasts past the year 2500).
+static uint64_t WallClockVersion() {
+  const auto us = std::chrono::duration_cast<std::chrono::microseconds>(
+                      std::chrono::system_clock::now().time_since_epoch())
+                      .count();
+  return static_cast<uint64_t>(us) << 10;
+}
+
 struct TieredCache::Impl {
   CacheOptions options;
   std::vector<std::unique_ptr<Shard>> shards;
@@ -99,15 +109,37 @@ struct TieredCache::Impl {
 
   Shard& ShardFor(std::string_view key) { return *shards[HashKey(key) % shards.size()]; }
 
-  // Versions: a block of 2^32 per extension of the persisted mark (one synced RocksDB write per
-  // 4 billion puts, and one per start); the fast path leaves the last 2^20 to the slow path.
-  static constexpr uint64_t kVersionBlock = uint64_t{1} << 32;
-  static constexpr uint64_t kVersionMargin = uint64_t{1} << 20;
+  // Versions are hybrid clocks: a version is at least the wall clock in microseconds times 1024
+  // (WallClockVersion), above every version this node handed out or installed before. So
+  // versions of different nodes compare in the order the writes happened (to within the clocks'
+  // skew), which is what a handoff between nodes needs ("versions decide").
+  // The persisted mark still guards a restart whose clock went backwards: a block of 2^42
+  // (about 70 minutes of clock) per extension; the fast path leaves the last 2^30 to the slow
+  // path.
+  static constexpr uint64_t kVersionBlock = uint64_t{1} << 42;
+  static constexpr uint64_t kVersionMargin = uint64_t{1} << 30;
+
+  // Takes a version from the clock (no disk I/O; the caller checks the mark).
+  uint64_t TakeVersion() {
+    const uint64_t floor = WallClockVersion();
+    uint64_t cur = next_version.load(std::memory_order_relaxed);
+    for (;;) {
+      const uint64_t v = std::max(cur, floor);
+      if (next_version.compare_exchange_weak(cur, v + 1, std::memory_order_relaxed)) return v;
+    }
+  }
+
+  // Versions handed out from now on are above `v` (a version installed from another node).
+  void ObserveVersion(uint64_t v) {
+    uint64_t cur = next_version.load(std::memory_order_relaxed);
+    while (cur <= v && !next_version.compare_exchange_weak(cur, v + 1, std::memory_order_relaxed)) {
+    }
+  }
 
   // A new version, greater than every version handed out before, this run or an earlier one.
   // May write the mark (synced disk I/O). REQUIRES: no lock held.
   uint64_t NextVersion() {
-    const uint64_t v = next_version.fetch_add(1);
+    const uint64_t v = TakeVersion();
     if (v + kVersionMargin >= version_limit.load()) {
       std::lock_guard<std::mutex> lock(mark_mu);
       const uint64_t limit = version_limit.load();
@@ -525,6 +557,7 @@ WriteHandle& WriteHandle::operator=(WriteHandle&& o) noexcept {
     data_ = o.data_;
     staging_ = std::move(o.staging_);
     kind_ = o.kind_;
+    handed_version_ = o.handed_version_;
     o.cache_ = nullptr;
     o.arena_ = nullptr;
     o.data_ = nullptr;
@@ -623,6 +656,7 @@ Result<std::unique_ptr<TieredCache>> TieredCache::Open(const CacheOptions& optio
       e->key = std::string(key);
       e->size = m.size;
       e->version = m.version;
+      e->durable = m.durable;
       e->tensor = m.tensor;
       e->tier = Tier::kDisk;
       e->on_disk = true;
@@ -634,7 +668,7 @@ Result<std::unique_ptr<TieredCache>> TieredCache::Open(const CacheOptions& optio
     // Start above every version handed out before (the persisted mark), and persist the mark
     // of this run before the first put.
     GKV_ASSIGN_OR_RETURN(uint64_t mark, impl->disk->ReadVersionMark());
-    const uint64_t start = std::max(mark, max_version + 1);
+    const uint64_t start = std::max({mark, max_version + 1, WallClockVersion()});
     GKV_RETURN_IF_ERROR(impl->disk->WriteVersionMark(start + Impl::kVersionBlock)
                             .WithContext("persisting the version mark"));
     impl->next_version = start;
@@ -727,7 +761,13 @@ std::vector<Result<uint64_t>> TieredCache::CommitBatch(std::vector<WriteHandle> 
     e->key = h.key_;
     e->size = h.size_;
     e->tensor = h.tensor_;
-    e->version = I.NextVersion();
+    if (h.handed_version_ != 0) {
+      e->version = h.handed_version_;
+      I.ObserveVersion(e->version);
+    } else {
+      e->version = I.NextVersion();
+    }
+    e->durable = durable;
     e->tier = h.tier_;
     if (durable || h.tier_ == Tier::kDisk) {
       const void* src = h.data_;
@@ -852,7 +892,8 @@ TieredCache::FastPath TieredCache::TryCommitInMemory(WriteHandle* h, uint64_t* v
   Impl& I = *impl_;
   if (h->cache_ != this || !h->data_ || h->tier_ == Tier::kDisk) return FastPath::kNeedsSlowPath;
   // Near the end of the persisted version block: extending it is disk I/O.
-  if (I.next_version.load() + Impl::kVersionMargin >= I.version_limit.load()) {
+  if (std::max(I.next_version.load(), WallClockVersion()) + Impl::kVersionMargin >=
+      I.version_limit.load()) {
     return FastPath::kNeedsSlowPath;
   }
   Shard& s = I.ShardFor(h->key_);
@@ -869,7 +910,7 @@ TieredCache::FastPath TieredCache::TryCommitInMemory(WriteHandle* h, uint64_t* v
     e->key = h->key_;
     e->size = h->size_;
     e->tensor = h->tensor_;
-    e->version = I.next_version.fetch_add(1);  // below version_limit (checked above)
+    e->version = I.TakeVersion();  // below version_limit (checked above)
     e->tier = h->tier_;
     e->arena = h->arena_;
     e->data = h->data_;
@@ -1070,7 +1111,38 @@ Result<ObjectInfo> TieredCache::Stat(std::string_view key) {
   return ObjectInfo{sp->size, sp->version, sp->tensor, sp->tier, sp->on_disk};
 }
 
-Status TieredCache::Delete(std::string_view key) {
+Status TieredCache::Delete(std::string_view key) { return DeleteVersion(key, 0); }
+
+Result<bool> TieredCache::CommitHandedOff(WriteHandle handle, bool durable, uint64_t version) {
+  if (version == 0) return Status::InvalidArgument("a handed-off object needs its version");
+  handle.handed_version_ = version;
+  const std::string key = handle.key_;
+  GKV_ASSIGN_OR_RETURN(uint64_t v, Commit(std::move(handle), durable));
+  (void)v;
+  // Superseded (a newer version was there or landed meanwhile) is not an error: the key then
+  // holds something at least as new as what was handed off.
+  auto info = Stat(key);
+  return info.ok() && info->version == version;
+}
+
+uint64_t TieredCache::VersionClock() const {
+  return std::max(impl_->next_version.load(), WallClockVersion());
+}
+
+std::vector<KeyListing> TieredCache::ListKeys() const {
+  Impl& I = *impl_;
+  std::vector<KeyListing> out;
+  for (auto& s : I.shards) {
+    std::lock_guard<std::mutex> shard_lock(s->mu);
+    std::lock_guard<std::mutex> lock(I.mu);
+    for (auto& [k, e] : s->map) {
+      if (e->live) out.push_back(KeyListing{k, e->version, e->size, e->durable, e->tier});
+    }
+  }
+  return out;
+}
+
+Status TieredCache::DeleteVersion(std::string_view key, uint64_t version) {
   Impl& I = *impl_;
   std::shared_ptr<Entry> victim;
   {
@@ -1078,6 +1150,9 @@ Status TieredCache::Delete(std::string_view key) {
     std::lock_guard<std::mutex> shard_lock(s.mu);
     auto it = s.map.find(std::string(key));
     if (it == s.map.end()) return Status::NotFound("key not found");
+    if (version != 0 && it->second->version != version) {
+      return Status::Aborted("the key has another version now");
+    }
     victim = it->second;
     s.map.erase(it);
     std::lock_guard<std::mutex> lock(I.mu);

@@ -1,14 +1,18 @@
 #include "gkv/client.h"
 
 #include <algorithm>
+#include <mutex>
 #include <cstring>
 #include <queue>
 #include <random>
+#include <thread>
 #include <unordered_map>
 
 #include "gkv/cuda.h"
 #include "gkv/hash.h"
 #include "gkv/log.h"
+#include "gkv/membership.h"
+#include "gkv/ring_view.h"
 #include "gkv/transport/protocol.h"
 #include "gkv/transport/ucx_transport.h"
 
@@ -75,8 +79,39 @@ struct Client::Impl {
   using Accept = std::function<Status(const ValueInfo&)>;
 
   ClientOptions options;
-  ClusterConfig cluster;
-  std::unique_ptr<HashRing> ring;
+  ClusterConfig cluster;  // as configured (under etcd its `nodes` stay empty)
+  // The node table (gkv/ring_view.h): stable indices, appended on the I/O thread only (under
+  // nodes_mu, which other threads take to read it).
+  std::vector<NodeInfo> nodes;
+  mutable std::mutex nodes_mu;
+  size_t NodeCount() const {
+    std::lock_guard<std::mutex> lock(nodes_mu);
+    return nodes.size();
+  }
+  // Where keys live now, and where they lived before the last change while keys may still be
+  // moving (a handoff is running, or the change is recent): a miss on a key's owners is then
+  // asked of its previous owners before it is reported.
+  struct Routing {
+    RingPtr ring;
+    RingPtr previous;  // null: no change seen, or it has settled
+    bool handoff = false;
+    Clock::time_point changed_at{};
+    static constexpr auto kSettle = std::chrono::seconds(3);
+    bool Moving() const {
+      return previous && (handoff || Clock::now() - changed_at < kSettle);
+    }
+  };
+  mutable std::mutex routing_mu;
+  std::shared_ptr<const Routing> routing;
+  std::shared_ptr<const Routing> Route() const {
+    std::lock_guard<std::mutex> lock(routing_mu);
+    return routing;
+  }
+  std::unique_ptr<MembershipWatcher> watcher;
+  // A client call refused with WrongNode (the node's ring and ours differ) is sent again after
+  // this, with the ring as it is then, until its deadline.
+  static constexpr auto kWrongNodeRetry = std::chrono::milliseconds(5);
+  static bool Misrouted(const Status& s) { return s.code() == StatusCode::kWrongNode; }
   std::unique_ptr<UcxTransport> transport;
   std::atomic<uint64_t> next_id{1};
 
@@ -167,11 +202,11 @@ struct Client::Impl {
     auto it = node_of_conn.find(conn);
     if (it == node_of_conn.end()) return;
     const int node = it->second;
-    GKV_LOG_WARN("lost node {} ({}): {}", cluster.nodes[node].id, cluster.nodes[node].address(),
+    GKV_LOG_WARN("lost node {} ({}): {}", nodes[node].id, nodes[node].address(),
                  s.ToString());
     FailNode(node,
-             Status::Unavailable("node " + cluster.nodes[node].id + " (" +
-                                 cluster.nodes[node].address() + "): " + std::string(s.message())),
+             Status::Unavailable("node " + nodes[node].id + " (" +
+                                 nodes[node].address() + "): " + std::string(s.message())),
              false);
   }
 
@@ -185,7 +220,7 @@ struct Client::Impl {
       if (it == pending.end()) continue;
       PendingPtr p = it->second;
       if (p->deadline > now) continue;  // extended (see transfer_deadline): a later entry is due
-      Status timeout = Status::Timeout("no reply from node " + cluster.nodes[p->node].id +
+      Status timeout = Status::Timeout("no reply from node " + nodes[p->node].id +
                                        " within the deadline");
       Fail(p, timeout);
       // Bytes still moving into or out of the caller's buffer: the connection goes, so the
@@ -224,7 +259,7 @@ struct Client::Impl {
 
   Result<ConnId> EnsureConn(int node) {
     if (node_conn[node] != 0 && transport->IsOpen(node_conn[node])) return node_conn[node];
-    const NodeInfo& n = cluster.nodes[node];
+    const NodeInfo& n = nodes[node];
     GKV_ASSIGN_OR_RETURN(ConnId conn, transport->Connect(n.host, n.port));
     node_conn[node] = conn;
     node_of_conn[conn] = node;
@@ -251,10 +286,13 @@ struct Client::Impl {
              size_t size, MemoryKind kind, Clock::time_point deadline,
              std::function<void(const PendingPtr&, std::unique_ptr<Incoming>)> on_reply,
              std::function<void(Status)> on_error, Clock::time_point transfer_deadline = {}) {
+    if (node < 0 || static_cast<size_t>(node) >= nodes.size()) {
+      return on_error(Status::Unavailable("no node owns the key: the ring has no members"));
+    }
     if (IsDown(node)) {
       auto left = std::chrono::duration_cast<std::chrono::milliseconds>(health[node].down_until -
                                                                         Clock::now());
-      return on_error(Status::Unavailable("node " + cluster.nodes[node].id +
+      return on_error(Status::Unavailable("node " + nodes[node].id +
                                           " is down; reconnecting in " +
                                           std::to_string(left.count()) + " ms"));
     }
@@ -296,6 +334,54 @@ struct Client::Impl {
     });
   }
 
+  // --- membership (worker thread) ---
+  std::mutex transport_mu;  // the watch thread posts through `transport` once it exists
+
+  // The table index of `n`, added when new; a node back on another address is reconnected.
+  int NodeIndex(const NodeInfo& n) {
+    for (size_t i = 0; i < nodes.size(); ++i) {
+      if (nodes[i].id != n.id) continue;
+      if (nodes[i].host != n.host || nodes[i].port != n.port) {
+        FailNode(static_cast<int>(i), Status::Unavailable("node moved to " + n.address()), true);
+        MarkUp(static_cast<int>(i));
+        std::lock_guard<std::mutex> lock(nodes_mu);
+        nodes[i] = n;
+      }
+      return static_cast<int>(i);
+    }
+    {
+      std::lock_guard<std::mutex> lock(nodes_mu);
+      nodes.push_back(n);
+    }
+    node_conn.push_back(0);
+    health.emplace_back();
+    copies_avoided_until.emplace_back();
+    return static_cast<int>(nodes.size()) - 1;
+  }
+
+  void ApplyView(const MembershipView& v) {
+    auto cur = Route();
+    std::vector<NodeInfo> members = v.RingNodes();
+    std::vector<int> slots;
+    for (const NodeInfo& n : members) slots.push_back(NodeIndex(n));
+    auto next = std::make_shared<Routing>(*cur);
+    next->handoff = !v.handoffs_running.empty();
+    bool same = cur->ring->size() == slots.size();
+    for (size_t p = 0; same && p < slots.size(); ++p) same = cur->ring->slot(p) == slots[p];
+    if (!same) {
+      next->previous = cur->ring;
+      next->ring = std::make_shared<RingView>(v.epoch, members, slots, nodes.size());
+      next->changed_at = Clock::now();
+      std::string list;
+      for (const NodeInfo& n : members) list += (list.empty() ? "" : ",") + n.id;
+      GKV_LOG_INFO("client: ring epoch {}: {} members [{}]", v.epoch, members.size(), list);
+    } else if (next->previous && !next->Moving()) {
+      next->previous = nullptr;  // settled
+    }
+    std::lock_guard<std::mutex> lock(routing_mu);
+    routing = std::move(next);
+  }
+
   // --- operations (worker thread) ---
 
   static bool NodeFailure(const Status& s) {
@@ -306,7 +392,17 @@ struct Client::Impl {
   void DoGet(std::string key, void* user_dst, size_t capacity, MemoryKind dst_kind,
              Clock::time_point deadline, bool fail_open, std::function<void(Result<Value>)> done,
              Accept accept = {}) {
-    auto nodes = std::make_shared<std::vector<int>>(ring->NodesFor(key, options.replicas));
+    auto route = Route();
+    auto nodes = std::make_shared<std::vector<int>>(route->ring->Owners(key, options.replicas));
+    // While keys may be moving, the previous ring's owners are asked after the current ones.
+    const size_t first_previous = nodes->size();
+    if (route->Moving()) {
+      for (int n : route->previous->Owners(key, options.replicas)) {
+        if (std::find(nodes->begin(), nodes->end(), n) == nodes->end()) nodes->push_back(n);
+      }
+    }
+    if (nodes->empty()) return done(Status::Unavailable("the ring has no members"));
+    std::function<void(Result<Value>)> retry_or_finish;
     std::function<void(Result<Value>)> finish = [fail_open, done](Result<Value> r) {
       if (!r.ok() && fail_open && NodeFailure(r.status())) {
         return done(
@@ -314,8 +410,23 @@ struct Client::Impl {
       }
       done(std::move(r));
     };
-    auto normal = [this, key, nodes, user_dst, capacity, dst_kind, deadline, finish, accept] {
-      GetFrom(key, nodes, 0, user_dst, capacity, dst_kind, deadline, finish, accept);
+    // Refused as misrouted by every node asked: our ring is behind (or theirs is); again soon.
+    retry_or_finish = [this, key, user_dst, capacity, dst_kind, deadline, fail_open, done, finish,
+                       accept](Result<Value> r) {
+      if (!r.ok() && Misrouted(r.status()) && Clock::now() + kWrongNodeRetry < deadline) {
+        return AddTimer(Clock::now() + kWrongNodeRetry,
+                        [this, key, user_dst, capacity, dst_kind, deadline, fail_open, done,
+                         accept] {
+                          DoGet(key, user_dst, capacity, dst_kind, deadline, fail_open, done,
+                                accept);
+                        });
+      }
+      finish(std::move(r));
+    };
+    auto normal = [this, key, nodes, first_previous, user_dst, capacity, dst_kind, deadline,
+                   retry_or_finish, accept] {
+      GetFrom(key, nodes, 0, first_previous, user_dst, capacity, dst_kind, deadline,
+              retry_or_finish, accept);
     };
     if (!hints.empty() &&
         TryReplicaRead(key, user_dst, capacity, dst_kind, deadline, finish, normal, accept)) {
@@ -324,26 +435,34 @@ struct Client::Impl {
     normal();
   }
 
-  void GetFrom(std::string key, std::shared_ptr<std::vector<int>> nodes, size_t i, void* user_dst,
-               size_t capacity, MemoryKind dst_kind, Clock::time_point deadline,
-               std::function<void(Result<Value>)> done, Accept accept = {}) {
+  // Nodes from index first_previous on are the previous ring's owners (asked as such).
+  void GetFrom(std::string key, std::shared_ptr<std::vector<int>> nodes, size_t i,
+               size_t first_previous, void* user_dst, size_t capacity, MemoryKind dst_kind,
+               Clock::time_point deadline, std::function<void(Result<Value>)> done,
+               Accept accept = {}) {
     const int node = (*nodes)[i];
     const bool last = i + 1 == nodes->size();
-    auto next = [this, key, nodes, i, last, user_dst, capacity, dst_kind, deadline, done,
-                 accept](Result<Value> r) {
-      if (r.ok() || last || !NodeFailure(r.status()) || Clock::now() >= deadline) {
-        return done(std::move(r));
-      }
-      GetFrom(key, nodes, i + 1, user_dst, capacity, dst_kind, deadline, done, accept);
+    const bool moving = nodes->size() > first_previous;
+    auto next = [this, key, nodes, i, first_previous, last, moving, user_dst, capacity, dst_kind,
+                 deadline, done, accept](Result<Value> r) {
+      const StatusCode code = r.status().code();
+      const bool move_on =
+          NodeFailure(r.status()) ||
+          (moving && (code == StatusCode::kNotFound || code == StatusCode::kWrongNode));
+      if (r.ok() || last || !move_on || Clock::now() >= deadline) return done(std::move(r));
+      GetFrom(key, nodes, i + 1, first_previous, user_dst, capacity, dst_kind, deadline, done,
+              accept);
     };
-    GetOnNode(node, key, user_dst, capacity, dst_kind, deadline, next, 0, accept);
+    GetOnNode(node, key, user_dst, capacity, dst_kind, deadline, next, 0, accept, {},
+              i >= first_previous ? w::kFlagPreviousOwner : uint16_t{0});
   }
 
   // replica_version != 0: read the copy of exactly that version a replica node holds.
   void GetOnNode(int node, const std::string& key, void* user_dst, size_t capacity,
                  MemoryKind dst_kind, Clock::time_point deadline,
                  std::function<void(Result<Value>)> done, uint64_t replica_version = 0,
-                 Accept accept = {}, Clock::time_point transfer_deadline = {}) {
+                 Accept accept = {}, Clock::time_point transfer_deadline = {},
+                 uint16_t flags = 0) {
     const Clock::time_point sent = Clock::now();
     auto on_reply = [this, node, key, replica_version, user_dst, capacity, dst_kind, done, accept,
                      sent](const PendingPtr& p, std::unique_ptr<Incoming> msg) {
@@ -353,7 +472,7 @@ struct Client::Impl {
         return w::DecodeObjectReply(body, rs, &meta, &hint);
       });
       // Versions are per node: only the key's own node's count (a failover read is not).
-      if (s.ok() && replica_version == 0 && node == ring->NodeFor(key)) {
+      if (s.ok() && replica_version == 0 && node == Route()->ring->Owner(key)) {
         RememberHint(key, meta.version, std::move(hint), sent);
       }
       if (s.ok() && meta.size != msg->payload_size()) {
@@ -395,7 +514,7 @@ struct Client::Impl {
           transfer_deadline);
       return;
     }
-    Issue(node, w::Opcode::kGet, 0, w::EncodeKeyRequest(key), nullptr, 0, MemoryKind::kHost,
+    Issue(node, w::Opcode::kGet, flags, w::EncodeKeyRequest(key), nullptr, 0, MemoryKind::kHost,
           deadline, on_reply, [done](Status s) { done(s); });
   }
 
@@ -428,8 +547,13 @@ struct Client::Impl {
   // the key never takes its place, so this client never reads v2 and then v1 from a copy.
   void RememberHint(const std::string& key, uint64_t version, std::vector<uint16_t> nodes,
                     Clock::time_point sent) {
-    for (uint16_t n : nodes) {
-      if (n >= cluster.nodes.size()) return;  // a hint from a node with another cluster file
+    // On the wire a copy's node is its position in the ring; ours maps it to the node table
+    // (rings that differ for a moment name the wrong node, whose exact-version check then
+    // misses: harmless).
+    const RingPtr ring = Route()->ring;
+    for (uint16_t& n : nodes) {
+      if (n >= ring->size()) return;  // a hint from a node with another cluster file
+      n = static_cast<uint16_t>(ring->slot(n));
     }
     const uint64_t h = HashKey(key);
     auto& slot = seen_version[h % kSeenSlots];
@@ -546,7 +670,8 @@ struct Client::Impl {
 
   void IssueBatchRead(const std::shared_ptr<BatchRead>& b, const std::vector<size_t>& rows,
                       bool use_copies) {
-    const size_t n_nodes = cluster.nodes.size();
+    const RingPtr ring = Route()->ring;
+    const size_t n_nodes = nodes.size();
     std::vector<std::vector<size_t>> by_node(n_nodes);
     std::vector<std::vector<uint64_t>> versions(n_nodes);
     std::vector<bool> primary_rows(n_nodes, false);
@@ -559,11 +684,15 @@ struct Client::Impl {
       if (use_copies && !hints.empty()) {
         auto [at, fresh] = chosen.try_emplace(key, 0, 0);
         if (fresh && !PickCopy(key, &at->second.first, &at->second.second)) {
-          at->second.first = ring->NodeFor(key);
+          at->second.first = ring->Owner(key);
         }
         std::tie(node, version) = at->second;
       } else {
-        node = ring->NodeFor(key);
+        node = ring->Owner(key);
+      }
+      if (node < 0) {
+        b->row(i, Status::Unavailable("the ring has no members"), nullptr, nullptr);
+        continue;
       }
       by_node[node].push_back(i);
       versions[node].push_back(version);
@@ -687,7 +816,26 @@ struct Client::Impl {
   void DoPut(std::string key, const void* data, size_t size, MemoryKind kind,
              std::shared_ptr<std::byte[]> keepalive, const PutOptions& o,
              Clock::time_point deadline, std::function<void(Result<uint64_t>)> done) {
-    auto nodes = ring->NodesFor(key, options.replicas);
+    // Refused as misrouted by the key's primary: the rings differ; again soon, with ours then.
+    auto retry = [this, key, data, size, kind, keepalive, o, deadline,
+                  done](Result<uint64_t> r) mutable {
+      if (!r.ok() && Misrouted(r.status()) && Clock::now() + kWrongNodeRetry < deadline) {
+        return AddTimer(Clock::now() + kWrongNodeRetry,
+                        [this, key, data, size, kind, keepalive, o, deadline, done] {
+                          DoPut(key, data, size, kind, keepalive, o, deadline, done);
+                        });
+      }
+      done(std::move(r));
+    };
+    DoPutOnce(std::move(key), data, size, kind, std::move(keepalive), o, deadline,
+              std::move(retry));
+  }
+
+  void DoPutOnce(std::string key, const void* data, size_t size, MemoryKind kind,
+                 std::shared_ptr<std::byte[]> keepalive, const PutOptions& o,
+                 Clock::time_point deadline, std::function<void(Result<uint64_t>)> done) {
+    auto nodes = Route()->ring->Owners(key, options.replicas);
+    if (nodes.empty()) return done(Status::Unavailable("the ring has no members"));
     if (nodes.size() == 1)
       return PutOnNode(nodes[0], key, data, size, kind, keepalive, o, deadline, done);
     struct Fan {
@@ -754,9 +902,10 @@ Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 Client::~Client() {
   Impl* I = impl_.get();
+  I->watcher.reset();  // no view is posted after this
   std::promise<void> drained;
   I->transport->Post([I, &drained] {
-    for (size_t n = 0; n < I->cluster.nodes.size(); ++n) {
+    for (size_t n = 0; n < I->nodes.size(); ++n) {
       I->FailNode(static_cast<int>(n), Status::Aborted("client closed"), true);
     }
     drained.set_value();
@@ -773,12 +922,38 @@ Result<std::unique_ptr<Client>> Client::Open(const ClientOptions& options) {
   } else {
     impl->cluster = options.cluster;
   }
-  if (impl->cluster.nodes.empty()) return Status::InvalidArgument("the cluster has no nodes");
-  impl->ring = std::make_unique<HashRing>(impl->cluster.nodes);
-  impl->node_conn.assign(impl->cluster.nodes.size(), 0);
-  impl->health.assign(impl->cluster.nodes.size(), {});
-  impl->copies_avoided_until.assign(impl->cluster.nodes.size(), {});
   if (options.replicas < 1) return Status::InvalidArgument("replicas must be at least 1");
+  // The cluster file's `replicas:` unless the caller chose (ClientOptions::replicas != 1).
+  if (options.replicas == 1) impl->options.replicas = std::max(1, impl->cluster.replicas);
+  const bool elastic = impl->cluster.membership == ClusterConfig::Membership::kEtcd;
+  MembershipView first;
+  if (elastic) {
+    // One reading now (a client needs a ring to start), then the watch keeps it current.
+    Impl* raw = impl.get();
+    auto w = MembershipWatcher::Start(impl->cluster.etcd, [raw](const MembershipView& v) {
+      std::lock_guard<std::mutex> lock(raw->transport_mu);
+      if (raw->transport) raw->transport->Post([raw, v] { raw->ApplyView(v); });
+    });
+    if (!w.ok()) return w.status().WithContext("reading the cluster's members from etcd");
+    impl->watcher = std::move(*w);
+    first = impl->watcher->Current();
+    impl->nodes = first.RingNodes();
+  } else {
+    if (impl->cluster.nodes.empty()) return Status::InvalidArgument("the cluster has no nodes");
+    impl->nodes = impl->cluster.nodes;
+  }
+  impl->node_conn.assign(impl->nodes.size(), 0);
+  impl->health.assign(impl->nodes.size(), {});
+  impl->copies_avoided_until.assign(impl->nodes.size(), {});
+  {
+    std::vector<int> slots(impl->nodes.size());
+    for (size_t i = 0; i < slots.size(); ++i) slots[i] = static_cast<int>(i);
+    auto route = std::make_shared<Impl::Routing>();
+    route->ring = std::make_shared<RingView>(elastic ? first.epoch : 0, impl->nodes,
+                                             std::move(slots), impl->nodes.size());
+    route->handoff = !first.handoffs_running.empty();
+    impl->routing = std::move(route);
+  }
   Impl* raw = impl.get();
   UcxTransport::Handlers handlers;
   handlers.on_message = [raw](std::unique_ptr<Incoming> m) { raw->OnMessage(std::move(m)); };
@@ -786,14 +961,33 @@ Result<std::unique_ptr<Client>> Client::Open(const ClientOptions& options) {
   handlers.on_tick = [raw] { raw->OnTick(); };
   UcxTransport::Options topts;
   topts.poll_interval = std::chrono::milliseconds(1);
-  GKV_ASSIGN_OR_RETURN(impl->transport, UcxTransport::Create(topts, std::move(handlers)));
-  GKV_LOG_INFO("client of {} nodes ready ({})", impl->cluster.nodes.size(),
+  {
+    auto t = UcxTransport::Create(topts, std::move(handlers));
+    if (!t.ok()) return t.status();
+    std::lock_guard<std::mutex> lock(impl->transport_mu);
+    impl->transport = std::move(*t);
+  }
+  if (elastic) {
+    // Changes seen while the transport was starting.
+    MembershipView now = impl->watcher->Current();
+    Impl* raw = impl.get();
+    impl->transport->Post([raw, now] { raw->ApplyView(now); });
+  }
+  GKV_LOG_INFO("client of {} nodes ready{} ({})", impl->nodes.size(),
+               elastic ? fmt::format(" (etcd, ring epoch {})", first.epoch) : std::string(),
                impl->transport->Describe());
   return std::unique_ptr<Client>(new Client(std::move(impl)));
 }
 
 const ClusterConfig& Client::cluster() const { return impl_->cluster; }
-int Client::NodeFor(std::string_view key) const { return impl_->ring->NodeFor(key); }
+int Client::NodeFor(std::string_view key) const { return impl_->Route()->ring->Owner(key); }
+
+std::vector<NodeInfo> Client::Nodes() const {
+  std::lock_guard<std::mutex> lock(impl_->nodes_mu);
+  return impl_->nodes;
+}
+
+uint64_t Client::RingEpoch() const { return impl_->Route()->ring->epoch(); }
 
 void Client::GetAsync(std::string_view key, const GetOptions& o,
                       std::function<void(Result<Value>)> callback) {
@@ -882,6 +1076,17 @@ Result<uint64_t> Client::Put(std::string_view key, const void* data, size_t size
 
 Status Client::Delete(std::string_view key, std::chrono::milliseconds timeout) {
   Impl* I = impl_.get();
+  const auto deadline = I->DeadlineFrom(timeout);
+  for (;;) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    Status s = DeleteOnce(key, std::max(left, std::chrono::milliseconds(1)));
+    if (!Impl::Misrouted(s) || Clock::now() + Impl::kWrongNodeRetry >= deadline) return s;
+    std::this_thread::sleep_for(Impl::kWrongNodeRetry);
+  }
+}
+
+Status Client::DeleteOnce(std::string_view key, std::chrono::milliseconds timeout) {
+  Impl* I = impl_.get();
   // Shared with the I/O thread, which may finish every replica's request (a node that is down
   // fails at once) before its loop over them is done: nothing it touches may live on this
   // caller's stack.
@@ -892,7 +1097,8 @@ Status Client::Delete(std::string_view key, std::chrono::milliseconds timeout) {
     std::promise<void> all;
   };
   auto call = std::make_shared<Call>();
-  call->nodes = I->ring->NodesFor(key, I->options.replicas);
+  call->nodes = I->Route()->ring->Owners(key, I->options.replicas);
+  if (call->nodes.empty()) return Status::Unavailable("the ring has no members");
   call->results.resize(call->nodes.size());
   call->remaining = call->nodes.size();
   auto done = call->all.get_future();
@@ -920,6 +1126,33 @@ Status Client::Delete(std::string_view key, std::chrono::milliseconds timeout) {
 
 Result<ValueInfo> Client::Stat(std::string_view key, std::chrono::milliseconds timeout) {
   Impl* I = impl_.get();
+  const auto deadline = I->DeadlineFrom(timeout);
+  for (;;) {
+    auto route = I->Route();
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    auto r = StatOnce(key, route->ring->Owner(key), 0, std::max(left, std::chrono::milliseconds(1)));
+    // Keys may be moving: a miss is asked of the previous owner too.
+    if (!r.ok() && r.status().code() == StatusCode::kNotFound && route->Moving()) {
+      const int before = route->previous->Owner(key);
+      if (before != route->ring->Owner(key)) {
+        auto p = StatOnce(key, before, w::kFlagPreviousOwner,
+                          std::max(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                       deadline - Clock::now()),
+                                   std::chrono::milliseconds(1)));
+        if (p.ok()) return p;
+      }
+    }
+    if (r.ok() || !Impl::Misrouted(r.status()) ||
+        Clock::now() + Impl::kWrongNodeRetry >= deadline) {
+      return r;
+    }
+    std::this_thread::sleep_for(Impl::kWrongNodeRetry);
+  }
+}
+
+Result<ValueInfo> Client::StatOnce(std::string_view key, int node, uint16_t flags,
+                                   std::chrono::milliseconds timeout) {
+  Impl* I = impl_.get();
   auto deadline = I->DeadlineFrom(timeout);
   std::promise<Result<ValueInfo>> promise;
   auto future = promise.get_future();
@@ -932,7 +1165,7 @@ Result<ValueInfo> Client::Stat(std::string_view key, std::chrono::milliseconds t
       if (!s.ok()) return I->Fail(p, s);
       I->Complete(p, [&promise, meta] { promise.set_value(ToInfo(meta)); });
     };
-    I->Issue(I->ring->NodeFor(key), w::Opcode::kStat, 0, w::EncodeKeyRequest(key), nullptr, 0,
+    I->Issue(node, w::Opcode::kStat, flags, w::EncodeKeyRequest(key), nullptr, 0,
              MemoryKind::kHost, deadline, on_reply, [&promise](Status s) { promise.set_value(s); });
   });
   return future.get();
@@ -961,10 +1194,16 @@ std::vector<Result<Value>> Client::MultiGet(const std::vector<std::string>& keys
     results[i] = std::move(v);
   };
   I->RunBatchRead(batch);
-  // Keys whose node failed: one by one through Get, which tries the other replicas.
+  // Keys whose node failed: one by one through Get, which tries the other replicas. So are keys
+  // a node refused as misrouted, and misses while keys may be moving (Get also asks the
+  // previous owners).
+  const bool moving = I->Route()->Moving();
   for (size_t i = 0; i < keys.size(); ++i) {
-    if (results[i].ok() || !Impl::NodeFailure(results[i].status())) continue;
-    if (I->options.replicas > 1) {
+    if (results[i].ok()) continue;
+    const StatusCode code = results[i].status().code();
+    const bool again = code == StatusCode::kWrongNode || (moving && code == StatusCode::kNotFound);
+    if (!again && !Impl::NodeFailure(results[i].status())) continue;
+    if (again || I->options.replicas > 1) {
       results[i] = Get(keys[i], o);
     } else if (o.fail_open) {
       results[i] = Status::NotFound("node unavailable (fail-open)");
@@ -991,8 +1230,14 @@ std::vector<Result<uint64_t>> Client::MultiPut(const std::vector<PutItem>& items
   batch->failed_here.assign(items.size(), false);
   if (items.empty()) return std::move(batch->results);
   batch->primary.resize(items.size());
+  const RingPtr ring = I->Route()->ring;
   for (size_t i = 0; i < items.size(); ++i) {
-    batch->primary[i] = I->ring->NodeFor(items[i].key);
+    batch->primary[i] = ring->Owner(items[i].key);
+    if (batch->primary[i] < 0) {
+      batch->results[i] = Status::Unavailable("the ring has no members");
+      batch->failed_here[i] = true;
+      continue;
+    }
     if (Status vs = items[i].tensor.Validate(items[i].size); !vs.ok()) {
       batch->results[i] = vs;
       batch->failed_here[i] = true;
@@ -1013,11 +1258,11 @@ std::vector<Result<uint64_t>> Client::MultiPut(const std::vector<PutItem>& items
     }
   }
   // Every replica of every item: one message per node.
-  batch->by_node.resize(I->cluster.nodes.size());
-  batch->payloads.resize(I->cluster.nodes.size());
+  batch->by_node.resize(ring->table_size());
+  batch->payloads.resize(ring->table_size());
   for (size_t i = 0; i < items.size(); ++i) {
     if (batch->failed_here[i]) continue;
-    for (int n : I->ring->NodesFor(items[i].key, I->options.replicas)) {
+    for (int n : ring->Owners(items[i].key, I->options.replicas)) {
       batch->by_node[n].push_back(i);
     }
   }
@@ -1072,6 +1317,15 @@ std::vector<Result<uint64_t>> Client::MultiPut(const std::vector<PutItem>& items
     }
   });
   done.wait();
+  // Items a node refused as misrouted (the rings differed): one by one through Put, which
+  // waits for the rings to agree.
+  for (size_t i = 0; i < items.size(); ++i) {
+    const Result<uint64_t>& r = batch->results[i];
+    if (r.ok() || !Impl::Misrouted(r.status())) continue;
+    PutOptions one = o;
+    one.tensor = items[i].tensor;
+    batch->results[i] = Put(items[i].key, items[i].data, items[i].size, one);
+  }
   return std::move(batch->results);
 }
 
@@ -1133,12 +1387,17 @@ std::vector<Status> Client::MultiGetInto(const std::vector<std::string>& keys, v
       i = end;
     }
   }
-  // Keys whose node failed: one by one through GetInto, which tries the other replicas.
+  // Keys whose node failed: one by one through GetInto, which tries the other replicas (and
+  // keys refused as misrouted, and misses while keys may be moving: see MultiGet).
   GetOptions one = o;
   one.accept = check;
+  const bool moving = I->Route()->Moving();
   for (size_t i = 0; i < keys.size(); ++i) {
-    if (results[i].ok() || !Impl::NodeFailure(results[i])) continue;
-    if (I->options.replicas > 1) {
+    if (results[i].ok()) continue;
+    const StatusCode code = results[i].code();
+    const bool again = code == StatusCode::kWrongNode || (moving && code == StatusCode::kNotFound);
+    if (!again && !Impl::NodeFailure(results[i])) continue;
+    if (again || I->options.replicas > 1) {
       results[i] =
           GetInto(keys[i], static_cast<std::byte*>(dst) + i * row_stride, row_bytes, one).status();
     } else if (o.fail_open) {
@@ -1150,7 +1409,7 @@ std::vector<Status> Client::MultiGetInto(const std::vector<std::string>& keys, v
 
 Result<std::string> Client::Ping(int node, std::chrono::milliseconds timeout) {
   Impl* I = impl_.get();
-  if (node < 0 || node >= static_cast<int>(I->cluster.nodes.size())) {
+  if (node < 0 || node >= static_cast<int>(I->NodeCount())) {
     return Status::InvalidArgument("no such node");
   }
   auto deadline = I->DeadlineFrom(timeout);
@@ -1173,7 +1432,7 @@ Result<std::string> Client::Ping(int node, std::chrono::milliseconds timeout) {
 
 Result<std::string> Client::NodeStats(int node, std::chrono::milliseconds timeout) {
   Impl* I = impl_.get();
-  if (node < 0 || node >= static_cast<int>(I->cluster.nodes.size())) {
+  if (node < 0 || node >= static_cast<int>(I->NodeCount())) {
     return Status::InvalidArgument("no such node");
   }
   auto deadline = I->DeadlineFrom(timeout);

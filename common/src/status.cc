@@ -32,6 +32,8 @@ std::string_view StatusCodeName(StatusCode code) {
       return "internal";
     case StatusCode::kBusy:
       return "busy";
+    case StatusCode::kWrongNode:
+      return "wrong_node";
   }
   return "unknown";
 }

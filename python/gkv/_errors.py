@@ -94,10 +94,17 @@ class Busy(Error):
     code, code_name = 13, "busy"
 
 
+class WrongNode(Error):
+    """The node does not own the key in its ring: membership changed and this client's ring
+    had not caught up within the call's deadline. Retry."""
+    code, code_name = 14, "wrong_node"
+
+
 _BY_CODE: dict[int, type[Error]] = {
     cls.code: cls
     for cls in (NotFound, InvalidArgument, NoSpace, Unavailable, Timeout, IOError, Corruption,
-                ProtocolError, PermissionDenied, NotSupported, Aborted, Internal, Busy)
+                ProtocolError, PermissionDenied, NotSupported, Aborted, Internal, Busy,
+                WrongNode)
 }
 
 

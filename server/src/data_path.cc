@@ -16,6 +16,7 @@ void Server::Impl::HandlePut(const Req& r, std::string_view body, std::unique_pt
                               " bytes but carries " + std::to_string(msg->payload_size()));
   }
   if (s.ok()) s = CheckValueSize(op->put.size);
+  if (s.ok() && Misrouted(r, op->put.key)) s = WrongNodeFor(op->put.key);
   if (!s.ok()) return ReplyStatus(r, s);  // msg dropped: an unreceived payload is released
   op->msg = std::move(msg);
   // Hot path, all on the I/O thread: free room in a memory tier, receive straight into it,
@@ -165,6 +166,7 @@ void Server::Impl::HandleGet(const Req& r, std::string_view body) {
   if (r.h.flags & w::kFlagReplicaRead) return HandleReplicaGet(r, body);
   std::string key;
   Status s = w::DecodeKeyRequest(body, &key);
+  if (s.ok() && Misrouted(r, key)) s = WrongNodeFor(key);
   if (!s.ok()) return ReplyStatus(r, s);
   CountRow();
   if (replication_on()) CountRead(key);
@@ -193,10 +195,12 @@ void Server::Impl::HandleGet(const Req& r, std::string_view body) {
 void Server::Impl::HandleKeyOp(const Req& r, std::string_view body) {
   std::string key;
   Status s = w::DecodeKeyRequest(body, &key);
+  if (s.ok() && Misrouted(r, key)) s = WrongNodeFor(key);
   if (!s.ok()) return ReplyStatus(r, s);
   SubmitRequestWork(r, [this, r, key = std::move(key)] {
     if (r.Expired()) return PostReply([this, r] { ReplyStatus(r, DeadlinePassed()); });
     if (r.h.opcode == w::Opcode::kDelete) {
+      RememberDelete(key);  // before the delete: a handoff landing meanwhile is refused too
       Status ds = cache->Delete(key);
       return PostReply(
           [this, r, ds, key] { AfterWrite({key}, [this, r, ds] { ReplyStatus(r, ds); }); });
@@ -230,6 +234,10 @@ void Server::Impl::HandleMultiGet(const Req& r, std::unique_ptr<Incoming> msg) {
                     // goes out).
                     PostReply([this, r, rows] {
                       for (BatchRow& row : *rows) {
+                        if (row.replica_version == 0 && Misrouted(r, row.key)) {
+                          row.misrouted = true;
+                          continue;
+                        }
                         if (row.replica_version != 0) {
                           if (replication_on())
                             row.replica_key = ReplicaRowKey(row.key, row.replica_version);
@@ -261,7 +269,9 @@ void Server::Impl::ServeMultiGet(const Req& r, std::shared_ptr<std::vector<Batch
     w::BatchGetResult& res = (*results)[i];
     TieredCache* from = cache.get();
     Result<ReadHandle> got = Status::NotFound("no replica of that version here");
-    if (row.replica_version == 0) {
+    if (row.misrouted) {
+      got = Status::WrongNode("");
+    } else if (row.replica_version == 0) {
       got = cache->Acquire(row.key);
     } else if (!row.replica_key.empty()) {
       from = replica_cache.get();
@@ -323,12 +333,15 @@ void Server::Impl::ServeMultiGet(const Req& r, std::shared_ptr<std::vector<Batch
 }
 
 void Server::Impl::HandleMultiPut(const Req& r, std::unique_ptr<Incoming> msg) {
-  ReadPayloadThen(r, std::move(msg), [this, r](Status s, std::shared_ptr<PayloadBuffer> buf) {
+  const bool peer_conn_request = peer_node_of_conn.count(r.conn) > 0;
+  ReadPayloadThen(r, std::move(msg), [this, r, peer_conn_request](Status s,
+                                                                   std::shared_ptr<PayloadBuffer> buf) {
     std::vector<w::BatchPutItem> items;
     size_t block = 0;
     if (s.ok()) s = w::DecodeBatchPutBlock(buf->view(), &items, &block);
     if (!s.ok()) return PostReply([this, r, s] { ReplyStatus(r, s); });
     std::vector<w::BatchPutResult> results(items.size());
+    RingPtr now = CurrentRing();
     // Every item is reserved and filled, then all are committed together: a durable batch is
     // one RocksDB write with one sync (CommitBatch), not one fsync per item. Items fail on
     // their own (too large, no room); the others still land.
@@ -337,6 +350,10 @@ void Server::Impl::HandleMultiPut(const Req& r, std::unique_ptr<Incoming> msg) {
     size_t off = block;
     for (size_t i = 0; i < items.size(); off += items[i].size, ++i) {
       Status is = CheckValueSize(items[i].size);
+      if (is.ok() && elastic() && (r.h.flags & w::kFlagPreviousOwner) == 0 && !peer_conn_request &&
+          !Owns(*now, items[i].key)) {
+        is = Status::WrongNode("");
+      }
       Result<WriteHandle> h = is.ok() ? cache->Reserve(items[i].key, items[i].size, items[i].tensor)
                                       : Result<WriteHandle>(is);
       if (h.ok()) {

@@ -7,7 +7,12 @@
 //              [--max-conn-requests N] [--max-queued N] [--send-timeout-ms MS]
 //              [--replicate-hot auto|off|R] [--replicate-cool R] [--hot-share F]
 //              [--load-slack F] [--hot-replicas N] [--replica-share F]
-// SIGTERM or SIGINT: stop accepting, finish what is in flight, write back to disk, exit 0.
+//              [--listen HOST:PORT] [--weight W] [--handoff-rate SIZE] [--leave-timeout-ms MS]
+// Under etcd (`membership: etcd` in the cluster file) the node registers itself at --listen
+// (port 0: a free one) with --weight; it need not be in the file.
+// SIGTERM or SIGINT: stop accepting, finish what is in flight, write back to disk, exit 0. Under
+// etcd the node first hands its keys to their new owners and leaves the cluster; after
+// `gkv drain` names it, it does the same by itself and exits 0.
 // Exit codes: 0 clean stop, 1 could not start (message on stderr), 2 bad usage.
 #include <signal.h>
 
@@ -35,6 +40,9 @@ int main(int argc, char** argv) {
   int hot_replicas = 2;
   std::vector<int> gpus = {0};
   int64_t promotion_window_ms = 10000;
+  double weight = 1.0;
+  std::string handoff_rate = "256MiB";
+  int64_t leave_timeout_ms = 60000;
   app.add_option("--cluster", cluster_file, "cluster file (YAML)")->required();
   app.add_option("--node", node_id, "this node's id in the cluster file")->required();
   app.add_option("--gpu-mem", gpu_mem, "GPU tier size per device, e.g. 8GiB (0: off)");
@@ -85,6 +93,15 @@ int main(int argc, char** argv) {
                  "auto mode: a node copies only while its read load exceeds its share of the "
                  "cluster's by more than this fraction")
       ->check(CLI::Range(0.0, 10.0));
+  app.add_option("--listen", listen,
+                 "HOST:PORT to listen on (default: the node's address in the cluster file; under "
+                 "etcd required, port 0 picks a free one)");
+  app.add_option("--weight", weight, "share of the key space relative to other nodes (etcd)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--handoff-rate", handoff_rate,
+                 "bytes per second a ring change may move off this node (0: unbounded)");
+  app.add_option("--leave-timeout-ms", leave_timeout_ms,
+                 "etcd: how long a stop may spend handing keys off before it leaves anyway");
   app.add_option("--hot-replicas", hot_replicas, "copies of a hot key (next nodes on the ring)")
       ->check(CLI::Range(1, 16));
   app.add_option("--replica-share", replica_share,
@@ -105,6 +122,25 @@ int main(int argc, char** argv) {
   gkv::ServerOptions options;
   options.cluster = *cluster;
   options.node_id = node_id;
+  options.weight = weight;
+  options.leave_timeout = std::chrono::milliseconds(leave_timeout_ms);
+  if (!listen.empty()) {
+    // Port 0 is allowed here (a free port), which ParseAddress refuses.
+    const size_t colon = listen.rfind(':');
+    std::string host = colon == std::string::npos ? "" : listen.substr(0, colon);
+    if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+      host = host.substr(1, host.size() - 2);
+    }
+    char* end = nullptr;
+    const long port =
+        colon == std::string::npos ? -1 : std::strtol(listen.c_str() + colon + 1, &end, 10);
+    if (host.empty() || port < 0 || port > 65535 || (end && *end != '\0')) {
+      std::fprintf(stderr, "gkv-server: --listen takes HOST:PORT, not '%s'\n", listen.c_str());
+      return 2;
+    }
+    options.listen_host = host;
+    options.listen_port = static_cast<uint16_t>(port);
+  }
   options.executor_threads = threads;
   options.metrics_port = static_cast<uint16_t>(metrics_port);
   if (replicate_hot == "auto") {
@@ -136,6 +172,7 @@ int main(int argc, char** argv) {
   for (auto [text, out] : {std::pair{&gpu_mem, &options.cache.gpu_capacity},
                            std::pair{&host_mem, &options.cache.host_capacity},
                            std::pair{&disk_capacity, &options.cache.disk_capacity},
+                           std::pair{&handoff_rate, &options.handoff_bytes_per_s},
                            std::pair{&max_value_size, &options.max_value_size},
                            std::pair{&max_inflight, &options.max_inflight_bytes},
                            std::pair{&max_conn_inflight, &options.max_conn_inflight_bytes}}) {
@@ -172,8 +209,18 @@ int main(int argc, char** argv) {
   auto server = gkv::Server::Start(options);
   if (!server.ok()) return fail(server.status().ToString());
   int sig = 0;
-  sigwait(&stop_signals, &sig);
-  GKV_LOG_INFO("{} received: stopping", sig == SIGTERM ? "SIGTERM" : "SIGINT");
+  for (;;) {
+    const timespec tick{0, 100 * 1000 * 1000};
+    sig = sigtimedwait(&stop_signals, nullptr, &tick);
+    if (sig > 0) {
+      GKV_LOG_INFO("{} received: stopping", sig == SIGTERM ? "SIGTERM" : "SIGINT");
+      break;
+    }
+    if ((*server)->drained()) {
+      GKV_LOG_INFO("drained: stopping");
+      break;
+    }
+  }
   (*server)->Stop();
   server->reset();
   return 0;

@@ -23,7 +23,8 @@ Result<ConnId> Server::Impl::PeerConn(int node) {
 
 void Server::Impl::CallPeer(int node, w::Opcode op, std::string body,
                             std::shared_ptr<std::string> payload,
-                            std::function<void(Status, std::string_view)> done, uint16_t flags) {
+                            std::function<void(Status, std::string_view)> done, uint16_t flags,
+                            std::chrono::milliseconds budget) {
   // A peer whose connection was just lost is not dialled again on every call.
   if (Clock::now() < peer_down_until[node]) {
     return done(Status::Unavailable("peer " + options.cluster.nodes[node].id + " is down"), {});
@@ -31,12 +32,11 @@ void Server::Impl::CallPeer(int node, w::Opcode op, std::string body,
   auto conn = PeerConn(node);
   if (!conn.ok()) return done(conn.status(), {});
   const uint64_t id = next_peer_call++;
-  constexpr auto kPeerCallBudget = std::chrono::milliseconds(500);
-  peer_calls[id] = PeerCall{node, *conn, Clock::now() + kPeerCallBudget, done};
+  peer_calls[id] = PeerCall{node, *conn, Clock::now() + budget, done};
   // The budget travels too: a replica drops an install that arrives after the caller gave up.
   transport->Send(
       *conn, w::kAmRequest,
-      w::EncodeMessage({op, flags, id, static_cast<uint32_t>(kPeerCallBudget.count())}, body),
+      w::EncodeMessage({op, flags, id, static_cast<uint32_t>(budget.count())}, body),
       payload ? payload->data() : nullptr, payload ? payload->size() : 0, MemoryKind::kHost,
       [this, id, payload](Status s) {
         if (s.ok() || s.code() == StatusCode::kAborted) return;

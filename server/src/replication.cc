@@ -26,7 +26,12 @@ std::vector<uint16_t> Server::Impl::HintFor(const std::string& key, uint64_t ver
       it->second.version != version) {
     return hint;
   }
-  for (int n : it->second.nodes) hint.push_back(static_cast<uint16_t>(n));
+  // On the wire a node is its position in the ring (the cluster file's order for a static
+  // cluster; under etcd, members sorted by id), which clients map to their own node tables.
+  for (int n : it->second.nodes) {
+    const int p = ring->position(n);
+    if (p >= 0) hint.push_back(static_cast<uint16_t>(p));
+  }
   return hint;
 }
 
@@ -35,7 +40,7 @@ void Server::Impl::CountRead(const std::string& key) {
   // with ClientOptions::replicas > 1) is not this node's to copy, and its versions are not the
   // primary's.
   const uint64_t hash = HashKey(key);  // once: for the ring and the sketch
-  if (ring->NodeForHash(hash) != self_index) return;
+  if (ring->OwnerForHash(hash) != self_index) return;
   const uint32_t est = sketch.Add(hash);
   if (!options.replication.IsHot(est, node_read_count, node_overloaded)) return;
   const bool relative = options.replication.mode == HotnessRule::Mode::kRelative;
@@ -62,7 +67,7 @@ std::vector<int> Server::Impl::ReplicaTargets(const std::string& key) const {
   // copies from the live ones).
   std::vector<int> out;
   const auto now = Clock::now();
-  for (int n : ring->NodesFor(key, ring->node_count())) {
+  for (int n : ring->Owners(key, static_cast<int>(ring->size()))) {
     if (static_cast<int>(out.size()) == options.hot_replicas) break;
     if (n != self_index && now >= peer_down_until[n]) out.push_back(n);
   }
@@ -234,7 +239,8 @@ void Server::Impl::ReplicationTick(Clock::time_point now) {
   std::vector<double> rates{static_cast<double>(reads_per_s)};
   std::vector<double> shares{ring_shares[self_index]};
   for (size_t n = 0; n < peer_load.size(); ++n) {
-    if (static_cast<int>(n) == self_index || peer_load[n].at == Clock::time_point{} ||
+    if (static_cast<int>(n) == self_index || ring_shares[n] <= 0 ||  // not in the ring now
+        peer_load[n].at == Clock::time_point{} ||
         now - peer_load[n].at > kLoadReportFresh) {
       continue;
     }
@@ -244,7 +250,7 @@ void Server::Impl::ReplicationTick(Clock::time_point now) {
   const bool was = node_overloaded;
   const HotnessRule& rule = options.replication;
   node_overloaded =
-      rule.mode == HotnessRule::Mode::kRelative &&
+      rule.mode == HotnessRule::Mode::kRelative && ring_shares[self_index] > 0 &&
       rule.Overloaded(static_cast<double>(reads_per_s), ring_shares[self_index], rates, shares);
   shed_left = node_overloaded ? 2 * rule.Excess(static_cast<double>(reads_per_s),
                                                 ring_shares[self_index], rates, shares)
@@ -306,7 +312,7 @@ void Server::Impl::SweepHeldCopies() {
 
 void Server::Impl::ReportLoad(Clock::time_point now, uint64_t reads_per_s) {
   for (int n = 0; n < static_cast<int>(peer_load.size()); ++n) {
-    if (n == self_index || now < report_again_after[n]) continue;
+    if (n == self_index || !ring->contains(n) || now < report_again_after[n]) continue;
     // The reply carries the peer's own rate: an idle peer never has to report by itself.
     CallPeer(n, w::Opcode::kLoadReport, w::EncodeLoadReport(reads_per_s), nullptr,
              [this, n](Status s, std::string_view body) {
@@ -441,7 +447,7 @@ void Server::Impl::HandleInvalidate(const Req& r, std::string_view body) {
     // The sender restarted: its previous run's copies here go (PeerOnly checked the sender).
     const int sender = peer_node_of_conn[r.conn];
     for (auto it = replica_version.begin(); it != replica_version.end();) {
-      if (ring->NodeFor(it->first) != sender) {
+      if (ring->Owner(it->first) != sender) {
         ++it;
         continue;
       }

@@ -205,7 +205,8 @@ void Server::Impl::OnMessage(std::unique_ptr<Incoming> msg) {
     case w::Opcode::kMultiGet:
     case w::Opcode::kMultiPut:
     case w::Opcode::kStats:
-    case w::Opcode::kReplicaPut: {
+    case w::Opcode::kReplicaPut:
+    case w::Opcode::kHandoffPut: {
       // Refused here, before anything is reserved or allocated (an unreceived payload is
       // released when `msg` goes).
       Status admitted = Admit(&r, msg->payload_size());
@@ -243,6 +244,8 @@ void Server::Impl::OnMessage(std::unique_ptr<Incoming> msg) {
     case w::Opcode::kLoadReport:
       if (!PeerOnly(r)) return;
       return HandleLoadReport(r, body);
+    case w::Opcode::kHandoffPut:
+      return HandleHandoffPut(r, body, std::move(msg));
     case w::Opcode::kPeerHello:
       return;  // handled above
   }
@@ -367,25 +370,54 @@ Server::~Server() { Stop(); }
 Result<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
   auto impl = std::make_unique<Impl>();
   impl->options = options;
-  int idx = options.cluster.FindNode(options.node_id);
-  if (idx < 0) {
-    return Status::InvalidArgument("node '" + options.node_id + "' is not in the cluster file");
+  impl->replicas = std::max(1, options.cluster.replicas);
+  const bool elastic = impl->elastic();
+  if (elastic) {
+    // The address this node registers: where it listens.
+    if (options.node_id.empty()) return Status::InvalidArgument("a node needs an id");
+    if (options.listen_host.empty()) {
+      return Status::InvalidArgument("under etcd a node needs a listen address (--listen)");
+    }
+    if (!(options.weight > 0)) return Status::InvalidArgument("weight must be positive");
+    impl->self = NodeInfo{options.node_id, options.listen_host, options.listen_port,
+                          options.weight};
+    GKV_RETURN_IF_ERROR(impl->StartMembership());
+    std::vector<NodeInfo> members;
+    std::vector<int> slots;
+    for (const NodeInfo& n : impl->view.RingNodes()) {
+      if (n.id == impl->self.id) continue;  // not registered yet (an old record: expiring)
+      members.push_back(n);
+      slots.push_back(impl->options.cluster.FindNode(n.id));
+    }
+    impl->ring = std::make_shared<RingView>(impl->view.epoch, members, slots,
+                                            impl->options.cluster.nodes.size());
+  } else {
+    int idx = options.cluster.FindNode(options.node_id);
+    if (idx < 0) {
+      return Status::InvalidArgument("node '" + options.node_id + "' is not in the cluster file");
+    }
+    impl->self = options.cluster.nodes[idx];
+    impl->self_index = idx;
+    std::vector<int> slots(options.cluster.nodes.size());
+    for (size_t i = 0; i < slots.size(); ++i) slots[i] = static_cast<int>(i);
+    impl->ring = std::make_shared<RingView>(0, options.cluster.nodes, std::move(slots),
+                                            options.cluster.nodes.size());
   }
-  impl->self = options.cluster.nodes[idx];
-  impl->self_index = idx;
-  impl->ring = std::make_unique<HashRing>(options.cluster.nodes);
-  impl->peer_conn.assign(options.cluster.nodes.size(), 0);
-  impl->peer_down_until.assign(options.cluster.nodes.size(), {});
+  const size_t table = impl->options.cluster.nodes.size();
+  impl->peer_conn.assign(table, 0);
+  impl->peer_down_until.assign(table, {});
   CacheOptions own = options.cache;
-  impl->ring_shares = impl->ring->Shares();
+  impl->ring_shares = impl->ring->SharesByIndex();
   impl->copy_tokens = options.replication.max_copy_starts_per_s;
-  impl->peer_load.resize(options.cluster.nodes.size());
-  impl->report_again_after.resize(options.cluster.nodes.size());
+  impl->peer_load.resize(table);
+  impl->report_again_after.resize(table);
   impl->next_attempt =
       static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(
                                 std::chrono::system_clock::now().time_since_epoch())
                                 .count());
-  if (options.replication.mode != HotnessRule::Mode::kOff && options.cluster.nodes.size() > 1) {
+  // (Under etcd the cluster may grow: replication is ready from the start.)
+  if (options.replication.mode != HotnessRule::Mode::kOff &&
+      (elastic || options.cluster.nodes.size() > 1)) {
     if (options.replica_share <= 0 || options.replica_share >= 1 || options.hot_replicas < 1) {
       return Status::InvalidArgument("replica share must be in (0, 1) and hot replicas >= 1");
     }
@@ -430,6 +462,18 @@ Result<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
   // The worker thread ticks from inside Create: its timers and peer calls start only now that
   // `transport` is set.
   impl->ticking.store(true, std::memory_order_release);
+  if (elastic) {
+    impl->StartHandoffThread();
+    // Changes seen while the transport was starting: the view as it is now.
+    MembershipView now = impl->watcher->Current();
+    impl->transport->Post([raw, now] { raw->ApplyMembership(now); });
+    Status rs = impl->RegisterSelf(impl->transport->listen_port());
+    if (!rs.ok()) {
+      impl->StopHandoffThread();
+      impl->transport->Stop();
+      return rs;
+    }
+  }
   if (options.metrics_port) {
     Status ms = impl->StartMetrics();
     if (!ms.ok()) {
@@ -459,6 +503,12 @@ Result<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
 void Server::Stop() {
   Impl* I = impl_.get();
   std::call_once(I->stop_once, [I] {
+    // Under etcd a stop is a departure: keys go to their new owners first (the node still serves
+    // meanwhile), then the registration goes.
+    if (I->registration && !I->drained.load()) I->Leave(I->options.leave_timeout);
+    if (I->drain_thread.joinable()) I->drain_thread.join();
+    I->StopHandoffThread();
+    I->watcher.reset();  // no more views posted
     I->stopping.store(true, std::memory_order_release);
     // Let what is in flight finish (bounded: a stuck peer must not block shutdown forever).
     auto deadline = Clock::now() + std::chrono::seconds(10);
@@ -482,6 +532,8 @@ void Server::Stop() {
     GKV_LOG_INFO("node {} stopped", I->self.id);
   });
 }
+
+bool Server::drained() const { return impl_->drained.load(std::memory_order_acquire); }
 
 uint16_t Server::port() const { return impl_->transport ? impl_->transport->listen_port() : 0; }
 uint16_t Server::metrics_port() const { return static_cast<uint16_t>(impl_->metrics_bound_port); }

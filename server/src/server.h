@@ -72,6 +72,16 @@ struct ServerOptions {
   HotnessRule replication;
   int hot_replicas = 2;
   double replica_share = 0.10;
+
+  // Membership under etcd (cluster.membership == kEtcd; docs/ARCHITECTURE.md, "Membership").
+  // The node registers `node_id` at the listen address (listen_host and listen_port, 0: a free
+  // port) with `weight`, and hands keys to their new owners when the ring changes, at most this
+  // many bytes a second (0: unbounded).
+  double weight = 1.0;
+  uint64_t handoff_bytes_per_s = 256ull << 20;
+  // Stop() under etcd first leaves the ring: every key is handed off (up to this long), then
+  // the registration goes.
+  std::chrono::milliseconds leave_timeout{60000};
 };
 
 class Server {
@@ -84,6 +94,8 @@ class Server {
   // Graceful stop; idempotent.
   void Stop();
   uint16_t port() const;
+  // Under etcd: the node left the cluster after `gkv drain` named it (the process should exit).
+  bool drained() const;
   uint16_t metrics_port() const;
   TieredCache& cache();
 

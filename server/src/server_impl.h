@@ -5,6 +5,8 @@
 //   replication.cc  adaptive replication of hot keys, as primary and as replica, and the load
 //                   exchange between nodes (hotness.h: when a key is hot; hot_keys.h: the sketch)
 //   peers.cc        calls to other nodes (peer connections, matching replies, deadlines, timers)
+//   membership.cc   the ring and its changes (etcd: registration, the watched view, leaving)
+//   handoff.cc      moving keys to their new owners when the ring changes, and repair of copies
 // Threading: everything here runs on the transport's worker thread (the I/O thread) unless a
 // comment says "executor"; executors hand results back with PostReply.
 #pragma once
@@ -12,6 +14,7 @@
 #include <httplib.h>
 
 #include <chrono>
+#include <condition_variable>
 #include <deque>
 #include <functional>
 #include <memory>
@@ -23,6 +26,8 @@
 #include <unordered_set>
 #include <vector>
 
+#include "gkv/membership.h"
+#include "gkv/ring_view.h"
 #include "gkv/transport/protocol.h"
 #include "gkv/transport/ucx_transport.h"
 #include "hot_keys.h"
@@ -77,6 +82,7 @@ struct BatchRow {
   std::string replica_key;       // a replica row: the copy's key here ("" if none)
   std::vector<uint16_t> hint;    // a primary row: copies of hint_version
   uint64_t hint_version = 0;
+  bool misrouted = false;  // not this node's key in its ring: answered wrong_node
 };
 
 struct Server::Impl {
@@ -96,8 +102,7 @@ struct Server::Impl {
 
   // --- adaptive replication (replication.cc; the rule is in hotness.h) ---
   std::unique_ptr<TieredCache> replica_cache;  // copies held for other primaries (memory only)
-  std::unique_ptr<HashRing> ring;
-  std::vector<double> ring_shares;  // of each node, for the load comparison
+  std::vector<double> ring_shares;  // of each node (table index), for the load comparison
   int self_index = 0;
   HotKeySketch sketch;
   // As primary, one entry per key with copies (or copies on the way or going away):
@@ -183,6 +188,76 @@ struct Server::Impl {
   Clock::time_point last_decay = Clock::now();
 
   bool replication_on() const { return replica_cache != nullptr; }
+
+  // ---------------- membership (membership.cc) ----------------
+  // The node table is options.cluster.nodes: a node's index is stable for the life of this
+  // process (gkv/ring_view.h); under etcd it grows (I/O thread only) as nodes join. Per-node
+  // vectors (peer_conn, peer_load, ...) grow with it (GrowNodeTables).
+  // `ring` is the current ring: the I/O thread reads it freely and replaces it (under ring_mu);
+  // other threads take CurrentRing().
+  bool elastic() const { return options.cluster.membership == ClusterConfig::Membership::kEtcd; }
+  RingPtr ring;
+  RingPtr previous_ring;  // the ring before the last change (null: none)
+  mutable std::mutex ring_mu;
+  RingPtr CurrentRing() const {
+    std::lock_guard<std::mutex> lock(ring_mu);
+    return ring;
+  }
+  int replicas = 1;  // the cluster's base replication (every write goes to this many owners)
+  std::unique_ptr<MembershipWatcher> watcher;
+  std::unique_ptr<MemberRegistration> registration;
+  MemberRecord self_record;
+  MembershipView view;              // I/O thread: the last one applied
+  std::atomic<bool> leaving{false};  // the ring this node applies leaves it out
+  std::atomic<bool> drained{false};  // left the cluster after a drain request: main exits
+  std::mutex leave_mu;               // one Leave at a time
+  bool left_cluster = false;         // guarded by leave_mu
+  std::thread drain_thread;
+  // Whether `ring` gives `key` to this node (one of its first `replicas` owners).
+  bool Owns(const RingView& r, std::string_view key) const;
+  // A client request for a key this node does not own: WrongNode (static clusters: never).
+  bool Misrouted(const Req& r, std::string_view key) const;
+  Status WrongNodeFor(std::string_view key) const;
+  int NodeIndex(const NodeInfo& node);  // I/O thread: the table index, added when new
+  void GrowNodeTables();
+  Status StartMembership();               // Start(), before the transport listens
+  Status RegisterSelf(uint16_t port);     // Start(), once the port is known
+  void ApplyMembership(MembershipView v);  // I/O thread
+  void SetRing(RingPtr next);              // I/O thread
+  // Leaves the ring: hands every key off, then removes the registration. Blocks up to
+  // `timeout` (then deregisters anyway: what was not handed off stays on this node's disk).
+  void Leave(std::chrono::milliseconds timeout);
+
+  // ---------------- handoff (handoff.cc) ----------------
+  struct Handoff {
+    std::thread thread;
+    mutable std::mutex mu;
+    std::condition_variable cv;
+    RingPtr now, before;      // the latest change
+    uint64_t generation = 0;  // bumped by every change: a running scan for an older one stops
+    bool pending = false;     // a scan is due
+    bool scanning = false;
+    bool stop = false;
+  };
+  std::unique_ptr<Handoff> handoff;
+  void StartHandoffThread();
+  void StopHandoffThread();
+  // I/O thread: the ring changed from `before` to `now`; (re)start the scan.
+  void ScheduleHandoff(RingPtr now, RingPtr before);
+  bool HandoffIdle() const;
+  void HandleHandoffPut(const Req& r, std::string_view body, std::unique_ptr<Incoming> msg);
+  // Handoff thread: one HANDOFF_PUT, waited for.
+  Status SendHandoff(int target, const std::string& key, const ObjectInfo& info, bool durable,
+                     const std::string& bytes);
+  // Handoff thread: sleeps as long as keeps the scan at options.handoff_bytes_per_s.
+  void PaceHandoff(Clock::time_point started, uint64_t bytes_sent);
+  // Deletes under etcd are remembered a while, so a handed-off older version of a key deleted
+  // meanwhile on its new owner does not come back.
+  void RememberDelete(const std::string& key);
+  bool DeletedSince(const std::string& key, uint64_t version);
+  std::mutex tombstone_mu;
+  std::unordered_map<std::string, std::pair<uint64_t, Clock::time_point>> tombstones;
+  Clock::time_point last_tombstone_prune = Clock::now();
 
   // I/O-thread state.
   std::unordered_map<ConnId, bool> authenticated;
@@ -369,8 +444,10 @@ struct Server::Impl {
   // --- requests to peer nodes ---
   Result<ConnId> PeerConn(int node);
 
+  // `budget`: how long the peer has to answer (it travels in the header too).
   void CallPeer(int node, w::Opcode op, std::string body, std::shared_ptr<std::string> payload,
-                std::function<void(Status, std::string_view)> done, uint16_t flags = 0);
+                std::function<void(Status, std::string_view)> done, uint16_t flags = 0,
+                std::chrono::milliseconds budget = std::chrono::milliseconds(500));
 
   void OnPeerReply(std::unique_ptr<Incoming> msg);
 

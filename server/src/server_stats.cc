@@ -9,7 +9,7 @@ namespace w = wire;
 namespace {
 
 constexpr int kFirstOp = static_cast<int>(w::Opcode::kPing);
-constexpr int kLastOp = static_cast<int>(w::Opcode::kLoadReport);
+constexpr int kLastOp = static_cast<int>(w::Opcode::kHandoffPut);
 
 std::string TierLabel(int t) { return std::string(TierName(static_cast<gkv::Tier>(t))); }
 
@@ -92,7 +92,16 @@ std::string RenderStatsJson(const std::string& node_id, const CacheStats& st,
          ",\"used_bytes\":" + std::to_string(rep.tiers[t].used_bytes) +
          ",\"objects\":" + std::to_string(rep.tiers[t].objects) + "}";
   }
-  j += "}},\"latency_us\":{";
+  j += "}}";
+  j += ",\"membership\":{\"ring_epoch\":" + std::to_string(counters.ring_epoch.load());
+  j += ",\"ring_changes\":" + std::to_string(counters.ring_changes.load());
+  j += ",\"handoff_keys_out\":" + std::to_string(counters.handoff_keys_out.load());
+  j += ",\"handoff_bytes_out\":" + std::to_string(counters.handoff_bytes_out.load());
+  j += ",\"handoff_keys_in\":" + std::to_string(counters.handoff_keys_in.load());
+  j += ",\"handoff_bytes_in\":" + std::to_string(counters.handoff_bytes_in.load());
+  j += ",\"handoffs_running\":" + std::to_string(counters.handoffs_running.load());
+  j += ",\"repairs\":" + std::to_string(counters.repairs.load());
+  j += "},\"latency_us\":{";
   first = true;
   for (int op = kFirstOp; op <= kLastOp; ++op) {
     Histogram h = counters.LatencyOf(op);
@@ -207,6 +216,21 @@ std::string RenderPrometheus(const std::string& node_id, const CacheStats& st,
   family("gkv_read_load_overloaded", "gauge",
          "1 while this node's read load is above the cluster's mean by more than the slack.");
   sample("gkv_read_load_overloaded", "", counters.overloaded.load() ? 1 : 0);
+  family("gkv_ring_epoch", "gauge", "Epoch of the ring this node routes by (etcd revision).");
+  sample("gkv_ring_epoch", "", counters.ring_epoch.load());
+  family("gkv_ring_changes_total", "counter", "Ring changes this node applied.");
+  sample("gkv_ring_changes_total", "", counters.ring_changes.load());
+  family("gkv_handoff_keys_total", "counter", "Keys handed off by ring changes, by direction.");
+  sample("gkv_handoff_keys_total", "direction=\"out\"", counters.handoff_keys_out.load());
+  sample("gkv_handoff_keys_total", "direction=\"in\"", counters.handoff_keys_in.load());
+  family("gkv_handoff_bytes_total", "counter", "Bytes handed off by ring changes, by direction.");
+  sample("gkv_handoff_bytes_total", "direction=\"out\"", counters.handoff_bytes_out.load());
+  sample("gkv_handoff_bytes_total", "direction=\"in\"", counters.handoff_bytes_in.load());
+  family("gkv_handoffs_running", "gauge", "1 while this node hands keys off after a ring change.");
+  sample("gkv_handoffs_running", "", counters.handoffs_running.load());
+  family("gkv_repairs_total", "counter",
+         "Copies re-created on a key's new owners after a ring change (replicas > 1).");
+  sample("gkv_repairs_total", "", counters.repairs.load());
   family("gkv_replica_used_bytes", "gauge", "Bytes of copies held for other primaries, by tier.");
   for (int t = 0; t < 2; ++t) {
     sample("gkv_replica_used_bytes", "tier=\"" + TierLabel(t) + "\"", rep.tiers[t].used_bytes);

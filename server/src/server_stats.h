@@ -37,6 +37,13 @@ struct ServerCounters {
   std::atomic<uint64_t> rows_read{0};
   std::atomic<uint64_t> reads_per_s{0};
   std::atomic<bool> overloaded{false};  // its read load is above the cluster's mean (gauge)
+  // Membership (docs/STATS.md): the ring's epoch and changes; keys and bytes handed off to new
+  // owners and received from old ones; handoff scans running (gauge, 0 or 1); repair copies
+  // sent (a key whose owners changed while this node stays one of them).
+  std::atomic<uint64_t> ring_epoch{0}, ring_changes{0};
+  std::atomic<uint64_t> handoff_keys_out{0}, handoff_bytes_out{0};
+  std::atomic<uint64_t> handoff_keys_in{0}, handoff_bytes_in{0};
+  std::atomic<uint64_t> handoffs_running{0}, repairs{0};
 
   void RecordLatency(wire::Opcode op, uint64_t ns) {
     std::lock_guard<std::mutex> lock(latency_mu);

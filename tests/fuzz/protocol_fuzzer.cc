@@ -61,6 +61,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
           case Opcode::kLoadReport:
             (void)DecodeLoadReport(body, &version);
             break;
+          case Opcode::kHandoffPut:
+            if (DecodeHandoffPut(body, &put, &version).ok()) (void)put.tensor.Validate(put.size);
+            break;
           case Opcode::kPeerHello: {
             // Decoded before any authentication: the most exposed decoder.
             std::string secret;

@@ -74,6 +74,8 @@ std::string_view OpcodeName(Opcode op) {
       return "peer_hello";
     case Opcode::kLoadReport:
       return "load_report";
+    case Opcode::kHandoffPut:
+      return "handoff_put";
   }
   return "unknown";
 }
@@ -113,7 +115,7 @@ Status DecodeMessage(const void* data, size_t size, Header* h, std::string_view*
     return Status::ProtocolError("message shorter than the 24-byte header");
   }
   if (opcode < static_cast<uint8_t>(Opcode::kPing) ||
-      opcode > static_cast<uint8_t>(Opcode::kLoadReport)) {
+      opcode > static_cast<uint8_t>(Opcode::kHandoffPut)) {
     return Status::ProtocolError("unknown opcode " + std::to_string(opcode));
   }
   if (body_len != r.remaining()) {
@@ -325,6 +327,20 @@ Status DecodeReplicaPut(std::string_view body, PutRequest* p, uint64_t* version,
   ByteReader r(body.substr(body.size() - 16));
   r.U64(version);
   r.U64(attempt);
+  return Status::OK();
+}
+
+std::string EncodeHandoffPut(const PutRequest& p, uint64_t version) {
+  std::string out = EncodePutRequest(p);
+  ByteWriter(&out).U64(version);
+  return out;
+}
+
+Status DecodeHandoffPut(std::string_view body, PutRequest* p, uint64_t* version) {
+  if (body.size() < 8) return Malformed("handoff put");
+  GKV_RETURN_IF_ERROR(DecodePutRequest(body.substr(0, body.size() - 8), p));
+  ByteReader r(body.substr(body.size() - 8));
+  r.U64(version);
   return Status::OK();
 }
 

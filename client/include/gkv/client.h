@@ -5,6 +5,10 @@
 // caller's buffer, host or CUDA device memory (device buffers go to UCX directly when UCX can
 // move device memory, through a pinned staging copy when it can't).
 //
+// Membership: a static cluster file, or `membership: etcd` (gkv/membership.h): the client then
+// watches the cluster's members and routes by the newest ring it has seen; a node that answers
+// "not mine" (WrongNode) is asked again after a few milliseconds, and while keys move between
+// nodes a miss is asked of the key's previous owner before it is reported.
 // Thread-safety: a Client is safe to use from many threads at once. Every call has a deadline
 // (per call, or ClientOptions::default_timeout) and returns Timeout or Unavailable instead of
 // hanging. A deadline that passes while bytes are still moving closes that node's connection
@@ -37,7 +41,8 @@ struct ClientOptions {
   // Raise it (per call or here) for values of tens of MiB on slow links.
   std::chrono::milliseconds default_timeout{500};
   // Base replication: every put (and delete) goes to the key's first `replicas` distinct nodes
-  // on the ring; reads go to the first live one of them. 1 = no copies.
+  // on the ring; reads go to the first live one of them. 1 = the cluster file's `replicas:`
+  // (1 when it has none).
   int replicas = 1;
   // After a node fails, calls to it fail fast with Unavailable for a backoff period (doubling
   // from the initial value to the maximum while it stays down), then the client reconnects.
@@ -150,13 +155,23 @@ class Client {
   // The node's statistics as JSON (docs/STATS.md).
   Result<std::string> NodeStats(int node, std::chrono::milliseconds timeout = {});
 
+  // The cluster as configured (under etcd, `nodes` is empty: see Nodes()).
   const ClusterConfig& cluster() const;
-  // Index into cluster().nodes of the node that owns `key`.
+  // Every node this client knows of, by index (what Ping and NodeStats take): a static
+  // cluster's nodes in file order; under etcd the members in the order this client learnt of
+  // them (an index is never reused; a node that left stays listed).
+  std::vector<NodeInfo> Nodes() const;
+  // Index into Nodes() of the node that owns `key`; -1 when the ring has no members.
   int NodeFor(std::string_view key) const;
+  // The epoch of the ring this client routes by (0 for a static cluster; gkv/membership.h).
+  uint64_t RingEpoch() const;
 
  private:
   struct Impl;
   explicit Client(std::unique_ptr<Impl> impl);
+  Status DeleteOnce(std::string_view key, std::chrono::milliseconds timeout);
+  Result<ValueInfo> StatOnce(std::string_view key, int node, uint16_t flags,
+                             std::chrono::milliseconds timeout);
   std::unique_ptr<Impl> impl_;
 };
 

@@ -46,6 +46,9 @@ struct ClusterConfig {
   Membership membership = Membership::kStatic;
   EtcdConfig etcd;         // membership == kEtcd
   std::vector<NodeInfo> nodes;  // kStatic: the members; kEtcd: unused
+  // `replicas: R`: every write goes to a key's first R owners on the ring (clients default to
+  // it; nodes use it to route and to repair copies after a node is lost).
+  int replicas = 1;
   std::string secret;  // empty: no access control
   // What a node presents to another node (PEER_HELLO) to be allowed the replication messages.
   // Empty: the cluster secret serves (so any holder of it may act as a node); set it (or

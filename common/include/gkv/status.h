@@ -32,8 +32,9 @@ enum class StatusCode : uint8_t {
   kAborted = 11,          // operation cancelled (shutdown, superseded)
   kInternal = 12,         // a bug: an invariant did not hold
   kBusy = 13,             // the node sheds load (too much in flight); retry after a pause
+  kWrongNode = 14,        // the node does not own the key in its ring (membership changed)
 };
-inline constexpr StatusCode kLastStatusCode = StatusCode::kBusy;
+inline constexpr StatusCode kLastStatusCode = StatusCode::kWrongNode;
 
 // Returns a stable lower-case name, e.g. "not_found"; used in logs, stats and JSON.
 std::string_view StatusCodeName(StatusCode code);
@@ -57,6 +58,7 @@ class [[nodiscard]] Status {
   static Status Aborted(std::string_view m) { return {StatusCode::kAborted, m}; }
   static Status Internal(std::string_view m) { return {StatusCode::kInternal, m}; }
   static Status Busy(std::string_view m) { return {StatusCode::kBusy, m}; }
+  static Status WrongNode(std::string_view m) { return {StatusCode::kWrongNode, m}; }
 
   bool ok() const { return state_ == nullptr; }
   StatusCode code() const { return state_ ? state_->code : StatusCode::kOk; }

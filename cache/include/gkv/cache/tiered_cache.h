@@ -14,7 +14,9 @@
 //    version through, synced, in place of that copy; a Delete of such a key is synced. What
 //    survives a crash is written down in docs/ARCHITECTURE.md ("Durability across crash and
 //    restart").
-//  - Versions grow across restarts: a high-water mark is persisted in the disk tier.
+//  - Versions are hybrid clocks (at least the wall clock in microseconds times 1024), so those of
+//    different nodes compare in write order up to clock skew, and grow across restarts (a
+//    high-water mark persisted in the disk tier covers a clock that went backwards).
 //  - Promotion (admission rule): a read of an entry in a lower tier promotes it to the highest
 //    tier on the entry's second read within `promotion_window` (the first read only records
 //    the time). A single scan therefore reads through the lower tiers without flushing the hot
@@ -171,6 +173,16 @@ class WriteHandle {
   std::byte* data_ = nullptr;
   std::unique_ptr<std::byte[]> staging_;  // objects going straight to disk
   MemoryKind kind_ = MemoryKind::kHost;
+  uint64_t handed_version_ = 0;  // CommitHandedOff: the version the object keeps
+};
+
+// One key as ListKeys saw it.
+struct KeyListing {
+  std::string key;
+  uint64_t version = 0;
+  uint64_t size = 0;
+  bool durable = false;
+  Tier tier = Tier::kHost;
 };
 
 class TieredCache {
@@ -229,6 +241,20 @@ class TieredCache {
   Result<ObjectInfo> Stat(std::string_view key);
   // NotFound if absent. The disk copy, if any, is deleted too.
   Status Delete(std::string_view key);
+  // Delete only while `version` is the key's newest version (Aborted when another is; 0: any).
+  Status DeleteVersion(std::string_view key, uint64_t version);
+
+  // Membership handoff: commits an object that another node handed over, keeping the version it
+  // had there, unless this cache already holds a newer version of the key (then nothing
+  // changes). Returns whether the handed-off version is now the key's. Versions handed out
+  // afterwards are above `version`.
+  Result<bool> CommitHandedOff(WriteHandle handle, bool durable, uint64_t version);
+  // A version above every one this cache has handed out or installed so far (and at least the
+  // wall clock's): what a delete "happens at", for comparing with handed-off versions.
+  uint64_t VersionClock() const;
+  // Every key with its newest version (one snapshot per index shard; keys written meanwhile may
+  // be missing). For handoff scans: O(keys) memory.
+  std::vector<KeyListing> ListKeys() const;
 
   // Copies between host and device memory (memcpy when both are host).
   Status CopyBytes(void* dst, MemoryKind dst_kind, const void* src, MemoryKind src_kind,

@@ -21,7 +21,7 @@
 namespace gkv::wire {
 
 inline constexpr uint32_t kMagic = 0x31564B47;  // "GKV1" read as little-endian
-inline constexpr uint8_t kVersion = 3;
+inline constexpr uint8_t kVersion = 4;
 inline constexpr size_t kFixedHeaderSize = 24;
 inline constexpr unsigned kAmRequest = 0x6b1;
 inline constexpr unsigned kAmReply = 0x6b2;
@@ -45,6 +45,7 @@ enum class Opcode : uint8_t {
   kInvalidate = 11,  // primary -> replica node: drop copies of a key up to a version
   kPeerHello = 12,   // first message on a node -> node connection: the caller's node id
   kLoadReport = 13,  // node -> node, once a second: the sender's read rate (replication)
+  kHandoffPut = 14,  // node -> new owner: a key that moved with the ring (membership)
 };
 std::string_view OpcodeName(Opcode op);
 
@@ -58,6 +59,9 @@ inline constexpr uint16_t kFlagVersionedKeys = 1 << 2;
 // invalidate: every copy the receiver holds of keys the sender owns (a node that just started
 // has no record of the copies its previous run made); key, version and attempt are ignored.
 inline constexpr uint16_t kFlagAllKeys = 1 << 3;
+// get, stat, mget: asked of the key's owner in the previous ring while a handoff runs, so the
+// node serves the key although the current ring gives it to another node.
+inline constexpr uint16_t kFlagPreviousOwner = 1 << 4;
 
 struct Header {
   Opcode opcode = Opcode::kPing;
@@ -152,6 +156,10 @@ Status DecodeReplicaGet(std::string_view body, std::string* key, uint64_t* versi
 // Attempts are numbered by the primary, increasing (across restarts too: they start from the
 // boot time), so a key that cooled and turns hot again is copied under a new attempt.
 std::string EncodeReplicaPut(const PutRequest& r, uint64_t version, uint64_t attempt);
+// HandoffPut: key, tensor, size, then the version the object has on the sending node (the new
+// owner keeps it unless it has a newer one). kFlagDurable when the object is durable.
+std::string EncodeHandoffPut(const PutRequest& r, uint64_t version);
+Status DecodeHandoffPut(std::string_view body, PutRequest* r, uint64_t* version);
 Status DecodeReplicaPut(std::string_view body, PutRequest* r, uint64_t* version, uint64_t* attempt);
 std::string EncodeInvalidate(std::string_view key, uint64_t version, uint64_t attempt);
 Status DecodeInvalidate(std::string_view body, std::string* key, uint64_t* version,

@@ -1,0 +1,272 @@
+// Handoff: when the ring changes, keys go to their new owners (see server_impl.h for the map of
+// server/; docs/ARCHITECTURE.md, "Membership").
+//
+// One scan per ring change, on a thread of its own (it reads values from every tier, disk
+// included): for each key this node holds, with P_old and P_new its owners in the ring before
+// and after (the first `replicas` nodes), the new owners it lacks are P_new - P_old.
+//  - This node is not in P_new: it sends the key to those new owners (or to P_new's first when
+//    all of them owned it before) and deletes its copy once every one of them acknowledged,
+//    and only if the key still has the version it sent (DeleteVersion).
+//  - This node is in P_new: the first node of P_old still in the ring sends it (a repair of a
+//    copy lost with a dead node, or the copy a joining node now holds); the others leave it.
+// The receiver keeps the version the object had (CommitHandedOff) unless it holds a newer one
+// or deleted the key since; a write that reached the new owner first therefore wins.
+// A new ring change restarts the scan. A scan whose sends failed is run again a second later,
+// so a key is deleted here only after its new owner has it. The rate is bounded
+// (ServerOptions::handoff_bytes_per_s).
+#include <condition_variable>
+#include <future>
+
+#include "gkv/log.h"
+#include "gkv/size.h"
+#include "server_impl.h"
+
+namespace gkv {
+
+namespace {
+
+bool Has(const std::vector<int>& v, int x) { return std::find(v.begin(), v.end(), x) != v.end(); }
+
+constexpr auto kTombstoneLifetime = std::chrono::seconds(60);
+
+}  // namespace
+
+
+void Server::Impl::StartHandoffThread() {
+  handoff = std::make_unique<Handoff>();
+  handoff->thread = std::thread([this] {
+    Handoff& H = *handoff;
+    for (;;) {
+      RingPtr now, before;
+      uint64_t gen;
+      {
+        std::unique_lock<std::mutex> lock(H.mu);
+        H.cv.wait(lock, [&] { return H.stop || H.pending; });
+        if (H.stop) return;
+        H.pending = false;
+        H.scanning = true;
+        now = H.now;
+        before = H.before;
+        gen = H.generation;
+      }
+      auto superseded = [&] {
+        std::lock_guard<std::mutex> lock(H.mu);
+        return H.stop || H.generation != gen;
+      };
+      counters.handoffs_running.store(1, std::memory_order_relaxed);
+      if (registration) (void)registration->SetHandoffRunning(true);
+      const auto started = Clock::now();
+      uint64_t keys_out = 0, bytes_out = 0, failed = 0, deleted = 0;
+      for (const KeyListing& k : cache->ListKeys()) {
+        if (superseded()) break;
+        const std::vector<int> p_new = now->Owners(k.key, replicas);
+        const std::vector<int> p_old = before ? before->Owners(k.key, replicas) : std::vector<int>{};
+        const bool mine = Has(p_new, self_index);
+        std::vector<int> targets;
+        for (int n : p_new) {
+          if (n != self_index && !Has(p_old, n)) targets.push_back(n);
+        }
+        if (mine) {
+          if (targets.empty()) continue;
+          int sender = -1;
+          for (int n : p_old) {
+            if (now->contains(n)) {
+              sender = n;
+              break;
+            }
+          }
+          if (sender != self_index) continue;
+        } else if (targets.empty()) {
+          if (p_new.empty()) continue;  // an empty ring: nowhere to go
+          targets.push_back(p_new.front());
+        }
+        std::string bytes;
+        auto info = cache->Get(k.key, &bytes);
+        if (!info.ok()) continue;  // deleted or dropped meanwhile
+        bool all_ok = true;
+        for (int target : targets) {
+          Status s = SendHandoff(target, k.key, *info, k.durable, bytes);
+          if (!s.ok()) {
+            GKV_LOG_DEBUG("handoff of a key to node {} failed: {}", target, s.ToString());
+            all_ok = false;
+            break;
+          }
+          ++keys_out;
+          bytes_out += bytes.size();
+          counters.handoff_keys_out.fetch_add(1, std::memory_order_relaxed);
+          counters.handoff_bytes_out.fetch_add(bytes.size(), std::memory_order_relaxed);
+          if (mine) counters.repairs.fetch_add(1, std::memory_order_relaxed);
+          PaceHandoff(started, bytes_out);
+        }
+        if (!all_ok) {
+          ++failed;
+          continue;
+        }
+        if (!mine) {
+          Status ds = cache->DeleteVersion(k.key, info->version);
+          if (ds.ok()) {
+            ++deleted;
+          } else if (ds.code() != StatusCode::kNotFound) {
+            ++failed;  // written meanwhile (a newer version): the next scan looks again
+          }
+        }
+      }
+      const bool was_superseded = superseded();
+      const double secs = std::chrono::duration<double>(Clock::now() - started).count();
+      if (keys_out > 0 || failed > 0) {
+        GKV_LOG_INFO(
+            "handoff for ring epoch {}: {} keys ({}) sent in {:.2f} s ({:.1f} MB/s), {} deleted "
+            "here, {} to retry{}",
+            now->epoch(), keys_out, FormatSize(bytes_out), secs,
+            secs > 0 ? bytes_out / secs / 1e6 : 0.0, deleted, failed,
+            was_superseded ? " (superseded by a newer ring)" : "");
+      }
+      std::unique_lock<std::mutex> lock(H.mu);
+      H.scanning = false;
+      if (!was_superseded && failed > 0) {
+        // Try again in a second (a peer may be restarting), unless a new ring comes first.
+        H.cv.wait_for(lock, std::chrono::seconds(1), [&] { return H.stop || H.pending; });
+        if (!H.stop && !H.pending) H.pending = true;
+      }
+      if (!H.pending && !H.stop) {
+        counters.handoffs_running.store(0, std::memory_order_relaxed);
+        lock.unlock();
+        if (registration) (void)registration->SetHandoffRunning(false);
+      }
+    }
+  });
+}
+
+void Server::Impl::StopHandoffThread() {
+  if (!handoff) return;
+  {
+    std::lock_guard<std::mutex> lock(handoff->mu);
+    handoff->stop = true;
+  }
+  handoff->cv.notify_all();
+  if (handoff->thread.joinable()) handoff->thread.join();
+}
+
+void Server::Impl::ScheduleHandoff(RingPtr now, RingPtr before) {
+  if (!handoff) return;
+  // Only rings this node is or was part of: a ring built before it joined moves nothing.
+  if (!now->contains(self_index) && !(before && before->contains(self_index))) return;
+  {
+    std::lock_guard<std::mutex> lock(handoff->mu);
+    // Changes in quick succession: the scan compares with the ring it last started from, so
+    // nothing between is missed (a key's owners before the first change are its holders).
+    if (!handoff->pending && !handoff->scanning) handoff->before = before;
+    if (!handoff->before) handoff->before = before;
+    handoff->now = now;
+    handoff->generation++;
+    handoff->pending = true;
+  }
+  counters.handoffs_running.store(1, std::memory_order_relaxed);
+  handoff->cv.notify_all();
+}
+
+bool Server::Impl::HandoffIdle() const {
+  if (!handoff) return true;
+  std::lock_guard<std::mutex> lock(handoff->mu);
+  return !handoff->pending && !handoff->scanning;
+}
+
+Status Server::Impl::SendHandoff(int target, const std::string& key, const ObjectInfo& info,
+                                 bool durable, const std::string& bytes) {
+  w::PutRequest put;
+  put.key = key;
+  put.tensor = info.tensor;
+  put.size = bytes.size();
+  auto payload = std::make_shared<std::string>(bytes);
+  // Long enough for the value at a slow 50 MB/s, and never under 2 s.
+  const auto budget = std::chrono::milliseconds(
+      std::max<uint64_t>(2000, bytes.size() / (50ull * 1000 * 1000 / 1000)));
+  auto done = std::make_shared<std::promise<Status>>();
+  std::future<Status> result = done->get_future();
+  transport->Post([this, target, body = w::EncodeHandoffPut(put, info.version), payload, done,
+                   durable, budget]() mutable {
+    CallPeer(
+        target, w::Opcode::kHandoffPut, std::move(body), payload,
+        [done](Status s, std::string_view) { done->set_value(s); },
+        durable ? w::kFlagDurable : uint16_t{0}, budget);
+  });
+  // The I/O thread may be stopping (a posted task then never runs): bounded wait.
+  if (result.wait_for(budget + std::chrono::seconds(1)) != std::future_status::ready) {
+    return Status::Timeout("handoff call did not complete");
+  }
+  return result.get();
+}
+
+void Server::Impl::PaceHandoff(Clock::time_point started, uint64_t bytes_sent) {
+  if (options.handoff_bytes_per_s == 0) return;
+  const auto due = started + std::chrono::microseconds(static_cast<int64_t>(
+                                 bytes_sent * 1e6 / static_cast<double>(options.handoff_bytes_per_s)));
+  if (due > Clock::now()) std::this_thread::sleep_until(due);
+}
+
+void Server::Impl::HandleHandoffPut(const Req& r, std::string_view body,
+                                    std::unique_ptr<Incoming> msg) {
+  if (peer_node_of_conn.count(r.conn) == 0) {
+    return ReplyStatus(r, Status::PermissionDenied(
+                              "handoffs are accepted from peer nodes only (PEER_HELLO)"));
+  }
+  w::PutRequest put;
+  uint64_t version = 0;
+  Status s = w::DecodeHandoffPut(body, &put, &version);
+  if (s.ok() && put.size != msg->payload_size()) s = Status::ProtocolError("handoff size mismatch");
+  if (s.ok()) s = CheckValueSize(put.size);
+  if (s.ok() && version == 0) s = Status::ProtocolError("handoff without a version");
+  if (!s.ok()) return ReplyStatus(r, s);
+  const bool durable = (r.h.flags & w::kFlagDurable) != 0;
+  ReadPayloadThen(r, std::move(msg),
+                  [this, r, put, version, durable](Status rs, std::shared_ptr<PayloadBuffer> buf) {
+                    Status st = rs;
+                    bool changed = false;
+                    if (st.ok() && !DeletedSince(put.key, version)) {
+                      auto h = cache->Reserve(put.key, put.size, put.tensor);
+                      if (h.ok()) {
+                        st = cache->CopyBytes(h->data(), h->memory_kind(), buf->data(),
+                                              MemoryKind::kHost, put.size);
+                        if (st.ok()) {
+                          auto c = cache->CommitHandedOff(std::move(*h), durable, version);
+                          if (c.ok()) {
+                            changed = *c;
+                          } else {
+                            st = c.status();
+                          }
+                        }
+                      } else {
+                        st = h.status();
+                      }
+                    }
+                    if (st.ok()) {
+                      counters.handoff_keys_in.fetch_add(1, std::memory_order_relaxed);
+                      counters.handoff_bytes_in.fetch_add(put.size, std::memory_order_relaxed);
+                    }
+                    PostReply([this, r, st, changed, key = put.key] {
+                      if (!changed) return ReplyStatus(r, st);
+                      // A new version of the key here: copies of an older one go first.
+                      AfterWrite({key}, [this, r, st] { ReplyStatus(r, st); });
+                    });
+                  });
+}
+
+void Server::Impl::RememberDelete(const std::string& key) {
+  if (!elastic()) return;
+  const auto now = Clock::now();
+  std::lock_guard<std::mutex> lock(tombstone_mu);
+  tombstones[key] = {cache->VersionClock(), now};
+  if (now - last_tombstone_prune < std::chrono::seconds(10)) return;
+  last_tombstone_prune = now;
+  for (auto it = tombstones.begin(); it != tombstones.end();) {
+    it = now - it->second.second > kTombstoneLifetime ? tombstones.erase(it) : std::next(it);
+  }
+}
+
+bool Server::Impl::DeletedSince(const std::string& key, uint64_t version) {
+  std::lock_guard<std::mutex> lock(tombstone_mu);
+  auto it = tombstones.find(key);
+  return it != tombstones.end() && it->second.first >= version;
+}
+
+}  // namespace gkv

@@ -1,0 +1,191 @@
+// The ring and its changes (see server_impl.h for the map of server/; docs/ARCHITECTURE.md,
+// "Membership"). A static cluster has one ring for the life of the process. Under etcd a node
+// registers itself (a record on a lease), watches the cluster's prefix, and on every change of
+// the member set builds a new ring and starts a handoff (handoff.cc).
+#include <algorithm>
+
+#include "gkv/log.h"
+#include "server_impl.h"
+
+namespace gkv {
+
+bool Server::Impl::Owns(const RingView& r, std::string_view key) const {
+  for (int n : r.Owners(key, replicas)) {
+    if (n == self_index) return true;
+  }
+  return false;
+}
+
+bool Server::Impl::Misrouted(const Req& r, std::string_view key) const {
+  if (!elastic() || (r.h.flags & w::kFlagPreviousOwner)) return false;
+  // Nodes call each other through the client protocol too (a peer forwarding nothing today):
+  // only client connections are held to the ring.
+  if (peer_node_of_conn.count(r.conn) > 0) return false;
+  return !Owns(*ring, key);
+}
+
+Status Server::Impl::WrongNodeFor(std::string_view key) const {
+  (void)key;  // not quoted: error messages carry no key bytes
+  return Status::WrongNode("node " + self.id + " does not own this key in ring epoch " +
+                           std::to_string(ring->epoch()));
+}
+
+int Server::Impl::NodeIndex(const NodeInfo& node) {
+  int i = options.cluster.FindNode(node.id);
+  if (i >= 0) {
+    NodeInfo& known = options.cluster.nodes[i];
+    if (known.host != node.host || known.port != node.port) {
+      // The node came back on another address: the old connection leads nowhere.
+      GKV_LOG_INFO("node {} moved from {} to {}", node.id, known.address(), node.address());
+      if (i != self_index && peer_conn[i] != 0) transport->Close(peer_conn[i], /*force=*/true);
+      peer_conn[i] = 0;
+      peer_down_until[i] = {};
+    }
+    known = node;
+    return i;
+  }
+  options.cluster.nodes.push_back(node);
+  GrowNodeTables();
+  return static_cast<int>(options.cluster.nodes.size()) - 1;
+}
+
+void Server::Impl::GrowNodeTables() {
+  const size_t n = options.cluster.nodes.size();
+  peer_conn.resize(n, 0);
+  peer_down_until.resize(n, {});
+  peer_load.resize(n);
+  report_again_after.resize(n);
+  ring_shares.resize(n, 0.0);
+}
+
+void Server::Impl::SetRing(RingPtr next) {
+  {
+    std::lock_guard<std::mutex> lock(ring_mu);
+    previous_ring = ring;
+    ring = std::move(next);
+  }
+  ring_shares = ring->SharesByIndex();
+  ring_shares.resize(options.cluster.nodes.size(), 0.0);
+  counters.ring_epoch.store(ring->epoch(), std::memory_order_relaxed);
+}
+
+Status Server::Impl::StartMembership() {
+  // The first view, read before anything listens: a node needs one ring to start.
+  auto w = MembershipWatcher::Start(options.cluster.etcd, [this](const MembershipView& v) {
+    // The watch thread: the view is applied on the I/O thread, in order.
+    if (!ticking.load(std::memory_order_acquire) || !transport) return;
+    transport->Post([this, v] { ApplyMembership(v); });
+  });
+  if (!w.ok()) return w.status().WithContext("reading the cluster's members from etcd");
+  watcher = std::move(*w);
+  view = watcher->Current();
+  if (const MemberRecord* old = view.Find(self.id)) {
+    // A record of this id on a live lease: another process is this node (or this node's
+    // previous run, whose lease has not expired yet; Register says which).
+    GKV_LOG_INFO("etcd still holds a record of node {} ({}) from before", self.id,
+                 old->node.address());
+  }
+  // The node table starts with the members (sorted by id), then this node.
+  options.cluster.nodes.clear();
+  for (const MemberRecord& m : view.members) {
+    if (m.node.id != self.id) options.cluster.nodes.push_back(m.node);
+  }
+  options.cluster.nodes.push_back(self);
+  self_index = static_cast<int>(options.cluster.nodes.size()) - 1;
+  return Status::OK();
+}
+
+Status Server::Impl::RegisterSelf(uint16_t port) {
+  self.port = port;
+  options.cluster.nodes[self_index].port = port;
+  self_record.node = self;
+  self_record.gpu_bytes = cache->tier_enabled(Tier::kGpu) ? cache->tier_capacity(Tier::kGpu) : 0;
+  self_record.host_bytes =
+      cache->tier_enabled(Tier::kHost) ? cache->tier_capacity(Tier::kHost) : 0;
+  self_record.disk_bytes =
+      cache->tier_enabled(Tier::kDisk) ? cache->tier_capacity(Tier::kDisk) : 0;
+  // The previous run's record may still be on its lease (a crash less than a TTL ago): wait it
+  // out rather than fail, up to twice the TTL.
+  const auto give_up = Clock::now() + std::chrono::seconds(2 * options.cluster.etcd.lease_ttl_s + 1);
+  for (;;) {
+    auto reg = MemberRegistration::Register(options.cluster.etcd, self_record);
+    if (reg.ok()) {
+      registration = std::move(*reg);
+      return Status::OK();
+    }
+    if (reg.status().code() != StatusCode::kAborted || Clock::now() > give_up) {
+      return reg.status().WithContext("registering node " + self.id + " in etcd");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+}
+
+void Server::Impl::ApplyMembership(MembershipView v) {
+  const bool was_member = ring && ring->contains(self_index);
+  view = std::move(v);
+  std::vector<NodeInfo> members;
+  std::vector<int> slots;
+  for (const NodeInfo& n : view.RingNodes()) {
+    if (n.id == self.id && leaving.load(std::memory_order_acquire)) continue;
+    const int idx = n.id == self.id ? self_index : NodeIndex(n);
+    members.push_back(n);
+    slots.push_back(idx);
+  }
+  // Nodes that are registered but out of the ring (draining) stay in the table: they still
+  // answer handoffs and previous-owner reads.
+  for (const MemberRecord& m : view.members) {
+    if (m.node.id != self.id) NodeIndex(m.node);
+  }
+  // The same members as now: only records or handoff keys changed; the ring stays.
+  bool same = ring && ring->size() == slots.size();
+  for (size_t p = 0; same && p < slots.size(); ++p) same = ring->slot(p) == slots[p];
+  if (!same) {
+    std::string list;
+    for (const NodeInfo& n : members) list += (list.empty() ? "" : ",") + n.id;
+    auto next = std::make_shared<RingView>(view.epoch, members, slots,
+                                           options.cluster.nodes.size());
+    RingPtr before = ring;
+    SetRing(next);
+    counters.ring_changes.fetch_add(1, std::memory_order_relaxed);
+    GKV_LOG_INFO("ring epoch {}: {} members [{}]{}", next->epoch(), members.size(), list,
+                 next->contains(self_index) ? "" : (was_member ? "; this node left" : ""));
+    ScheduleHandoff(next, before);
+  }
+  // `gkv drain` named this node: leave (on a thread of its own: it waits for the handoff).
+  if (view.drain_requested.count(self.id) && !leaving.load() && !drain_thread.joinable()) {
+    GKV_LOG_INFO("node {}: drain requested; handing every key off", self.id);
+    drain_thread = std::thread([this] {
+      Leave(std::chrono::minutes(10));
+      drained.store(true, std::memory_order_release);
+    });
+  }
+}
+
+void Server::Impl::Leave(std::chrono::milliseconds timeout) {
+  std::lock_guard<std::mutex> lock(leave_mu);
+  if (!registration || left_cluster) return;
+  leaving.store(true, std::memory_order_release);
+  MemberRecord rec = self_record;
+  rec.draining = true;
+  Status us = registration->Update(rec);
+  if (!us.ok()) GKV_LOG_WARN("marking node {} as draining: {}", self.id, us.ToString());
+  // Our own ring drops this node now (others drop it when they see the record).
+  transport->Post([this] { ApplyMembership(view); });
+  const auto give_up = Clock::now() + timeout;
+  // Idle means: the scan for the ring without this node ran to its end with nothing left.
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  while (!HandoffIdle() || CurrentRing()->contains(self_index)) {
+    if (Clock::now() > give_up) {
+      GKV_LOG_WARN("node {}: handoff did not finish within {} ms; leaving anyway", self.id,
+                   timeout.count());
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  left_cluster = true;
+  Status ds = registration->Deregister();
+  if (!ds.ok()) GKV_LOG_WARN("removing node {} from etcd: {}", self.id, ds.ToString());
+  GKV_LOG_INFO("node {} left the cluster", self.id);
+}
+
+}  // namespace gkv

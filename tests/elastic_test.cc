@@ -1,0 +1,462 @@
+// Elastic membership with a real etcd and real gkv-server processes (docs/ARCHITECTURE.md,
+// "Membership"): nodes join, drain, die, and etcd itself restarts, while a validating load
+// runs throughout. The load checks every read against the writes acknowledged before it began:
+//   - lost: a key with an acknowledged durable write read as missing;
+//   - stale: a value older than the newest write acknowledged before the read began;
+//   - corrupt: bytes no writer ever wrote.
+// Each must stay 0. Times (lease expiry to rerouting, handoff rate, p99) are printed.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "etcd_harness.h"
+#include "free_port.h"
+#include "gkv/client.h"
+#include "gkv/histogram.h"
+#include "gkv/membership.h"
+#include "test_util.h"
+
+namespace gkv::testing {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+class ElasticCluster {
+ public:
+  explicit ElasticCluster(int replicas = 1, int lease_ttl_s = 2) {
+    EXPECT_TRUE(etcd_.Start());
+    etcd_config_.endpoints = {etcd_.endpoint()};
+    etcd_config_.cluster = "elastic";
+    etcd_config_.lease_ttl_s = lease_ttl_s;
+    file_ = dir_.Sub("cluster.yaml");
+    std::ofstream f(file_);
+    f << "membership: etcd\n"
+      << "etcd: {endpoints: [" << etcd_.endpoint() << "], cluster: elastic, lease_ttl_s: "
+      << lease_ttl_s << "}\n"
+      << "replicas: " << replicas << "\n";
+  }
+  ~ElasticCluster() {
+    for (auto& [id, pid] : pids_) {
+      if (pid > 0) Stop(id, SIGKILL);
+    }
+  }
+
+  const std::string& file() const { return file_; }
+  const EtcdConfig& etcd_config() const { return etcd_config_; }
+  EtcdProcess& etcd() { return etcd_; }
+  std::string log(const std::string& id) const { return dir_.Sub(id + ".log"); }
+
+  // Starts node `id` and waits until etcd lists it.
+  void Start(const std::string& id) {
+    const uint16_t port = FreePort();
+    std::vector<std::string> args = {GKV_SERVER_BIN, "--cluster",  file_,   "--node",   id,
+                                     "--listen",     "127.0.0.1:" + std::to_string(port),
+                                     "--host-mem",   "64MiB",      "--disk", dir_.Sub(id),
+                                     "--disk-capacity", "256MiB",  "--threads", "2",
+                                     "--leave-timeout-ms", "20000"};
+    pid_t pid = fork();
+    if (pid == 0) {
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      std::string l = log(id);
+      FILE* out = freopen(l.c_str(), "a", stderr);
+      out = freopen(l.c_str(), "a", stdout);
+      (void)out;
+      std::vector<char*> argv;
+      for (auto& a : args) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      execv(argv[0], argv.data());
+      _exit(127);
+    }
+    ASSERT_GT(pid, 0);
+    pids_[id] = pid;
+    ASSERT_TRUE(WaitMember(id, true, milliseconds(15000))) << "node " << id << " did not register";
+  }
+
+  // Sends `sig` and waits (up to 30 s) for the exit; returns the exit code or -signal.
+  int Stop(const std::string& id, int sig) {
+    pid_t pid = pids_[id];
+    if (pid <= 0) return 0;
+    kill(pid, sig);
+    return Wait(id, milliseconds(30000));
+  }
+
+  int Wait(const std::string& id, milliseconds timeout) {
+    pid_t pid = pids_[id];
+    int status = 0;
+    const auto until = Clock::now() + timeout;
+    while (Clock::now() < until) {
+      if (waitpid(pid, &status, WNOHANG) == pid) {
+        pids_[id] = -1;
+        return WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status);
+      }
+      std::this_thread::sleep_for(milliseconds(20));
+    }
+    kill(pid, SIGKILL);
+    waitpid(pid, &status, 0);
+    pids_[id] = -1;
+    ADD_FAILURE() << "node " << id << " did not exit in time";
+    return -SIGKILL;
+  }
+
+  bool WaitMember(const std::string& id, bool present, milliseconds timeout) {
+    const auto until = Clock::now() + timeout;
+    while (Clock::now() < until) {
+      auto v = ReadMembership(etcd_config_);
+      if (v.ok() && (v->Find(id) != nullptr) == present) return true;
+      std::this_thread::sleep_for(milliseconds(50));
+    }
+    return false;
+  }
+
+  // Until no node has a handoff running (and at least `settle` has passed since the call).
+  bool WaitHandoffsDone(milliseconds timeout) {
+    std::this_thread::sleep_for(milliseconds(500));
+    const auto until = Clock::now() + timeout;
+    while (Clock::now() < until) {
+      auto v = ReadMembership(etcd_config_);
+      if (v.ok() && v->handoffs_running.empty()) return true;
+      std::this_thread::sleep_for(milliseconds(50));
+    }
+    return false;
+  }
+
+  std::unique_ptr<Client> OpenClient() {
+    ClientOptions o;
+    o.cluster_file = file_;
+    o.default_timeout = milliseconds(2000);
+    auto c = Client::Open(o);
+    EXPECT_TRUE(c.ok()) << c.status().ToString();
+    return c.ok() ? std::move(*c) : nullptr;
+  }
+
+ private:
+  TempDir dir_;
+  EtcdProcess etcd_;
+  EtcdConfig etcd_config_;
+  std::string file_;
+  std::map<std::string, pid_t> pids_;
+};
+
+// A value that names its key and write number, with filler derived from both (checked).
+std::string MakeValue(int key, uint64_t seq) {
+  std::string v = std::to_string(key) + "|" + std::to_string(seq) + "|";
+  const size_t size = 512 + (seq * 7919 + key) % 3584;
+  for (size_t i = v.size(); i < size; ++i) v.push_back(static_cast<char>('a' + (key + seq + i) % 26));
+  return v;
+}
+
+bool ParseValue(std::string_view v, int* key, uint64_t* seq) {
+  const size_t a = v.find('|');
+  const size_t b = a == std::string_view::npos ? a : v.find('|', a + 1);
+  if (b == std::string_view::npos) return false;
+  try {
+    *key = std::stoi(std::string(v.substr(0, a)));
+    *seq = std::stoull(std::string(v.substr(a + 1, b - a - 1)));
+  } catch (...) {
+    return false;
+  }
+  return MakeValue(*key, *seq) == v;
+}
+
+// Writers and readers over `keys` keys with durable writes, checking every read.
+class Checker {
+ public:
+  Checker(ElasticCluster& cluster, int keys) : cluster_(cluster), keys_(keys), acked_(keys) {
+    for (auto& a : acked_) a.store(0);
+  }
+
+  // Writes every key once (so every key has an acknowledged durable value).
+  void Fill() {
+    auto c = cluster_.OpenClient();
+    ASSERT_NE(c, nullptr);
+    for (int k = 0; k < keys_; ++k) Write(*c, k);
+    ASSERT_EQ(write_errors_.load(), 0u) << "setup writes failed";
+  }
+
+  void Start(int writers = 1, int readers = 2) {
+    stop_ = false;
+    for (int t = 0; t < writers; ++t) {
+      threads_.emplace_back([this, t] {
+        auto c = cluster_.OpenClient();
+        if (!c) return;
+        uint64_t i = t;
+        while (!stop_) Write(*c, static_cast<int>((i += 7) % keys_));
+      });
+    }
+    for (int t = 0; t < readers; ++t) {
+      threads_.emplace_back([this, t] {
+        auto c = cluster_.OpenClient();
+        if (!c) return;
+        uint64_t i = t * 13;
+        while (!stop_) Read(*c, static_cast<int>((i += 3) % keys_));
+      });
+    }
+  }
+
+  void StopLoad() {
+    stop_ = true;
+    for (auto& t : threads_) t.join();
+    threads_.clear();
+  }
+
+  // After the load: every key read once more, each must hold its newest acknowledged write.
+  void FinalCheck() {
+    auto c = cluster_.OpenClient();
+    ASSERT_NE(c, nullptr);
+    for (int k = 0; k < keys_; ++k) Read(*c, k);
+  }
+
+  std::string Key(int k) const { return "elastic-" + std::to_string(k); }
+
+  void Write(Client& c, int k) {
+    const uint64_t seq = next_seq_.fetch_add(1) + 1;
+    const std::string v = MakeValue(k, seq);
+    PutOptions po;
+    po.durable = true;
+    const auto start = Clock::now();
+    auto r = c.Put(Key(k), v.data(), v.size(), po);
+    Record(start, /*read=*/false);
+    if (!r.ok()) {
+      write_errors_++;
+      std::lock_guard<std::mutex> lock(mu_);
+      if (first_write_error_.empty()) first_write_error_ = r.status().ToString();
+      return;
+    }
+    writes_++;
+    // The newest acknowledged write of the key (writes of one key by two writers may ack in
+    // either order: the larger seq is not necessarily the last one, so keep the larger only
+    // when the writes did not overlap; one writer per key set keeps this exact).
+    uint64_t cur = acked_[k].load();
+    while (cur < seq && !acked_[k].compare_exchange_weak(cur, seq)) {
+    }
+  }
+
+  void Read(Client& c, int k) {
+    const uint64_t floor = acked_[k].load();  // acknowledged before this read began
+    const auto start = Clock::now();
+    auto r = c.Get(Key(k));
+    Record(start, /*read=*/true);
+    reads_++;
+    int key = -1;
+    uint64_t seq = 0;
+    if (!r.ok()) {
+      if (r.status().code() == StatusCode::kNotFound && floor > 0) {
+        Anomaly(lost_, "lost " + Key(k) + ": " + r.status().ToString());
+      } else if (r.status().code() != StatusCode::kNotFound) {
+        read_errors_++;
+        std::lock_guard<std::mutex> lock(mu_);
+        if (first_read_error_.empty()) first_read_error_ = r.status().ToString();
+      }
+      return;
+    }
+    if (!ParseValue(r->view(), &key, &seq) || key != k) {
+      return Anomaly(corrupt_, "corrupt value for " + Key(k));
+    }
+    if (seq < floor) {
+      Anomaly(stale_, "stale " + Key(k) + ": read write " + std::to_string(seq) +
+                          " after write " + std::to_string(floor) + " was acknowledged");
+    }
+  }
+
+  void Record(Clock::time_point start, bool read) {
+    const int64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();
+    std::lock_guard<std::mutex> lock(mu_);
+    (read ? read_latency_ : write_latency_).Record(ns);
+  }
+  // Latency percentiles since the last call (ms).
+  std::pair<double, double> TakeReadP50P99() {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto out = std::make_pair(read_latency_.Percentile(0.5) / 1e6, read_latency_.Percentile(0.99) / 1e6);
+    read_latency_ = Histogram();
+    return out;
+  }
+
+  void Anomaly(std::atomic<uint64_t>& counter, const std::string& what) {
+    counter++;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (examples_.size() < 5) examples_.push_back(what);
+  }
+
+  std::string Report() const {
+    std::string s = "writes " + std::to_string(writes_) + " (failed " +
+                    std::to_string(write_errors_) + "), reads " + std::to_string(reads_) +
+                    " (failed " + std::to_string(read_errors_) + "); lost " +
+                    std::to_string(lost_) + ", stale " + std::to_string(stale_) + ", corrupt " +
+                    std::to_string(corrupt_);
+    for (const auto& e : examples_) s += "\n  " + e;
+    if (!first_write_error_.empty()) s += "\n  first write error: " + first_write_error_;
+    if (!first_read_error_.empty()) s += "\n  first read error: " + first_read_error_;
+    return s;
+  }
+
+  void ExpectNoAnomalies() {
+    EXPECT_EQ(lost_.load(), 0u) << Report();
+    EXPECT_EQ(stale_.load(), 0u) << Report();
+    EXPECT_EQ(corrupt_.load(), 0u) << Report();
+  }
+
+  std::atomic<uint64_t> writes_{0}, reads_{0}, write_errors_{0}, read_errors_{0};
+  std::atomic<uint64_t> lost_{0}, stale_{0}, corrupt_{0};
+
+ private:
+  ElasticCluster& cluster_;
+  const int keys_;
+  std::vector<std::atomic<uint64_t>> acked_;
+  std::atomic<uint64_t> next_seq_{0};
+  std::atomic<bool> stop_{false};
+  std::vector<std::thread> threads_;
+  mutable std::mutex mu_;
+  std::vector<std::string> examples_;
+  std::string first_write_error_, first_read_error_;
+  Histogram read_latency_, write_latency_;
+};
+
+// How many of the keys `client` routes to node `id`, and answers there.
+double ShareOn(Client& client, const Checker& checker, int keys, const std::string& id) {
+  auto nodes = client.Nodes();
+  int on = 0;
+  for (int k = 0; k < keys; ++k) {
+    const int n = client.NodeFor(checker.Key(k));
+    if (n >= 0 && nodes[n].id == id && client.Stat(checker.Key(k)).ok()) ++on;
+  }
+  return static_cast<double>(on) / keys;
+}
+
+void PrintHandoffLines(const ElasticCluster& cluster, const std::vector<std::string>& ids) {
+  for (const auto& id : ids) {
+    std::ifstream f(cluster.log(id));
+    std::string line;
+    while (std::getline(f, line)) {
+      if (line.find("handoff for ring epoch") != std::string::npos ||
+          line.find("ring epoch") != std::string::npos) {
+        std::printf("[%s] %s\n", id.c_str(), line.c_str());
+      }
+    }
+  }
+}
+
+constexpr int kKeys = 1500;
+
+TEST(ElasticTest, ScaleOutFromThreeToFourNodesLosesNothing) {
+  ElasticCluster cluster;
+  for (const char* id : {"n0", "n1", "n2"}) cluster.Start(id);
+  Checker checker(cluster, kKeys);
+  checker.Fill();
+  checker.Start();
+  std::this_thread::sleep_for(milliseconds(1500));
+  auto before = checker.TakeReadP50P99();
+  const auto joined = Clock::now();
+  cluster.Start("n3");
+  ASSERT_TRUE(cluster.WaitHandoffsDone(milliseconds(30000)));
+  const double handoff_s = std::chrono::duration<double>(Clock::now() - joined).count();
+  auto during = checker.TakeReadP50P99();
+  std::this_thread::sleep_for(milliseconds(1000));
+  checker.StopLoad();
+  checker.FinalCheck();
+  std::printf("scale-out 3->4: %s\n  join to handoffs done %.2f s; read p50/p99 before %.2f/%.2f ms, "
+              "during %.2f/%.2f ms\n",
+              checker.Report().c_str(), handoff_s, before.first, before.second, during.first,
+              during.second);
+  PrintHandoffLines(cluster, {"n0", "n1", "n2", "n3"});
+  checker.ExpectNoAnomalies();
+  auto c = cluster.OpenClient();
+  ASSERT_NE(c, nullptr);
+  const double share = ShareOn(*c, checker, kKeys, "n3");
+  std::printf("  n3 holds %.3f of the keys (weight share 0.25)\n", share);
+  EXPECT_NEAR(share, 0.25, 0.025);
+}
+
+TEST(ElasticTest, DrainingOneOfFourNodesHandsEverythingOff) {
+  ElasticCluster cluster;
+  for (const char* id : {"n0", "n1", "n2", "n3"}) cluster.Start(id);
+  Checker checker(cluster, kKeys);
+  checker.Fill();
+  checker.Start();
+  std::this_thread::sleep_for(milliseconds(1000));
+  const auto asked = Clock::now();
+  ASSERT_TRUE(RequestDrain(cluster.etcd_config(), "n1").ok());
+  // The node hands off, leaves etcd and exits 0 by itself.
+  EXPECT_EQ(cluster.Wait("n1", milliseconds(30000)), 0);
+  const double drain_s = std::chrono::duration<double>(Clock::now() - asked).count();
+  EXPECT_TRUE(cluster.WaitMember("n1", false, milliseconds(2000)));
+  std::this_thread::sleep_for(milliseconds(1000));
+  checker.StopLoad();
+  checker.FinalCheck();
+  std::printf("drain 1 of 4: %s\n  drain request to exit %.2f s\n", checker.Report().c_str(),
+              drain_s);
+  PrintHandoffLines(cluster, {"n1"});
+  checker.ExpectNoAnomalies();
+}
+
+TEST(ElasticTest, AKilledNodeIsRoutedAroundAndItsCopiesAreRepaired) {
+  ElasticCluster cluster(/*replicas=*/2, /*lease_ttl_s=*/2);
+  for (const char* id : {"n0", "n1", "n2", "n3"}) cluster.Start(id);
+  Checker checker(cluster, kKeys);
+  checker.Fill();
+  checker.Start();
+  auto watcher = cluster.OpenClient();
+  ASSERT_NE(watcher, nullptr);
+  std::this_thread::sleep_for(milliseconds(1000));
+  const uint64_t epoch = watcher->RingEpoch();
+  const auto killed = Clock::now();
+  cluster.Stop("n1", SIGKILL);
+  // Lease expiry, then every client's ring drops n1.
+  while (watcher->RingEpoch() == epoch && Clock::now() - killed < std::chrono::seconds(15)) {
+    std::this_thread::sleep_for(milliseconds(10));
+  }
+  const double reroute_s = std::chrono::duration<double>(Clock::now() - killed).count();
+  ASSERT_NE(watcher->RingEpoch(), epoch) << "the ring never dropped the killed node";
+  ASSERT_TRUE(cluster.WaitHandoffsDone(milliseconds(30000)));
+  const double repaired_s = std::chrono::duration<double>(Clock::now() - killed).count();
+  checker.StopLoad();
+  std::printf("SIGKILL with R=2: %s\n  kill to ring without n1 %.2f s (lease TTL 2 s); kill to "
+              "repairs done %.2f s\n",
+              checker.Report().c_str(), reroute_s, repaired_s);
+  PrintHandoffLines(cluster, {"n0", "n2", "n3"});
+  checker.ExpectNoAnomalies();
+  EXPECT_EQ(checker.read_errors_.load(), 0u) << checker.Report();
+  // Every key has two copies again: with a second node gone before its lease expires (so the
+  // ring still names it), each key still reads from its other owner.
+  cluster.Stop("n2", SIGKILL);
+  checker.FinalCheck();
+  checker.ExpectNoAnomalies();
+  EXPECT_EQ(checker.read_errors_.load(), 0u) << checker.Report();
+}
+
+TEST(ElasticTest, EtcdRestartingMidRunFailsNoRequest) {
+  ElasticCluster cluster(/*replicas=*/1, /*lease_ttl_s=*/3);
+  for (const char* id : {"n0", "n1", "n2"}) cluster.Start(id);
+  Checker checker(cluster, kKeys);
+  checker.Fill();
+  checker.Start();
+  std::this_thread::sleep_for(milliseconds(1000));
+  cluster.etcd().Kill();
+  std::this_thread::sleep_for(milliseconds(2000));
+  ASSERT_TRUE(cluster.etcd().Restart());
+  std::this_thread::sleep_for(milliseconds(3000));
+  checker.StopLoad();
+  checker.FinalCheck();
+  std::printf("etcd killed for 2 s and restarted: %s\n", checker.Report().c_str());
+  checker.ExpectNoAnomalies();
+  EXPECT_EQ(checker.write_errors_.load(), 0u) << checker.Report();
+  EXPECT_EQ(checker.read_errors_.load(), 0u) << checker.Report();
+  // The nodes kept (or renewed) their registrations.
+  for (const char* id : {"n0", "n1", "n2"}) EXPECT_TRUE(cluster.WaitMember(id, true, milliseconds(5000))) << id;
+}
+
+}  // namespace
+}  // namespace gkv::testing
