@@ -3,6 +3,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
+#include <cctype>
 #include <charconv>
 #include <cmath>
 #include <cstdlib>
@@ -39,16 +40,87 @@ Status ParseAddress(std::string_view address, std::string* host, uint16_t* port)
   return Status::OK();
 }
 
+namespace {
+
+// `etcd: {endpoints: [http://host:port, ...], cluster: NAME, lease_ttl_s: N}`.
+Status ParseEtcd(const YAML::Node& node, EtcdConfig* etcd) {
+  if (!node || !node.IsMap()) {
+    return Status::InvalidArgument("'membership: etcd' needs an 'etcd:' map with 'endpoints'");
+  }
+  const YAML::Node endpoints = node["endpoints"];
+  if (!endpoints || !endpoints.IsSequence() || endpoints.size() == 0) {
+    return Status::InvalidArgument("etcd: 'endpoints' must be a non-empty list");
+  }
+  for (const auto& e : endpoints) {
+    const std::string endpoint = e.as<std::string>();
+    constexpr std::string_view kScheme = "http://";
+    std::string host;
+    uint16_t port = 0;
+    if (!std::string_view(endpoint).starts_with(kScheme) ||
+        !ParseAddress(std::string_view(endpoint).substr(kScheme.size()), &host, &port).ok() ||
+        host.find('/') != std::string::npos) {
+      return Status::InvalidArgument("etcd: endpoint '" + endpoint + "' is not http://host:port");
+    }
+    etcd->endpoints.push_back(endpoint);
+  }
+  if (node["cluster"]) {
+    etcd->cluster = node["cluster"].as<std::string>();
+    const bool valid =
+        !etcd->cluster.empty() &&
+        std::all_of(etcd->cluster.begin(), etcd->cluster.end(), [](char c) {
+          return std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '.' || c == '-';
+        });
+    if (!valid) {
+      return Status::InvalidArgument("etcd: cluster name '" + etcd->cluster +
+                                     "' must be letters, digits, '_', '.' or '-'");
+    }
+  }
+  if (node["lease_ttl_s"]) {
+    etcd->lease_ttl_s = node["lease_ttl_s"].as<int>();
+    if (etcd->lease_ttl_s < 1 || etcd->lease_ttl_s > 3600) {
+      return Status::InvalidArgument("etcd: lease_ttl_s must be 1..3600");
+    }
+  }
+  for (const auto& entry : node) {
+    const std::string key = entry.first.as<std::string>();
+    if (key != "endpoints" && key != "cluster" && key != "lease_ttl_s") {
+      return Status::InvalidArgument("etcd: unknown field '" + key + "'");
+    }
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
 Result<ClusterConfig> ParseClusterYaml(std::string_view text) {
   // yaml-cpp reports errors with exceptions; they stop at this boundary.
   try {
     YAML::Node root = YAML::Load(std::string(text));
-    if (!root.IsMap() || !root["nodes"] || !root["nodes"].IsSequence()) {
+    if (!root.IsMap()) return Status::InvalidArgument("cluster file is not a YAML map");
+    ClusterConfig config;
+    if (root["membership"]) {
+      const std::string membership = root["membership"].as<std::string>();
+      if (membership == "etcd") {
+        config.membership = ClusterConfig::Membership::kEtcd;
+      } else if (membership != "static") {
+        return Status::InvalidArgument("membership must be 'static' or 'etcd', not '" + membership +
+                                       "'");
+      }
+    }
+    if (config.membership == ClusterConfig::Membership::kEtcd) {
+      GKV_RETURN_IF_ERROR(ParseEtcd(root["etcd"], &config.etcd));
+    } else if (root["etcd"]) {
+      return Status::InvalidArgument("an 'etcd:' section needs 'membership: etcd'");
+    }
+    const bool static_members = config.membership == ClusterConfig::Membership::kStatic;
+    if (static_members && (!root["nodes"] || !root["nodes"].IsSequence())) {
       return Status::InvalidArgument("cluster file needs a 'nodes:' list");
     }
-    ClusterConfig config;
+    // With etcd the members come from etcd; a `nodes:` list (say, left from a static file) is
+    // ignored, not checked.
+    const YAML::Node listed = static_members ? root["nodes"] : YAML::Node(YAML::NodeType::Sequence);
     std::set<std::string> ids, addresses;
-    for (const auto& n : root["nodes"]) {
+    for (const auto& n : listed) {
       if (!n.IsMap() || !n["id"] || !n["address"]) {
         return Status::InvalidArgument("each node needs 'id' and 'address'");
       }
@@ -68,7 +140,9 @@ Result<ClusterConfig> ParseClusterYaml(std::string_view text) {
       }
       config.nodes.push_back(std::move(info));
     }
-    if (config.nodes.empty()) return Status::InvalidArgument("cluster file lists no nodes");
+    if (static_members && config.nodes.empty()) {
+      return Status::InvalidArgument("cluster file lists no nodes");
+    }
     if (root["secret"]) config.secret = root["secret"].as<std::string>();
     if (root["secret_env"]) {
       std::string name = root["secret_env"].as<std::string>();

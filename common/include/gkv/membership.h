@@ -12,9 +12,11 @@
 //                  ask a key's previous owner after a miss while any is present.
 //
 // The ring is built from the members that are neither draining nor asked to drain, sorted by
-// id. Its epoch is the etcd revision at which this process saw the member set change (its first
-// read counts as a change at that read's revision): processes that watched the same change agree
-// on its epoch; one that started later may show a higher epoch for the same members.
+// id. Its epoch is the etcd revision at which this process saw the ring change (RingNodes():
+// ids, addresses, weights; its first read counts as a change at that read's revision; a record
+// update that leaves the ring as it was, e.g. new byte counts, keeps the epoch): processes that
+// watched the same change agree on its epoch; one that started later may show a higher epoch for
+// the same members.
 //
 // etcd being unreachable never stops the data path: a watcher keeps its last view (and logs the
 // outage once), a registration keeps trying to keep its lease and registers again under a new
@@ -49,8 +51,8 @@ Result<MemberRecord> DecodeMemberRecord(std::string_view json);
 
 // One consistent reading of the prefix.
 struct MembershipView {
-  uint64_t epoch = 0;     // see above
-  uint64_t revision = 0;  // etcd revision this view is current at
+  uint64_t epoch = 0;                 // see above
+  uint64_t revision = 0;              // etcd revision this view is current at
   std::vector<MemberRecord> members;  // every registered node, sorted by id
   std::set<std::string> drain_requested;
   std::set<std::string> handoffs_running;
@@ -66,12 +68,16 @@ class MembershipWatcher {
   using Callback = std::function<void(const MembershipView&)>;
   // Reads the prefix once (an error when etcd cannot be reached: a process needs one ring to
   // start), then watches it from the next revision on a thread of its own, resuming from the
-  // last revision seen after a broken stream. `on_change` runs on that thread whenever the
-  // view changed (members, their records, drain or handoff keys), never concurrently with
-  // itself; it is not called for the initial view (see Current()).
+  // last revision seen after a broken stream (and reading the prefix again when etcd compacted
+  // that revision away). `on_change` runs on that thread whenever the view changed (members,
+  // their records, drain or handoff keys), once per etcd revision that changed it, never
+  // concurrently with itself; it is not called for the initial view (see Current()). It may
+  // call Current() but must not destroy the watcher.
   static Result<std::unique_ptr<MembershipWatcher>> Start(const EtcdConfig& etcd,
                                                           Callback on_change);
-  ~MembershipWatcher();  // stops the watch; no callback runs after it returns
+  // Stops the watch; no callback runs after it returns. Prompt: at worst one etcd request's
+  // timeout (3 s) against an etcd that accepts connections but does not answer.
+  ~MembershipWatcher();
   MembershipView Current() const;
   // Whether the watch stream is connected now.
   bool connected() const;
@@ -84,14 +90,18 @@ class MembershipWatcher {
 
 class MemberRegistration {
  public:
-  // Grants a lease of etcd.lease_ttl and writes members/<id> on it; a thread keeps it alive
+  // Grants a lease of etcd.lease_ttl_s and writes members/<id> on it; a thread keeps it alive
   // (every third of the TTL) and registers again, under a new lease, if it expired while etcd was
-  // unreachable. Fails when etcd cannot be reached or another live node holds the same id.
+  // unreachable. Fails with Unavailable when etcd cannot be reached, InvalidArgument when
+  // another live node holds the same id (also a node of this id that crashed less than a TTL
+  // ago: its lease still holds the record).
   static Result<std::unique_ptr<MemberRegistration>> Register(const EtcdConfig& etcd,
                                                               const MemberRecord& record);
-  ~MemberRegistration();  // stops the keepalive (the record then expires with the lease)
+  // Stops the keepalive (the record then expires with the lease); as prompt as the watcher's.
+  ~MemberRegistration();
 
-  // Rewrites the record (e.g. draining = true), on the same lease.
+  // Rewrites the record (e.g. draining = true), on the same lease (a new one if it expired).
+  // The id must stay the same. Aborted after Deregister().
   Status Update(const MemberRecord& record);
   // handoff/<id> on this node's lease: present while `running`.
   Status SetHandoffRunning(bool running);
@@ -105,7 +115,7 @@ class MemberRegistration {
   std::unique_ptr<Impl> impl_;
 };
 
-// `gkv drain <id>`: writes drain/<id>. NotFound when no such member is registered.
+// `gkv drain <id>`: writes drain/<id> (idempotent). NotFound when no such member is registered.
 Status RequestDrain(const EtcdConfig& etcd, std::string_view node_id);
 // `gkv ring`: one reading of the prefix (no watch).
 Result<MembershipView> ReadMembership(const EtcdConfig& etcd);
