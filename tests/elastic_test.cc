@@ -45,8 +45,8 @@ class ElasticCluster {
     file_ = dir_.Sub("cluster.yaml");
     std::ofstream f(file_);
     f << "membership: etcd\n"
-      << "etcd: {endpoints: [" << etcd_.endpoint() << "], cluster: elastic, lease_ttl_s: "
-      << lease_ttl_s << "}\n"
+      << "etcd: {endpoints: [" << etcd_.endpoint()
+      << "], cluster: elastic, lease_ttl_s: " << lease_ttl_s << "}\n"
       << "replicas: " << replicas << "\n";
   }
   ~ElasticCluster() {
@@ -63,11 +63,23 @@ class ElasticCluster {
   // Starts node `id` and waits until etcd lists it.
   void Start(const std::string& id) {
     const uint16_t port = FreePort();
-    std::vector<std::string> args = {GKV_SERVER_BIN, "--cluster",  file_,   "--node",   id,
-                                     "--listen",     "127.0.0.1:" + std::to_string(port),
-                                     "--host-mem",   "64MiB",      "--disk", dir_.Sub(id),
-                                     "--disk-capacity", "256MiB",  "--threads", "2",
-                                     "--leave-timeout-ms", "20000"};
+    std::vector<std::string> args = {GKV_SERVER_BIN,
+                                     "--cluster",
+                                     file_,
+                                     "--node",
+                                     id,
+                                     "--listen",
+                                     "127.0.0.1:" + std::to_string(port),
+                                     "--host-mem",
+                                     "64MiB",
+                                     "--disk",
+                                     dir_.Sub(id),
+                                     "--disk-capacity",
+                                     "256MiB",
+                                     "--threads",
+                                     "2",
+                                     "--leave-timeout-ms",
+                                     "20000"};
     pid_t pid = fork();
     if (pid == 0) {
       prctl(PR_SET_PDEATHSIG, SIGKILL);
@@ -155,7 +167,8 @@ class ElasticCluster {
 std::string MakeValue(int key, uint64_t seq) {
   std::string v = std::to_string(key) + "|" + std::to_string(seq) + "|";
   const size_t size = 512 + (seq * 7919 + key) % 3584;
-  for (size_t i = v.size(); i < size; ++i) v.push_back(static_cast<char>('a' + (key + seq + i) % 26));
+  for (size_t i = v.size(); i < size; ++i)
+    v.push_back(static_cast<char>('a' + (key + seq + i) % 26));
   return v;
 }
 
@@ -267,20 +280,22 @@ class Checker {
       return Anomaly(corrupt_, "corrupt value for " + Key(k));
     }
     if (seq < floor) {
-      Anomaly(stale_, "stale " + Key(k) + ": read write " + std::to_string(seq) +
-                          " after write " + std::to_string(floor) + " was acknowledged");
+      Anomaly(stale_, "stale " + Key(k) + ": read write " + std::to_string(seq) + " after write " +
+                          std::to_string(floor) + " was acknowledged");
     }
   }
 
   void Record(Clock::time_point start, bool read) {
-    const int64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();
+    const int64_t ns =
+        std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();
     std::lock_guard<std::mutex> lock(mu_);
     (read ? read_latency_ : write_latency_).Record(ns);
   }
   // Latency percentiles since the last call (ms).
   std::pair<double, double> TakeReadP50P99() {
     std::lock_guard<std::mutex> lock(mu_);
-    auto out = std::make_pair(read_latency_.Percentile(0.5) / 1e6, read_latency_.Percentile(0.99) / 1e6);
+    auto out =
+        std::make_pair(read_latency_.Percentile(0.5) / 1e6, read_latency_.Percentile(0.99) / 1e6);
     read_latency_ = Histogram();
     return out;
   }
@@ -367,10 +382,11 @@ TEST(ElasticTest, ScaleOutFromThreeToFourNodesLosesNothing) {
   std::this_thread::sleep_for(milliseconds(1000));
   checker.StopLoad();
   checker.FinalCheck();
-  std::printf("scale-out 3->4: %s\n  join to handoffs done %.2f s; read p50/p99 before %.2f/%.2f ms, "
-              "during %.2f/%.2f ms\n",
-              checker.Report().c_str(), handoff_s, before.first, before.second, during.first,
-              during.second);
+  std::printf(
+      "scale-out 3->4: %s\n  join to handoffs done %.2f s; read p50/p99 before %.2f/%.2f ms, "
+      "during %.2f/%.2f ms\n",
+      checker.Report().c_str(), handoff_s, before.first, before.second, during.first,
+      during.second);
   PrintHandoffLines(cluster, {"n0", "n1", "n2", "n3"});
   checker.ExpectNoAnomalies();
   auto c = cluster.OpenClient();
@@ -423,9 +439,10 @@ TEST(ElasticTest, AKilledNodeIsRoutedAroundAndItsCopiesAreRepaired) {
   ASSERT_TRUE(cluster.WaitHandoffsDone(milliseconds(30000)));
   const double repaired_s = std::chrono::duration<double>(Clock::now() - killed).count();
   checker.StopLoad();
-  std::printf("SIGKILL with R=2: %s\n  kill to ring without n1 %.2f s (lease TTL 2 s); kill to "
-              "repairs done %.2f s\n",
-              checker.Report().c_str(), reroute_s, repaired_s);
+  std::printf(
+      "SIGKILL with R=2: %s\n  kill to ring without n1 %.2f s (lease TTL 2 s); kill to "
+      "repairs done %.2f s\n",
+      checker.Report().c_str(), reroute_s, repaired_s);
   PrintHandoffLines(cluster, {"n0", "n2", "n3"});
   checker.ExpectNoAnomalies();
   EXPECT_EQ(checker.read_errors_.load(), 0u) << checker.Report();
@@ -455,7 +472,8 @@ TEST(ElasticTest, EtcdRestartingMidRunFailsNoRequest) {
   EXPECT_EQ(checker.write_errors_.load(), 0u) << checker.Report();
   EXPECT_EQ(checker.read_errors_.load(), 0u) << checker.Report();
   // The nodes kept (or renewed) their registrations.
-  for (const char* id : {"n0", "n1", "n2"}) EXPECT_TRUE(cluster.WaitMember(id, true, milliseconds(5000))) << id;
+  for (const char* id : {"n0", "n1", "n2"})
+    EXPECT_TRUE(cluster.WaitMember(id, true, milliseconds(5000))) << id;
 }
 
 }  // namespace

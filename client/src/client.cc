@@ -1,8 +1,8 @@
 #include "gkv/client.h"
 
 #include <algorithm>
-#include <mutex>
 #include <cstring>
+#include <mutex>
 #include <queue>
 #include <random>
 #include <thread>
@@ -97,9 +97,7 @@ struct Client::Impl {
     bool handoff = false;
     Clock::time_point changed_at{};
     static constexpr auto kSettle = std::chrono::seconds(3);
-    bool Moving() const {
-      return previous && (handoff || Clock::now() - changed_at < kSettle);
-    }
+    bool Moving() const { return previous && (handoff || Clock::now() - changed_at < kSettle); }
   };
   mutable std::mutex routing_mu;
   std::shared_ptr<const Routing> routing;
@@ -202,11 +200,10 @@ struct Client::Impl {
     auto it = node_of_conn.find(conn);
     if (it == node_of_conn.end()) return;
     const int node = it->second;
-    GKV_LOG_WARN("lost node {} ({}): {}", nodes[node].id, nodes[node].address(),
-                 s.ToString());
+    GKV_LOG_WARN("lost node {} ({}): {}", nodes[node].id, nodes[node].address(), s.ToString());
     FailNode(node,
-             Status::Unavailable("node " + nodes[node].id + " (" +
-                                 nodes[node].address() + "): " + std::string(s.message())),
+             Status::Unavailable("node " + nodes[node].id + " (" + nodes[node].address() +
+                                 "): " + std::string(s.message())),
              false);
   }
 
@@ -220,8 +217,8 @@ struct Client::Impl {
       if (it == pending.end()) continue;
       PendingPtr p = it->second;
       if (p->deadline > now) continue;  // extended (see transfer_deadline): a later entry is due
-      Status timeout = Status::Timeout("no reply from node " + nodes[p->node].id +
-                                       " within the deadline");
+      Status timeout =
+          Status::Timeout("no reply from node " + nodes[p->node].id + " within the deadline");
       Fail(p, timeout);
       // Bytes still moving into or out of the caller's buffer: the connection goes, so the
       // buffer is released before the caller sees the timeout.
@@ -292,8 +289,7 @@ struct Client::Impl {
     if (IsDown(node)) {
       auto left = std::chrono::duration_cast<std::chrono::milliseconds>(health[node].down_until -
                                                                         Clock::now());
-      return on_error(Status::Unavailable("node " + nodes[node].id +
-                                          " is down; reconnecting in " +
+      return on_error(Status::Unavailable("node " + nodes[node].id + " is down; reconnecting in " +
                                           std::to_string(left.count()) + " ms"));
     }
     auto conn = EnsureConn(node);
@@ -414,12 +410,10 @@ struct Client::Impl {
     retry_or_finish = [this, key, user_dst, capacity, dst_kind, deadline, fail_open, done, finish,
                        accept](Result<Value> r) {
       if (!r.ok() && Misrouted(r.status()) && Clock::now() + kWrongNodeRetry < deadline) {
-        return AddTimer(Clock::now() + kWrongNodeRetry,
-                        [this, key, user_dst, capacity, dst_kind, deadline, fail_open, done,
-                         accept] {
-                          DoGet(key, user_dst, capacity, dst_kind, deadline, fail_open, done,
-                                accept);
-                        });
+        return AddTimer(Clock::now() + kWrongNodeRetry, [this, key, user_dst, capacity, dst_kind,
+                                                         deadline, fail_open, done, accept] {
+          DoGet(key, user_dst, capacity, dst_kind, deadline, fail_open, done, accept);
+        });
       }
       finish(std::move(r));
     };
@@ -461,8 +455,7 @@ struct Client::Impl {
   void GetOnNode(int node, const std::string& key, void* user_dst, size_t capacity,
                  MemoryKind dst_kind, Clock::time_point deadline,
                  std::function<void(Result<Value>)> done, uint64_t replica_version = 0,
-                 Accept accept = {}, Clock::time_point transfer_deadline = {},
-                 uint16_t flags = 0) {
+                 Accept accept = {}, Clock::time_point transfer_deadline = {}, uint16_t flags = 0) {
     const Clock::time_point sent = Clock::now();
     auto on_reply = [this, node, key, replica_version, user_dst, capacity, dst_kind, done, accept,
                      sent](const PendingPtr& p, std::unique_ptr<Incoming> msg) {
@@ -1078,7 +1071,8 @@ Status Client::Delete(std::string_view key, std::chrono::milliseconds timeout) {
   Impl* I = impl_.get();
   const auto deadline = I->DeadlineFrom(timeout);
   for (;;) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
     Status s = DeleteOnce(key, std::max(left, std::chrono::milliseconds(1)));
     if (!Impl::Misrouted(s) || Clock::now() + Impl::kWrongNodeRetry >= deadline) return s;
     std::this_thread::sleep_for(Impl::kWrongNodeRetry);
@@ -1129,16 +1123,18 @@ Result<ValueInfo> Client::Stat(std::string_view key, std::chrono::milliseconds t
   const auto deadline = I->DeadlineFrom(timeout);
   for (;;) {
     auto route = I->Route();
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-    auto r = StatOnce(key, route->ring->Owner(key), 0, std::max(left, std::chrono::milliseconds(1)));
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    auto r =
+        StatOnce(key, route->ring->Owner(key), 0, std::max(left, std::chrono::milliseconds(1)));
     // Keys may be moving: a miss is asked of the previous owner too.
     if (!r.ok() && r.status().code() == StatusCode::kNotFound && route->Moving()) {
       const int before = route->previous->Owner(key);
       if (before != route->ring->Owner(key)) {
-        auto p = StatOnce(key, before, w::kFlagPreviousOwner,
-                          std::max(std::chrono::duration_cast<std::chrono::milliseconds>(
-                                       deadline - Clock::now()),
-                                   std::chrono::milliseconds(1)));
+        auto p = StatOnce(
+            key, before, w::kFlagPreviousOwner,
+            std::max(std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()),
+                     std::chrono::milliseconds(1)));
         if (p.ok()) return p;
       }
     }
@@ -1165,8 +1161,8 @@ Result<ValueInfo> Client::StatOnce(std::string_view key, int node, uint16_t flag
       if (!s.ok()) return I->Fail(p, s);
       I->Complete(p, [&promise, meta] { promise.set_value(ToInfo(meta)); });
     };
-    I->Issue(node, w::Opcode::kStat, flags, w::EncodeKeyRequest(key), nullptr, 0,
-             MemoryKind::kHost, deadline, on_reply, [&promise](Status s) { promise.set_value(s); });
+    I->Issue(node, w::Opcode::kStat, flags, w::EncodeKeyRequest(key), nullptr, 0, MemoryKind::kHost,
+             deadline, on_reply, [&promise](Status s) { promise.set_value(s); });
   });
   return future.get();
 }

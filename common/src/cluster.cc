@@ -112,6 +112,12 @@ Result<ClusterConfig> ParseClusterYaml(std::string_view text) {
     } else if (root["etcd"]) {
       return Status::InvalidArgument("an 'etcd:' section needs 'membership: etcd'");
     }
+    if (root["replicas"]) {
+      config.replicas = root["replicas"].as<int>();
+      if (config.replicas < 1 || config.replicas > 16) {
+        return Status::InvalidArgument("replicas must be between 1 and 16");
+      }
+    }
     const bool static_members = config.membership == ClusterConfig::Membership::kStatic;
     if (static_members && (!root["nodes"] || !root["nodes"].IsSequence())) {
       return Status::InvalidArgument("cluster file needs a 'nodes:' list");

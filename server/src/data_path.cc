@@ -334,53 +334,55 @@ void Server::Impl::ServeMultiGet(const Req& r, std::shared_ptr<std::vector<Batch
 
 void Server::Impl::HandleMultiPut(const Req& r, std::unique_ptr<Incoming> msg) {
   const bool peer_conn_request = peer_node_of_conn.count(r.conn) > 0;
-  ReadPayloadThen(r, std::move(msg), [this, r, peer_conn_request](Status s,
-                                                                   std::shared_ptr<PayloadBuffer> buf) {
-    std::vector<w::BatchPutItem> items;
-    size_t block = 0;
-    if (s.ok()) s = w::DecodeBatchPutBlock(buf->view(), &items, &block);
-    if (!s.ok()) return PostReply([this, r, s] { ReplyStatus(r, s); });
-    std::vector<w::BatchPutResult> results(items.size());
-    RingPtr now = CurrentRing();
-    // Every item is reserved and filled, then all are committed together: a durable batch is
-    // one RocksDB write with one sync (CommitBatch), not one fsync per item. Items fail on
-    // their own (too large, no room); the others still land.
-    std::vector<WriteHandle> handles;
-    std::vector<size_t> slot;  // item index of each handle
-    size_t off = block;
-    for (size_t i = 0; i < items.size(); off += items[i].size, ++i) {
-      Status is = CheckValueSize(items[i].size);
-      if (is.ok() && elastic() && (r.h.flags & w::kFlagPreviousOwner) == 0 && !peer_conn_request &&
-          !Owns(*now, items[i].key)) {
-        is = Status::WrongNode("");
-      }
-      Result<WriteHandle> h = is.ok() ? cache->Reserve(items[i].key, items[i].size, items[i].tensor)
-                                      : Result<WriteHandle>(is);
-      if (h.ok()) {
-        is = cache->CopyBytes(h->data(), h->memory_kind(), buf->data() + off, MemoryKind::kHost,
-                              items[i].size);
-      } else {
-        is = h.status();
-      }
-      results[i].code = is.code();
-      if (!is.ok()) continue;  // the reservation (if any) goes with `h`
-      handles.push_back(std::move(*h));
-      slot.push_back(i);
-    }
-    auto committed = cache->CommitBatch(std::move(handles), (r.h.flags & w::kFlagDurable) != 0);
-    for (size_t j = 0; j < committed.size(); ++j) {
-      results[slot[j]].code = committed[j].status().code();
-      if (committed[j].ok()) results[slot[j]].version = *committed[j];
-    }
-    auto payload = std::make_shared<std::string>(w::EncodeBatchPutResults(results));
-    std::vector<std::string> keys;  // the ones written (their copies must go first)
-    for (size_t i = 0; i < items.size(); ++i) {
-      if (results[i].code == StatusCode::kOk) keys.push_back(items[i].key);
-    }
-    PostReply([this, r, payload, keys = std::move(keys)] {
-      AfterWrite(keys, [this, r, payload] { ReplyPayload(r, payload); });
-    });
-  });
+  ReadPayloadThen(r, std::move(msg),
+                  [this, r, peer_conn_request](Status s, std::shared_ptr<PayloadBuffer> buf) {
+                    std::vector<w::BatchPutItem> items;
+                    size_t block = 0;
+                    if (s.ok()) s = w::DecodeBatchPutBlock(buf->view(), &items, &block);
+                    if (!s.ok()) return PostReply([this, r, s] { ReplyStatus(r, s); });
+                    std::vector<w::BatchPutResult> results(items.size());
+                    RingPtr now = CurrentRing();
+                    // Every item is reserved and filled, then all are committed together: a durable
+                    // batch is one RocksDB write with one sync (CommitBatch), not one fsync per
+                    // item. Items fail on their own (too large, no room); the others still land.
+                    std::vector<WriteHandle> handles;
+                    std::vector<size_t> slot;  // item index of each handle
+                    size_t off = block;
+                    for (size_t i = 0; i < items.size(); off += items[i].size, ++i) {
+                      Status is = CheckValueSize(items[i].size);
+                      if (is.ok() && elastic() && (r.h.flags & w::kFlagPreviousOwner) == 0 &&
+                          !peer_conn_request && !Owns(*now, items[i].key)) {
+                        is = Status::WrongNode("");
+                      }
+                      Result<WriteHandle> h =
+                          is.ok() ? cache->Reserve(items[i].key, items[i].size, items[i].tensor)
+                                  : Result<WriteHandle>(is);
+                      if (h.ok()) {
+                        is = cache->CopyBytes(h->data(), h->memory_kind(), buf->data() + off,
+                                              MemoryKind::kHost, items[i].size);
+                      } else {
+                        is = h.status();
+                      }
+                      results[i].code = is.code();
+                      if (!is.ok()) continue;  // the reservation (if any) goes with `h`
+                      handles.push_back(std::move(*h));
+                      slot.push_back(i);
+                    }
+                    auto committed =
+                        cache->CommitBatch(std::move(handles), (r.h.flags & w::kFlagDurable) != 0);
+                    for (size_t j = 0; j < committed.size(); ++j) {
+                      results[slot[j]].code = committed[j].status().code();
+                      if (committed[j].ok()) results[slot[j]].version = *committed[j];
+                    }
+                    auto payload = std::make_shared<std::string>(w::EncodeBatchPutResults(results));
+                    std::vector<std::string> keys;  // the ones written (their copies must go first)
+                    for (size_t i = 0; i < items.size(); ++i) {
+                      if (results[i].code == StatusCode::kOk) keys.push_back(items[i].key);
+                    }
+                    PostReply([this, r, payload, keys = std::move(keys)] {
+                      AfterWrite(keys, [this, r, payload] { ReplyPayload(r, payload); });
+                    });
+                  });
 }
 
 void Server::Impl::HandleStats(const Req& r) {

@@ -31,7 +31,6 @@ constexpr auto kTombstoneLifetime = std::chrono::seconds(60);
 
 }  // namespace
 
-
 void Server::Impl::StartHandoffThread() {
   handoff = std::make_unique<Handoff>();
   handoff->thread = std::thread([this] {
@@ -60,7 +59,8 @@ void Server::Impl::StartHandoffThread() {
       for (const KeyListing& k : cache->ListKeys()) {
         if (superseded()) break;
         const std::vector<int> p_new = now->Owners(k.key, replicas);
-        const std::vector<int> p_old = before ? before->Owners(k.key, replicas) : std::vector<int>{};
+        const std::vector<int> p_old =
+            before ? before->Owners(k.key, replicas) : std::vector<int>{};
         const bool mine = Has(p_new, self_index);
         std::vector<int> targets;
         for (int n : p_new) {
@@ -199,16 +199,17 @@ Status Server::Impl::SendHandoff(int target, const std::string& key, const Objec
 
 void Server::Impl::PaceHandoff(Clock::time_point started, uint64_t bytes_sent) {
   if (options.handoff_bytes_per_s == 0) return;
-  const auto due = started + std::chrono::microseconds(static_cast<int64_t>(
-                                 bytes_sent * 1e6 / static_cast<double>(options.handoff_bytes_per_s)));
+  const auto due =
+      started + std::chrono::microseconds(static_cast<int64_t>(
+                    bytes_sent * 1e6 / static_cast<double>(options.handoff_bytes_per_s)));
   if (due > Clock::now()) std::this_thread::sleep_until(due);
 }
 
 void Server::Impl::HandleHandoffPut(const Req& r, std::string_view body,
                                     std::unique_ptr<Incoming> msg) {
   if (peer_node_of_conn.count(r.conn) == 0) {
-    return ReplyStatus(r, Status::PermissionDenied(
-                              "handoffs are accepted from peer nodes only (PEER_HELLO)"));
+    return ReplyStatus(
+        r, Status::PermissionDenied("handoffs are accepted from peer nodes only (PEER_HELLO)"));
   }
   w::PutRequest put;
   uint64_t version = 0;

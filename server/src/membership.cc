@@ -100,20 +100,19 @@ Status Server::Impl::RegisterSelf(uint16_t port) {
   options.cluster.nodes[self_index].port = port;
   self_record.node = self;
   self_record.gpu_bytes = cache->tier_enabled(Tier::kGpu) ? cache->tier_capacity(Tier::kGpu) : 0;
-  self_record.host_bytes =
-      cache->tier_enabled(Tier::kHost) ? cache->tier_capacity(Tier::kHost) : 0;
-  self_record.disk_bytes =
-      cache->tier_enabled(Tier::kDisk) ? cache->tier_capacity(Tier::kDisk) : 0;
+  self_record.host_bytes = cache->tier_enabled(Tier::kHost) ? cache->tier_capacity(Tier::kHost) : 0;
+  self_record.disk_bytes = cache->tier_enabled(Tier::kDisk) ? cache->tier_capacity(Tier::kDisk) : 0;
   // The previous run's record may still be on its lease (a crash less than a TTL ago): wait it
   // out rather than fail, up to twice the TTL.
-  const auto give_up = Clock::now() + std::chrono::seconds(2 * options.cluster.etcd.lease_ttl_s + 1);
+  const auto give_up =
+      Clock::now() + std::chrono::seconds(2 * options.cluster.etcd.lease_ttl_s + 1);
   for (;;) {
     auto reg = MemberRegistration::Register(options.cluster.etcd, self_record);
     if (reg.ok()) {
       registration = std::move(*reg);
       return Status::OK();
     }
-    if (reg.status().code() != StatusCode::kAborted || Clock::now() > give_up) {
+    if (reg.status().code() != StatusCode::kInvalidArgument || Clock::now() > give_up) {
       return reg.status().WithContext("registering node " + self.id + " in etcd");
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
@@ -142,8 +141,8 @@ void Server::Impl::ApplyMembership(MembershipView v) {
   if (!same) {
     std::string list;
     for (const NodeInfo& n : members) list += (list.empty() ? "" : ",") + n.id;
-    auto next = std::make_shared<RingView>(view.epoch, members, slots,
-                                           options.cluster.nodes.size());
+    auto next =
+        std::make_shared<RingView>(view.epoch, members, slots, options.cluster.nodes.size());
     RingPtr before = ring;
     SetRing(next);
     counters.ring_changes.fetch_add(1, std::memory_order_relaxed);

@@ -379,8 +379,8 @@ Result<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
       return Status::InvalidArgument("under etcd a node needs a listen address (--listen)");
     }
     if (!(options.weight > 0)) return Status::InvalidArgument("weight must be positive");
-    impl->self = NodeInfo{options.node_id, options.listen_host, options.listen_port,
-                          options.weight};
+    impl->self =
+        NodeInfo{options.node_id, options.listen_host, options.listen_port, options.weight};
     GKV_RETURN_IF_ERROR(impl->StartMembership());
     std::vector<NodeInfo> members;
     std::vector<int> slots;
