@@ -2,8 +2,10 @@
 # Installs what gkv needs to build, test and run, skipping what is present. Safe to run repeatedly.
 # Needs root (or sudo) when a Debian package is missing.
 #
-#   1. Debian packages (compilers, RocksDB, spdlog, GoogleTest, the system Python with numpy,
-#      torch and pytest, etcd for the membership tests, memcached/redis for the comparisons).
+#   1. Debian packages (compilers, RocksDB, spdlog, GoogleTest, nlohmann-json, the system Python
+#      with numpy, torch and pytest, etcd for the membership tests, memcached/redis for the
+#      comparisons). On a systemd host etcd-server also starts a system etcd on 2379; the tests
+#      and scripts/cluster.sh --etcd run their own on free ports and never use it.
 #   2. A project-local virtual environment, .venv/ (ignored by git), made from the system Python
 #      (/usr/bin/python3) with its site packages visible (Debian's numpy and torch), holding what
 #      only the package index has:
@@ -19,6 +21,7 @@ PACKAGES=(
   build-essential cmake ninja-build ccache pkg-config
   librocksdb-dev libxxhash-dev libfmt-dev libspdlog-dev
   libgtest-dev libgmock-dev libbenchmark-dev libcli11-dev libyaml-cpp-dev libcpp-httplib-dev
+  nlohmann-json3-dev etcd-server etcd-client
   clang-14 libclang-rt-14-dev
   python3 python3-dev python3-venv python3-numpy python3-torch python3-pytest
 )

@@ -2,6 +2,8 @@
 //   gkv --cluster FILE put KEY (--file F | --value TEXT) [--dtype T --shape 2,3] [--durable]
 //   gkv --cluster FILE get KEY [--output F]
 //   gkv --cluster FILE del KEY | stat KEY | stats [--json] | ring | ping
+//   gkv --cluster FILE drain NODE      (membership: etcd) the node hands its keys off and leaves
+// With `membership: etcd`, `ring` and `drain` read and write etcd only (no node is contacted).
 // Exit codes: 0 success, 1 not found, 2 usage, 3 the cluster could not be reached, 4 any other
 // error. Errors are one line on stderr.
 #include <CLI/CLI.hpp>
@@ -14,6 +16,7 @@
 
 #include "gkv/client.h"
 #include "gkv/log.h"
+#include "gkv/membership.h"
 #include "gkv/size.h"
 
 namespace {
@@ -53,6 +56,58 @@ uint64_t Num(const std::string& j, std::initializer_list<const char*> path) {
   return std::strtoull(j.c_str() + at, nullptr, 10);
 }
 
+// `gkv ring` with membership in etcd: every registered member, the ring's share of each.
+int PrintEtcdRing(const gkv::EtcdConfig& etcd) {
+  auto view = gkv::ReadMembership(etcd);
+  if (!view.ok()) return ExitFor(view.status(), "reading the membership from etcd");
+  const std::vector<gkv::NodeInfo> ring_nodes = view->RingNodes();
+  std::vector<double> shares;
+  if (!ring_nodes.empty()) shares = gkv::HashRing(ring_nodes).Shares();
+  std::printf("epoch %llu, revision %llu, %zu members, %zu in the ring\n",
+              (unsigned long long)view->epoch, (unsigned long long)view->revision,
+              view->members.size(), ring_nodes.size());
+  std::printf("%-10s %-24s %8s %8s  %s\n", "node", "address", "weight", "share", "state");
+  for (const auto& m : view->members) {
+    double share = 0;
+    for (size_t i = 0; i < ring_nodes.size(); ++i) {
+      if (ring_nodes[i].id == m.node.id) share = shares[i];
+    }
+    std::string state = m.draining                               ? "draining"
+                        : view->drain_requested.count(m.node.id) ? "drain requested"
+                                                                 : "serving";
+    if (view->handoffs_running.count(m.node.id)) state += ", handoff running";
+    std::printf("%-10s %-24s %8.2f %7.2f%%  %s\n", m.node.id.c_str(), m.node.address().c_str(),
+                m.node.weight, share * 100, state.c_str());
+  }
+  // Keys of ids that are not registered (drain/<id> has no lease: a node that crashed while
+  // draining leaves it behind).
+  for (const auto& id : view->drain_requested) {
+    if (!view->Find(id)) std::printf("%-10s drain requested, not registered\n", id.c_str());
+  }
+  for (const auto& id : view->handoffs_running) {
+    if (!view->Find(id)) std::printf("%-10s handoff running, not registered\n", id.c_str());
+  }
+  return kOk;
+}
+
+int Drain(const gkv::EtcdConfig& etcd, const std::string& node) {
+  auto view = gkv::ReadMembership(etcd);
+  if (!view.ok()) return ExitFor(view.status(), "reading the membership from etcd");
+  const gkv::MemberRecord* member = view->Find(node);
+  if (member && (member->draining || view->drain_requested.count(node))) {
+    std::printf("%s is %s already\n", node.c_str(),
+                member->draining ? "draining" : "asked to drain");
+    return kOk;
+  }
+  gkv::Status s = gkv::RequestDrain(etcd, node);
+  if (!s.ok()) return ExitFor(s, "drain " + node);
+  std::printf(
+      "asked %s (%s) to drain: it leaves the ring, hands its keys off to the others and exits; "
+      "`gkv ring` shows its progress\n",
+      node.c_str(), member ? member->node.address().c_str() : "?");
+  return kOk;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -85,6 +140,10 @@ int main(int argc, char** argv) {
   stats->add_flag("--json", json, "one JSON document per node, as a JSON array");
   auto* ring = app.add_subcommand("ring", "nodes, weights and share of the key space");
   auto* ping = app.add_subcommand("ping", "round trip to every node");
+  std::string drain_node;
+  auto* drain = app.add_subcommand(
+      "drain", "membership: etcd: have a node hand its keys off, leave the ring and exit");
+  drain->add_option("node", drain_node, "node id")->required();
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -96,9 +155,18 @@ int main(int argc, char** argv) {
   gkv::ClientOptions options;
   options.cluster_file = cluster_file;
   options.default_timeout = std::chrono::milliseconds(timeout_ms);
-  if (*ring) {
+  if (*ring || *drain) {
     auto cluster = gkv::LoadClusterFile(cluster_file);
     if (!cluster.ok()) return ExitFor(cluster.status(), "cluster file");
+    const bool in_etcd = cluster->membership == gkv::ClusterConfig::Membership::kEtcd;
+    if (*drain) {
+      if (!in_etcd) {
+        std::fprintf(stderr, "gkv: drain needs 'membership: etcd' in the cluster file\n");
+        return kUsage;
+      }
+      return Drain(cluster->etcd, drain_node);
+    }
+    if (in_etcd) return PrintEtcdRing(cluster->etcd);
     gkv::HashRing r(cluster->nodes);
     auto shares = r.Shares();
     std::printf("%-10s %-24s %8s %8s\n", "node", "address", "weight", "share");

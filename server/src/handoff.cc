@@ -122,12 +122,13 @@ void Server::Impl::StartHandoffThread() {
             was_superseded ? " (superseded by a newer ring)" : "");
       }
       std::unique_lock<std::mutex> lock(H.mu);
-      H.scanning = false;
       if (!was_superseded && failed > 0) {
-        // Try again in a second (a peer may be restarting), unless a new ring comes first.
+        // Try again in a second (a peer may be restarting), unless a new ring comes first. The
+        // scan stays "running" meanwhile: a leaving node must not take this for done.
         H.cv.wait_for(lock, std::chrono::seconds(1), [&] { return H.stop || H.pending; });
         if (!H.stop && !H.pending) H.pending = true;
       }
+      H.scanning = false;
       if (!H.pending && !H.stop) {
         counters.handoffs_running.store(0, std::memory_order_relaxed);
         lock.unlock();
@@ -232,6 +233,11 @@ void Server::Impl::HandleHandoffPut(const Req& r, std::string_view body,
                           auto c = cache->CommitHandedOff(std::move(*h), durable, version);
                           if (c.ok()) {
                             changed = *c;
+                            // A delete that came in while this was being installed wins.
+                            if (changed && DeletedSince(put.key, version)) {
+                              (void)cache->DeleteVersion(put.key, version);
+                              changed = false;
+                            }
                           } else {
                             st = c.status();
                           }

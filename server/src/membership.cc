@@ -144,11 +144,13 @@ void Server::Impl::ApplyMembership(MembershipView v) {
     auto next =
         std::make_shared<RingView>(view.epoch, members, slots, options.cluster.nodes.size());
     RingPtr before = ring;
+    // Scheduled before the ring is published: Leave() must never see the ring without this node
+    // while the handoff for it looks idle.
+    ScheduleHandoff(next, before);
     SetRing(next);
     counters.ring_changes.fetch_add(1, std::memory_order_relaxed);
     GKV_LOG_INFO("ring epoch {}: {} members [{}]{}", next->epoch(), members.size(), list,
                  next->contains(self_index) ? "" : (was_member ? "; this node left" : ""));
-    ScheduleHandoff(next, before);
   }
   // `gkv drain` named this node: leave (on a thread of its own: it waits for the handoff).
   if (view.drain_requested.count(self.id) && !leaving.load() && !drain_thread.joinable()) {

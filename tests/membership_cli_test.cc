@@ -1,0 +1,124 @@
+// `gkv ring` and `gkv drain` with membership in etcd: the tool reads and writes etcd only.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <array>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <string>
+
+#include "etcd_harness.h"
+#include "gkv/membership.h"
+
+namespace gkv {
+namespace {
+
+struct CmdResult {
+  int code;
+  std::string out;  // stdout and stderr
+};
+
+CmdResult Gkv(const std::string& cluster_file, const std::string& args) {
+  const std::string cmd =
+      std::string(GKV_CLI_BIN) + " --cluster " + cluster_file + " " + args + " 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  std::string out;
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
+  const int status = pclose(p);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+}
+
+MemberRecord Record(const std::string& id, uint16_t port, double weight) {
+  MemberRecord r;
+  r.node = {id, "127.0.0.1", port, weight};
+  return r;
+}
+
+class EtcdCliTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_TRUE(etcd_.Start());
+    config_.endpoints = {etcd_.endpoint()};
+    cluster_file_ = dir_.Sub("cluster.yaml");
+    std::ofstream(cluster_file_) << "membership: etcd\netcd: {endpoints: [" << etcd_.endpoint()
+                                 << "], lease_ttl_s: 5}\n";
+  }
+  testing::TempDir dir_;
+  testing::EtcdProcess etcd_;
+  EtcdConfig config_;
+  std::string cluster_file_;
+};
+
+TEST_F(EtcdCliTest, RingShowsMembersSharesAndStates) {
+  auto n0 = MemberRegistration::Register(config_, Record("n0", 7000, 1));
+  auto n1 = MemberRegistration::Register(config_, Record("n1", 7001, 3));
+  MemberRecord leaving = Record("n2", 7002, 1);
+  auto n2 = MemberRegistration::Register(config_, leaving);
+  ASSERT_TRUE(n0.ok() && n1.ok() && n2.ok());
+  leaving.draining = true;
+  ASSERT_TRUE((*n2)->Update(leaving).ok());
+  ASSERT_TRUE((*n2)->SetHandoffRunning(true).ok());
+
+  auto ring = Gkv(cluster_file_, "ring");
+  EXPECT_EQ(ring.code, 0) << ring.out;
+  auto view = ReadMembership(config_);
+  ASSERT_TRUE(view.ok());
+  EXPECT_NE(ring.out.find("epoch " + std::to_string(view->epoch) + ", revision " +
+                          std::to_string(view->revision) + ", 3 members, 2 in the ring"),
+            std::string::npos)
+      << ring.out;
+  EXPECT_NE(ring.out.find("127.0.0.1:7000"), std::string::npos) << ring.out;
+  EXPECT_NE(ring.out.find("25."), std::string::npos) << ring.out;  // n0: about a quarter
+  EXPECT_NE(ring.out.find("74."), std::string::npos) << ring.out;  // n1: weight 3
+  EXPECT_NE(ring.out.find("0.00%  draining, handoff running"), std::string::npos) << ring.out;
+}
+
+TEST_F(EtcdCliTest, DrainAsksTheNodeToLeave) {
+  auto n0 = MemberRegistration::Register(config_, Record("n0", 7000, 1));
+  auto n1 = MemberRegistration::Register(config_, Record("n1", 7001, 1));
+  ASSERT_TRUE(n0.ok() && n1.ok());
+  auto drain = Gkv(cluster_file_, "drain n1");
+  EXPECT_EQ(drain.code, 0) << drain.out;
+  EXPECT_NE(drain.out.find("asked n1 (127.0.0.1:7001) to drain"), std::string::npos) << drain.out;
+  auto view = ReadMembership(config_);
+  ASSERT_TRUE(view.ok());
+  EXPECT_EQ(view->drain_requested.count("n1"), 1u);
+  ASSERT_EQ(view->RingNodes().size(), 1u);
+  EXPECT_EQ(view->RingNodes()[0].id, "n0");
+
+  auto again = Gkv(cluster_file_, "drain n1");
+  EXPECT_EQ(again.code, 0) << again.out;
+  EXPECT_NE(again.out.find("already"), std::string::npos) << again.out;
+  auto ring = Gkv(cluster_file_, "ring");
+  EXPECT_NE(ring.out.find("drain requested"), std::string::npos) << ring.out;
+
+  auto missing = Gkv(cluster_file_, "drain n9");
+  EXPECT_EQ(missing.code, 1) << missing.out;
+  EXPECT_NE(missing.out.find("no member 'n9'"), std::string::npos) << missing.out;
+}
+
+TEST_F(EtcdCliTest, DeadEtcdIsReportedQuickly) {
+  etcd_.Stop();
+  for (const char* args : {"ring", "drain n0"}) {
+    const auto t0 = std::chrono::steady_clock::now();
+    auto r = Gkv(cluster_file_, args);
+    EXPECT_EQ(r.code, 3) << args << ": " << r.out;
+    EXPECT_NE(r.out.find("unavailable"), std::string::npos) << r.out;
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(3)) << args;
+  }
+}
+
+TEST(EtcdCliStaticTest, DrainNeedsEtcdMembership) {
+  testing::TempDir dir;
+  const std::string file = dir.Sub("cluster.yaml");
+  std::ofstream(file) << "nodes: [{id: a, address: '127.0.0.1:1'}]\n";
+  auto r = Gkv(file, "drain a");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("membership: etcd"), std::string::npos) << r.out;
+}
+
+}  // namespace
+}  // namespace gkv
