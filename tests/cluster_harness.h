@@ -23,6 +23,7 @@
 
 #include "free_port.h"
 #include "gkv/client.h"
+#include "spawn.h"
 #include "test_util.h"
 
 namespace gkv::testing {
@@ -111,21 +112,7 @@ class Cluster {
     if (metrics_ports_[i]) {
       args.insert(args.end(), {"--metrics-port", std::to_string(metrics_ports_[i])});
     }
-    pid_t pid = fork();
-    if (pid == 0) {
-      // A node never outlives the test process that started it (a crashed test leaves no
-      // server behind), and it keeps no pipe of the test's open (stdout goes to the log too).
-      prctl(PR_SET_PDEATHSIG, SIGKILL);
-      std::string log = log_file(i);
-      FILE* out = freopen(log.c_str(), "a", stderr);
-      out = freopen(log.c_str(), "a", stdout);
-      (void)out;
-      std::vector<char*> argv;
-      for (auto& a : args) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      execv(argv[0], argv.data());
-      _exit(127);
-    }
+    pid_t pid = SpawnLogged(std::move(args), log_file(i));
     ASSERT_GT(pid, 0) << "fork failed";
     pids_[i] = pid;
   }

@@ -27,6 +27,7 @@
 #include "gkv/client.h"
 #include "gkv/histogram.h"
 #include "gkv/membership.h"
+#include "spawn.h"
 #include "test_util.h"
 
 namespace gkv::testing {
@@ -80,19 +81,7 @@ class ElasticCluster {
                                      "2",
                                      "--leave-timeout-ms",
                                      "20000"};
-    pid_t pid = fork();
-    if (pid == 0) {
-      prctl(PR_SET_PDEATHSIG, SIGKILL);
-      std::string l = log(id);
-      FILE* out = freopen(l.c_str(), "a", stderr);
-      out = freopen(l.c_str(), "a", stdout);
-      (void)out;
-      std::vector<char*> argv;
-      for (auto& a : args) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      execv(argv[0], argv.data());
-      _exit(127);
-    }
+    pid_t pid = SpawnLogged(std::move(args), log(id));
     ASSERT_GT(pid, 0);
     pids_[id] = pid;
     ASSERT_TRUE(WaitMember(id, true, milliseconds(15000))) << "node " << id << " did not register";

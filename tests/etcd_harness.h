@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "free_port.h"
+#include "spawn.h"
 #include "test_util.h"
 
 namespace gkv::testing {
@@ -67,20 +68,7 @@ class EtcdProcess {
                                      "--initial-cluster-state=new",
                                      "--heartbeat-interval=50",
                                      "--election-timeout=500"};
-    pid_t pid = fork();
-    if (pid == 0) {
-      prctl(PR_SET_PDEATHSIG, SIGKILL);
-      const std::string log = log_file();
-      FILE* out = freopen(log.c_str(), "a", stderr);
-      out = freopen(log.c_str(), "a", stdout);
-      (void)out;
-      std::vector<char*> argv;
-      for (auto& a : args) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      execvp(argv[0], argv.data());
-      std::fprintf(stderr, "exec %s failed: %s\n", argv[0], std::strerror(errno));
-      _exit(127);
-    }
+    pid_t pid = SpawnLogged(std::move(args), log_file());
     if (pid < 0) return ::testing::AssertionFailure() << "fork failed";
     pid_ = pid;
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);

@@ -16,7 +16,7 @@ void Server::Impl::HandlePut(const Req& r, std::string_view body, std::unique_pt
                               " bytes but carries " + std::to_string(msg->payload_size()));
   }
   if (s.ok()) s = CheckValueSize(op->put.size);
-  if (s.ok() && Misrouted(r, op->put.key)) s = WrongNodeFor(op->put.key);
+  if (s.ok() && Misrouted(r, op->put.key)) s = WrongNode();
   if (!s.ok()) return ReplyStatus(r, s);  // msg dropped: an unreceived payload is released
   op->msg = std::move(msg);
   // Hot path, all on the I/O thread: free room in a memory tier, receive straight into it,
@@ -166,7 +166,7 @@ void Server::Impl::HandleGet(const Req& r, std::string_view body) {
   if (r.h.flags & w::kFlagReplicaRead) return HandleReplicaGet(r, body);
   std::string key;
   Status s = w::DecodeKeyRequest(body, &key);
-  if (s.ok() && Misrouted(r, key)) s = WrongNodeFor(key);
+  if (s.ok() && Misrouted(r, key)) s = WrongNode();
   if (!s.ok()) return ReplyStatus(r, s);
   CountRow();
   if (replication_on()) CountRead(key);
@@ -195,7 +195,7 @@ void Server::Impl::HandleGet(const Req& r, std::string_view body) {
 void Server::Impl::HandleKeyOp(const Req& r, std::string_view body) {
   std::string key;
   Status s = w::DecodeKeyRequest(body, &key);
-  if (s.ok() && Misrouted(r, key)) s = WrongNodeFor(key);
+  if (s.ok() && Misrouted(r, key)) s = WrongNode();
   if (!s.ok()) return ReplyStatus(r, s);
   SubmitRequestWork(r, [this, r, key = std::move(key)] {
     if (r.Expired()) return PostReply([this, r] { ReplyStatus(r, DeadlinePassed()); });

@@ -34,18 +34,17 @@ void Server::Impl::CallPeer(int node, w::Opcode op, std::string body,
   const uint64_t id = next_peer_call++;
   peer_calls[id] = PeerCall{node, *conn, Clock::now() + budget, done};
   // The budget travels too: a replica drops an install that arrives after the caller gave up.
-  transport->Send(
-      *conn, w::kAmRequest,
-      w::EncodeMessage({op, flags, id, static_cast<uint32_t>(budget.count())}, body),
-      payload ? payload->data() : nullptr, payload ? payload->size() : 0, MemoryKind::kHost,
-      [this, id, payload](Status s) {
-        if (s.ok() || s.code() == StatusCode::kAborted) return;
-        auto it = peer_calls.find(id);
-        if (it == peer_calls.end()) return;
-        auto cb = std::move(it->second.done);
-        peer_calls.erase(it);
-        cb(s, {});
-      });
+  transport->Send(*conn, w::kAmRequest,
+                  w::EncodeMessage({op, flags, id, static_cast<uint32_t>(budget.count())}, body),
+                  payload ? payload->data() : nullptr, payload ? payload->size() : 0,
+                  MemoryKind::kHost, [this, id, payload](Status s) {
+                    if (s.ok() || s.code() == StatusCode::kAborted) return;
+                    auto it = peer_calls.find(id);
+                    if (it == peer_calls.end()) return;
+                    auto cb = std::move(it->second.done);
+                    peer_calls.erase(it);
+                    cb(s, {});
+                  });
 }
 
 void Server::Impl::OnPeerReply(std::unique_ptr<Incoming> msg) {

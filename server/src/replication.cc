@@ -240,8 +240,7 @@ void Server::Impl::ReplicationTick(Clock::time_point now) {
   std::vector<double> shares{ring_shares[self_index]};
   for (size_t n = 0; n < peer_load.size(); ++n) {
     if (static_cast<int>(n) == self_index || ring_shares[n] <= 0 ||  // not in the ring now
-        peer_load[n].at == Clock::time_point{} ||
-        now - peer_load[n].at > kLoadReportFresh) {
+        peer_load[n].at == Clock::time_point{} || now - peer_load[n].at > kLoadReportFresh) {
       continue;
     }
     rates.push_back(static_cast<double>(peer_load[n].reads_per_s));

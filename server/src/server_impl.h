@@ -207,7 +207,7 @@ struct Server::Impl {
   std::unique_ptr<MembershipWatcher> watcher;
   std::unique_ptr<MemberRegistration> registration;
   MemberRecord self_record;
-  MembershipView view;              // I/O thread: the last one applied
+  MembershipView view;               // I/O thread: the last one applied
   std::atomic<bool> leaving{false};  // the ring this node applies leaves it out
   std::atomic<bool> drained{false};  // left the cluster after a drain request: main exits
   std::mutex leave_mu;               // one Leave at a time
@@ -217,11 +217,11 @@ struct Server::Impl {
   bool Owns(const RingView& r, std::string_view key) const;
   // A client request for a key this node does not own: WrongNode (static clusters: never).
   bool Misrouted(const Req& r, std::string_view key) const;
-  Status WrongNodeFor(std::string_view key) const;
+  Status WrongNode() const;             // (quotes no key bytes)
   int NodeIndex(const NodeInfo& node);  // I/O thread: the table index, added when new
   void GrowNodeTables();
-  Status StartMembership();               // Start(), before the transport listens
-  Status RegisterSelf(uint16_t port);     // Start(), once the port is known
+  Status StartMembership();                // Start(), before the transport listens
+  Status RegisterSelf(uint16_t port);      // Start(), once the port is known
   void ApplyMembership(MembershipView v);  // I/O thread
   void SetRing(RingPtr next);              // I/O thread
   // Leaves the ring: hands every key off, then removes the registration. Blocks up to

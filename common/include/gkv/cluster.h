@@ -44,7 +44,7 @@ struct EtcdConfig {
 struct ClusterConfig {
   enum class Membership { kStatic, kEtcd };
   Membership membership = Membership::kStatic;
-  EtcdConfig etcd;         // membership == kEtcd
+  EtcdConfig etcd;              // membership == kEtcd
   std::vector<NodeInfo> nodes;  // kStatic: the members; kEtcd: unused
   // `replicas: R`: every write goes to a key's first R owners on the ring (clients default to
   // it; nodes use it to route and to repair copies after a node is lost).

@@ -1,0 +1,36 @@
+// SpawnLogged() for test process helpers (cluster_harness.h, etcd_harness.h, elastic_test.cc):
+// starts a child whose stdout and stderr append to a log file and which dies with the thread
+// that forked it (PR_SET_PDEATHSIG), so a crashed test leaves no process behind.
+#pragma once
+
+#include <signal.h>
+#include <sys/prctl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace gkv::testing {
+
+// args[0] is the program (looked up in PATH). Returns the child's pid, or -1 if fork failed.
+inline pid_t SpawnLogged(std::vector<std::string> args, const std::string& log) {
+  pid_t pid = fork();
+  if (pid == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    FILE* out = freopen(log.c_str(), "a", stderr);
+    out = freopen(log.c_str(), "a", stdout);
+    (void)out;
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    execvp(argv[0], argv.data());
+    std::fprintf(stderr, "exec %s failed: %s\n", argv[0], std::strerror(errno));
+    _exit(127);
+  }
+  return pid;
+}
+
+}  // namespace gkv::testing
