@@ -172,13 +172,25 @@ class Cluster {
     ASSERT_TRUE(client.ok()) << client.status().ToString();
     for (int i = 0; i < size(); ++i) {
       if (pids_[i] <= 0) continue;
+      // Up to 30 s: a loaded 2-core machine has been seen to take over 10 s to start a node
+      // (its host pool is pre-faulted). A node that exited fails at once.
       bool up = false;
-      for (int attempt = 0; attempt < 100 && !up; ++attempt) {
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+      while (!up && std::chrono::steady_clock::now() < until) {
+        int status = 0;
+        if (waitpid(pids_[i], &status, WNOHANG) == pids_[i]) {
+          pids_[i] = -1;
+          FAIL() << "node " << i << " exited while starting ("
+                 << (WIFEXITED(status) ? "exit " + std::to_string(WEXITSTATUS(status))
+                                       : "signal " + std::to_string(WTERMSIG(status)))
+                 << "); log:\n"
+                 << ReadLog(i);
+        }
         auto r = (*client)->Ping(i);
         up = r.ok() && *r == "n" + std::to_string(i);
         if (!up) std::this_thread::sleep_for(std::chrono::milliseconds(100));
       }
-      ASSERT_TRUE(up) << "node " << i << " did not come up; log:\n" << ReadLog(i);
+      ASSERT_TRUE(up) << "node " << i << " did not come up in 30 s; log:\n" << ReadLog(i);
     }
   }
 

@@ -62,7 +62,7 @@ class ElasticCluster {
   std::string log(const std::string& id) const { return dir_.Sub(id + ".log"); }
 
   // Starts node `id` and waits until etcd lists it.
-  void Start(const std::string& id) {
+  void Start(const std::string& id, std::vector<std::string> extra = {}) {
     const uint16_t port = FreePort();
     std::vector<std::string> args = {GKV_SERVER_BIN,
                                      "--cluster",
@@ -81,6 +81,7 @@ class ElasticCluster {
                                      "2",
                                      "--leave-timeout-ms",
                                      "20000"};
+    args.insert(args.end(), extra.begin(), extra.end());
     pid_t pid = SpawnLogged(std::move(args), log(id));
     ASSERT_GT(pid, 0);
     pids_[id] = pid;
@@ -405,6 +406,46 @@ TEST(ElasticTest, DrainingOneOfFourNodesHandsEverythingOff) {
               drain_s);
   PrintHandoffLines(cluster, {"n1"});
   checker.ExpectNoAnomalies();
+}
+
+// Deletes issued while keys are moving (the handoff is slowed to last seconds): each is
+// acknowledged, and no read finds the value again, neither while the keys move (a miss is asked
+// of the previous owner, which must have deleted its copy) nor after (the handoff must not
+// bring a deleted key back).
+TEST(ElasticTest, DeletesDuringAHandoffStayDeleted) {
+  ElasticCluster cluster;
+  const std::vector<std::string> slow = {"--handoff-rate", "256KiB"};
+  cluster.Start("n0", slow);
+  cluster.Start("n1", slow);
+  auto c = cluster.OpenClient();
+  ASSERT_NE(c, nullptr);
+  constexpr int kCount = 400;
+  const std::string value(4096, 'v');
+  auto key = [](int k) { return "moving-" + std::to_string(k); };
+  for (int k = 0; k < kCount; ++k) ASSERT_TRUE(c->Put(key(k), value.data(), value.size()).ok());
+  const uint64_t epoch = c->RingEpoch();
+  cluster.Start("n2");
+  const auto until = Clock::now() + std::chrono::seconds(10);
+  while (c->RingEpoch() == epoch && Clock::now() < until) {
+    std::this_thread::sleep_for(milliseconds(5));
+  }
+  ASSERT_NE(c->RingEpoch(), epoch) << "the client never saw n2 join";
+  // About a third of the keys (~550 KB) move to n2 at 256 KiB/s: the deletes land mid-move.
+  int failed_deletes = 0, found_during = 0, found_after = 0;
+  for (int k = 0; k < kCount; ++k) {
+    Status s = c->Delete(key(k));
+    if (!s.ok()) {
+      if (failed_deletes++ == 0) ADD_FAILURE() << "delete of " << key(k) << ": " << s.ToString();
+    }
+  }
+  for (int k = 0; k < kCount; ++k) found_during += c->Get(key(k)).ok() ? 1 : 0;
+  ASSERT_TRUE(cluster.WaitHandoffsDone(milliseconds(30000)));
+  for (int k = 0; k < kCount; ++k) found_after += c->Get(key(k)).ok() ? 1 : 0;
+  std::printf("deletes during a handoff: %d failed, %d found while moving, %d after\n",
+              failed_deletes, found_during, found_after);
+  EXPECT_EQ(failed_deletes, 0);
+  EXPECT_EQ(found_during, 0);
+  EXPECT_EQ(found_after, 0);
 }
 
 TEST(ElasticTest, AKilledNodeIsRoutedAroundAndItsCopiesAreRepaired) {

@@ -88,16 +88,34 @@ struct Client::Impl {
     std::lock_guard<std::mutex> lock(nodes_mu);
     return nodes.size();
   }
-  // Where keys live now, and where they lived before the last change while keys may still be
-  // moving (a handoff is running, or the change is recent): a miss on a key's owners is then
-  // asked of its previous owners before it is reported.
+  // Where keys live now, and where they lived before the recent changes while keys may still
+  // be moving (a handoff is running, or the last change is recent): a miss on a key's owners is
+  // then asked of its previous owners before it is reported.
   struct Routing {
     RingPtr ring;
-    RingPtr previous;  // null: no change seen, or it has settled
+    // The rings before `ring`, newest first, kept while keys may be moving: changes in quick
+    // succession leave keys on any of them (a handoff superseded by the next change).
+    std::vector<RingPtr> previous;
     bool handoff = false;
     Clock::time_point changed_at{};
     static constexpr auto kSettle = std::chrono::seconds(3);
-    bool Moving() const { return previous && (handoff || Clock::now() - changed_at < kSettle); }
+    static constexpr size_t kMaxPrevious = 4;
+    bool Moving() const {
+      return !previous.empty() && (handoff || Clock::now() - changed_at < kSettle);
+    }
+    // The key's owners in the previous rings that are not in `exclude` (and not repeated).
+    std::vector<int> PreviousOwners(std::string_view key, int replicas,
+                                    std::vector<int> exclude) const {
+      std::vector<int> out;
+      for (const RingPtr& r : previous) {
+        for (int n : r->Owners(key, replicas)) {
+          if (std::find(exclude.begin(), exclude.end(), n) != exclude.end()) continue;
+          exclude.push_back(n);
+          out.push_back(n);
+        }
+      }
+      return out;
+    }
   };
   mutable std::mutex routing_mu;
   std::shared_ptr<const Routing> routing;
@@ -365,14 +383,18 @@ struct Client::Impl {
     bool same = cur->ring->size() == slots.size();
     for (size_t p = 0; same && p < slots.size(); ++p) same = cur->ring->slot(p) == slots[p];
     if (!same) {
-      next->previous = cur->ring;
+      if (!cur->Moving()) next->previous.clear();
+      next->previous.insert(next->previous.begin(), cur->ring);
+      if (next->previous.size() > Routing::kMaxPrevious) {
+        next->previous.resize(Routing::kMaxPrevious);
+      }
       next->ring = std::make_shared<RingView>(v.epoch, members, slots, nodes.size());
       next->changed_at = Clock::now();
       std::string list;
       for (const NodeInfo& n : members) list += (list.empty() ? "" : ",") + n.id;
       GKV_LOG_INFO("client: ring epoch {}: {} members [{}]", v.epoch, members.size(), list);
-    } else if (next->previous && !next->Moving()) {
-      next->previous = nullptr;  // settled
+    } else if (!next->previous.empty() && !next->Moving()) {
+      next->previous.clear();  // settled
     }
     std::lock_guard<std::mutex> lock(routing_mu);
     routing = std::move(next);
@@ -393,9 +415,7 @@ struct Client::Impl {
     // While keys may be moving, the previous ring's owners are asked after the current ones.
     const size_t first_previous = nodes->size();
     if (route->Moving()) {
-      for (int n : route->previous->Owners(key, options.replicas)) {
-        if (std::find(nodes->begin(), nodes->end(), n) == nodes->end()) nodes->push_back(n);
-      }
+      for (int n : route->PreviousOwners(key, options.replicas, *nodes)) nodes->push_back(n);
     }
     if (nodes->empty()) return done(Status::Unavailable("the ring has no members"));
     std::function<void(Result<Value>)> retry_or_finish;
@@ -429,7 +449,7 @@ struct Client::Impl {
     normal();
   }
 
-  // Nodes from index first_previous on are the previous ring's owners (asked as such).
+  // Nodes from index first_previous on are the previous rings' owners (asked as such).
   void GetFrom(std::string key, std::shared_ptr<std::vector<int>> nodes, size_t i,
                size_t first_previous, void* user_dst, size_t capacity, MemoryKind dst_kind,
                Clock::time_point deadline, std::function<void(Result<Value>)> done,
@@ -443,7 +463,17 @@ struct Client::Impl {
       const bool move_on =
           NodeFailure(r.status()) ||
           (moving && (code == StatusCode::kNotFound || code == StatusCode::kWrongNode));
-      if (r.ok() || last || !move_on || Clock::now() >= deadline) return done(std::move(r));
+      if (r.ok() || !move_on || Clock::now() >= deadline) return done(std::move(r));
+      if (last) {
+        // Every previous owner missed after the current owner did: the key may have moved
+        // between the two questions. A handoff installs a key at its new owner before it deletes
+        // the old copy, so the current owner, asked once more, now has it if it moved at all.
+        if (!moving || first_previous == 0 || code != StatusCode::kNotFound) {
+          return done(std::move(r));
+        }
+        return GetOnNode((*nodes)[0], key, user_dst, capacity, dst_kind, deadline, done, 0,
+                         accept);
+      }
       GetFrom(key, nodes, i + 1, first_previous, user_dst, capacity, dst_kind, deadline, done,
               accept);
     };
@@ -1070,16 +1100,21 @@ Result<uint64_t> Client::Put(std::string_view key, const void* data, size_t size
 Status Client::Delete(std::string_view key, std::chrono::milliseconds timeout) {
   Impl* I = impl_.get();
   const auto deadline = I->DeadlineFrom(timeout);
+  // A previous owner that deleted the key on an attempt refused by the owner (a ring behind)
+  // makes a later NotFound an OK: the key existed, and this call deleted it.
+  bool deleted_before = false;
   for (;;) {
     const auto left =
         std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-    Status s = DeleteOnce(key, std::max(left, std::chrono::milliseconds(1)));
+    Status s = DeleteOnce(key, std::max(left, std::chrono::milliseconds(1)), &deleted_before);
+    if (s.code() == StatusCode::kNotFound && deleted_before) return Status::OK();
     if (!Impl::Misrouted(s) || Clock::now() + Impl::kWrongNodeRetry >= deadline) return s;
     std::this_thread::sleep_for(Impl::kWrongNodeRetry);
   }
 }
 
-Status Client::DeleteOnce(std::string_view key, std::chrono::milliseconds timeout) {
+Status Client::DeleteOnce(std::string_view key, std::chrono::milliseconds timeout,
+                          bool* deleted_before) {
   Impl* I = impl_.get();
   // Shared with the I/O thread, which may finish every replica's request (a node that is down
   // fails at once) before its loop over them is done: nothing it touches may live on this
@@ -1091,12 +1126,22 @@ Status Client::DeleteOnce(std::string_view key, std::chrono::milliseconds timeou
     std::promise<void> all;
   };
   auto call = std::make_shared<Call>();
-  call->nodes = I->Route()->ring->Owners(key, I->options.replicas);
+  auto route = I->Route();
+  call->nodes = route->ring->Owners(key, I->options.replicas);
   if (call->nodes.empty()) return Status::Unavailable("the ring has no members");
+  // Keys may be moving: the previous owners delete their copies too, or a read's fallback to
+  // them (and their handoff) could bring the deleted value back.
+  const size_t first_previous = call->nodes.size();
+  if (route->Moving()) {
+    for (int n : route->PreviousOwners(key, I->options.replicas, call->nodes)) {
+      call->nodes.push_back(n);
+    }
+  }
   call->results.resize(call->nodes.size());
   call->remaining = call->nodes.size();
   auto done = call->all.get_future();
-  I->transport->Post([I, call, key = std::string(key), deadline = I->DeadlineFrom(timeout)] {
+  I->transport->Post([I, call, first_previous, key = std::string(key),
+                      deadline = I->DeadlineFrom(timeout)] {
     for (size_t i = 0; i < call->nodes.size(); ++i) {
       auto finish = [call, i](Status s) {
         call->results[i] = s;
@@ -1108,13 +1153,20 @@ Status Client::DeleteOnce(std::string_view key, std::chrono::milliseconds timeou
         });
         I->Complete(p, [finish, s] { finish(s); });
       };
-      I->Issue(call->nodes[i], w::Opcode::kDelete, 0, w::EncodeKeyRequest(key), nullptr, 0,
-               MemoryKind::kHost, deadline, on_reply, finish);
+      I->Issue(call->nodes[i], w::Opcode::kDelete,
+               i >= first_previous ? w::kFlagPreviousOwner : uint16_t{0},
+               w::EncodeKeyRequest(key), nullptr, 0, MemoryKind::kHost, deadline, on_reply,
+               finish);
     }
   });
   done.wait();
   // Sent to every replica; the primary's answer is the outcome (as for Put): a delete the
-  // primary did not confirm is not acknowledged, since reads go to the primary first.
+  // primary did not confirm is not acknowledged, since reads go to the primary first. A key
+  // not yet handed to its new owner was deleted where it still was.
+  for (size_t i = first_previous; i < call->nodes.size(); ++i) {
+    if (call->results[i].ok()) *deleted_before = true;
+  }
+  if (call->results[0].code() == StatusCode::kNotFound && *deleted_before) return Status::OK();
   return call->results[0];
 }
 
@@ -1127,16 +1179,21 @@ Result<ValueInfo> Client::Stat(std::string_view key, std::chrono::milliseconds t
         std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
     auto r =
         StatOnce(key, route->ring->Owner(key), 0, std::max(left, std::chrono::milliseconds(1)));
-    // Keys may be moving: a miss is asked of the previous owner too.
+    // Keys may be moving: a miss is asked of the previous owners too, and then of the owner
+    // once more (the key may have moved between the questions: see GetFrom).
     if (!r.ok() && r.status().code() == StatusCode::kNotFound && route->Moving()) {
-      const int before = route->previous->Owner(key);
-      if (before != route->ring->Owner(key)) {
-        auto p = StatOnce(
-            key, before, w::kFlagPreviousOwner,
-            std::max(std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()),
-                     std::chrono::milliseconds(1)));
+      auto left_now = [&] {
+        return std::max(
+            std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()),
+            std::chrono::milliseconds(1));
+      };
+      const int owner = route->ring->Owner(key);
+      const std::vector<int> before = route->PreviousOwners(key, 1, {owner});
+      for (int n : before) {
+        auto p = StatOnce(key, n, w::kFlagPreviousOwner, left_now());
         if (p.ok()) return p;
       }
+      if (!before.empty()) r = StatOnce(key, owner, 0, left_now());
     }
     if (r.ok() || !Impl::Misrouted(r.status()) ||
         Clock::now() + Impl::kWrongNodeRetry >= deadline) {

@@ -34,6 +34,7 @@ void Server::Impl::HandlePut(const Req& r, std::string_view body, std::unique_pt
       uint64_t version = 0;
       if ((op->req.h.flags & w::kFlagDurable) == 0 &&
           cache->TryCommitInMemory(&op->handle, &version) == TieredCache::FastPath::kServed) {
+        NoteCommitted({op->put.key});
         return AfterWrite({op->put.key}, [this, op, version] {
           Reply(op->req, Status::OK(), w::EncodePutReply(Status::OK(), version), nullptr, 0,
                 MemoryKind::kHost, nullptr);
@@ -114,6 +115,7 @@ void Server::Impl::CommitAndReply(const std::shared_ptr<PutOp>& op) {
     };
     // Nothing was written when it failed: the copies stay, and the error is not held up.
     if (!s.ok()) return reply();
+    NoteCommitted({op->put.key});
     AfterWrite({op->put.key}, reply);
   });
 }
@@ -380,6 +382,7 @@ void Server::Impl::HandleMultiPut(const Req& r, std::unique_ptr<Incoming> msg) {
                       if (results[i].code == StatusCode::kOk) keys.push_back(items[i].key);
                     }
                     PostReply([this, r, payload, keys = std::move(keys)] {
+                      NoteCommitted(keys);
                       AfterWrite(keys, [this, r, payload] { ReplyPayload(r, payload); });
                     });
                   });

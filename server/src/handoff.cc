@@ -12,7 +12,9 @@
 // The receiver keeps the version the object had (CommitHandedOff) unless it holds a newer one
 // or deleted the key since; a write that reached the new owner first therefore wins.
 // A new ring change restarts the scan. A scan whose sends failed is run again a second later,
-// so a key is deleted here only after its new owner has it. The rate is bounded
+// so a key is deleted here only after its new owner has it. A write admitted under the old
+// ring that commits after the scan listed the keys starts one more pass (NoteCommitted), so a
+// leaving node does not exit holding it. The rate is bounded
 // (ServerOptions::handoff_bytes_per_s).
 #include <condition_variable>
 #include <future>
@@ -38,11 +40,14 @@ void Server::Impl::StartHandoffThread() {
     for (;;) {
       RingPtr now, before;
       uint64_t gen;
+      bool full;  // false: only the keys this node gives away
       {
         std::unique_lock<std::mutex> lock(H.mu);
-        H.cv.wait(lock, [&] { return H.stop || H.pending; });
+        H.cv.wait(lock, [&] { return H.stop || H.pending || H.giveaway; });
         if (H.stop) return;
+        full = H.pending;
         H.pending = false;
+        H.giveaway = false;
         H.scanning = true;
         now = H.now;
         before = H.before;
@@ -67,7 +72,7 @@ void Server::Impl::StartHandoffThread() {
           if (n != self_index && !Has(p_old, n)) targets.push_back(n);
         }
         if (mine) {
-          if (targets.empty()) continue;
+          if (targets.empty() || !full) continue;
           int sender = -1;
           for (int n : p_old) {
             if (now->contains(n)) {
@@ -126,10 +131,10 @@ void Server::Impl::StartHandoffThread() {
         // Try again in a second (a peer may be restarting), unless a new ring comes first. The
         // scan stays "running" meanwhile: a leaving node must not take this for done.
         H.cv.wait_for(lock, std::chrono::seconds(1), [&] { return H.stop || H.pending; });
-        if (!H.stop && !H.pending) H.pending = true;
+        if (!H.stop && !H.pending) (full ? H.pending : H.giveaway) = true;
       }
       H.scanning = false;
-      if (!H.pending && !H.stop) {
+      if (!H.pending && !H.giveaway && !H.stop) {
         counters.handoffs_running.store(0, std::memory_order_relaxed);
         lock.unlock();
         if (registration) (void)registration->SetHandoffRunning(false);
@@ -169,7 +174,26 @@ void Server::Impl::ScheduleHandoff(RingPtr now, RingPtr before) {
 bool Server::Impl::HandoffIdle() const {
   if (!handoff) return true;
   std::lock_guard<std::mutex> lock(handoff->mu);
-  return !handoff->pending && !handoff->scanning;
+  return !handoff->pending && !handoff->giveaway && !handoff->scanning;
+}
+
+void Server::Impl::NoteCommitted(const std::vector<std::string>& keys) {
+  if (!handoff || !elastic()) return;
+  bool stray = false;
+  for (const std::string& key : keys) {
+    if (!Owns(*ring, key)) {
+      stray = true;
+      break;
+    }
+  }
+  if (!stray) return;
+  {
+    std::lock_guard<std::mutex> lock(handoff->mu);
+    if (!handoff->now) return;  // no ring change yet: nothing to give away to
+    handoff->giveaway = true;
+  }
+  counters.handoffs_running.store(1, std::memory_order_relaxed);
+  handoff->cv.notify_all();
 }
 
 Status Server::Impl::SendHandoff(int target, const std::string& key, const ObjectInfo& info,
@@ -252,6 +276,7 @@ void Server::Impl::HandleHandoffPut(const Req& r, std::string_view body,
                     }
                     PostReply([this, r, st, changed, key = put.key] {
                       if (!changed) return ReplyStatus(r, st);
+                      NoteCommitted({key});  // the ring may have moved on meanwhile
                       // A new version of the key here: copies of an older one go first.
                       AfterWrite({key}, [this, r, st] { ReplyStatus(r, st); });
                     });

@@ -236,6 +236,9 @@ struct Server::Impl {
     RingPtr now, before;      // the latest change
     uint64_t generation = 0;  // bumped by every change: a running scan for an older one stops
     bool pending = false;     // a scan is due
+    // A pass over the keys this node gives away (and no repairs) is due: a write admitted under
+    // the ring before a change committed after the scan listed the keys (NoteCommitted).
+    bool giveaway = false;
     bool scanning = false;
     bool stop = false;
   };
@@ -245,6 +248,9 @@ struct Server::Impl {
   // I/O thread: the ring changed from `before` to `now`; (re)start the scan.
   void ScheduleHandoff(RingPtr now, RingPtr before);
   bool HandoffIdle() const;
+  // I/O thread, after keys were written here: any this node does not own in the current ring
+  // (the write was admitted before the ring changed) are given away by another pass.
+  void NoteCommitted(const std::vector<std::string>& keys);
   void HandleHandoffPut(const Req& r, std::string_view body, std::unique_ptr<Incoming> msg);
   // Handoff thread: one HANDOFF_PUT, waited for.
   Status SendHandoff(int target, const std::string& key, const ObjectInfo& info, bool durable,

@@ -169,7 +169,8 @@ class Client {
  private:
   struct Impl;
   explicit Client(std::unique_ptr<Impl> impl);
-  Status DeleteOnce(std::string_view key, std::chrono::milliseconds timeout);
+  // *deleted_before: set when a previous owner (keys moving) deleted its copy.
+  Status DeleteOnce(std::string_view key, std::chrono::milliseconds timeout, bool* deleted_before);
   Result<ValueInfo> StatOnce(std::string_view key, int node, uint16_t flags,
                              std::chrono::milliseconds timeout);
   std::unique_ptr<Impl> impl_;
