@@ -100,8 +100,10 @@ struct Client::Impl {
     Clock::time_point changed_at{};
     static constexpr auto kSettle = std::chrono::seconds(3);
     static constexpr size_t kMaxPrevious = 4;
+    // A node with a handoff running (or catching up after a restart on its old disk) makes
+    // every miss worth a second look, even for a client that saw no change itself.
     bool Moving() const {
-      return !previous.empty() && (handoff || Clock::now() - changed_at < kSettle);
+      return handoff || (!previous.empty() && Clock::now() - changed_at < kSettle);
     }
     // The key's owners in the previous rings that are not in `exclude` (and not repeated).
     std::vector<int> PreviousOwners(std::string_view key, int replicas,
@@ -414,7 +416,8 @@ struct Client::Impl {
     auto nodes = std::make_shared<std::vector<int>>(route->ring->Owners(key, options.replicas));
     // While keys may be moving, the previous ring's owners are asked after the current ones.
     const size_t first_previous = nodes->size();
-    if (route->Moving()) {
+    const bool moving = route->Moving();
+    if (moving) {
       for (int n : route->PreviousOwners(key, options.replicas, *nodes)) nodes->push_back(n);
     }
     if (nodes->empty()) return done(Status::Unavailable("the ring has no members"));
@@ -437,9 +440,9 @@ struct Client::Impl {
       }
       finish(std::move(r));
     };
-    auto normal = [this, key, nodes, first_previous, user_dst, capacity, dst_kind, deadline,
+    auto normal = [this, key, nodes, first_previous, moving, user_dst, capacity, dst_kind, deadline,
                    retry_or_finish, accept] {
-      GetFrom(key, nodes, 0, first_previous, user_dst, capacity, dst_kind, deadline,
+      GetFrom(key, nodes, 0, first_previous, moving, user_dst, capacity, dst_kind, deadline,
               retry_or_finish, accept);
     };
     if (!hints.empty() &&
@@ -450,13 +453,13 @@ struct Client::Impl {
   }
 
   // Nodes from index first_previous on are the previous rings' owners (asked as such).
+  // `moving`: keys may be moving (Routing::Moving), so a miss asks the next node.
   void GetFrom(std::string key, std::shared_ptr<std::vector<int>> nodes, size_t i,
-               size_t first_previous, void* user_dst, size_t capacity, MemoryKind dst_kind,
-               Clock::time_point deadline, std::function<void(Result<Value>)> done,
-               Accept accept = {}) {
+               size_t first_previous, bool moving, void* user_dst, size_t capacity,
+               MemoryKind dst_kind, Clock::time_point deadline,
+               std::function<void(Result<Value>)> done, Accept accept = {}) {
     const int node = (*nodes)[i];
     const bool last = i + 1 == nodes->size();
-    const bool moving = nodes->size() > first_previous;
     auto next = [this, key, nodes, i, first_previous, last, moving, user_dst, capacity, dst_kind,
                  deadline, done, accept](Result<Value> r) {
       const StatusCode code = r.status().code();
@@ -465,17 +468,16 @@ struct Client::Impl {
           (moving && (code == StatusCode::kNotFound || code == StatusCode::kWrongNode));
       if (r.ok() || !move_on || Clock::now() >= deadline) return done(std::move(r));
       if (last) {
-        // Every previous owner missed after the current owner did: the key may have moved
-        // between the two questions. A handoff installs a key at its new owner before it deletes
-        // the old copy, so the current owner, asked once more, now has it if it moved at all.
-        if (!moving || first_previous == 0 || code != StatusCode::kNotFound) {
-          return done(std::move(r));
-        }
-        return GetOnNode((*nodes)[0], key, user_dst, capacity, dst_kind, deadline, done, 0,
-                         accept);
+        // Every node missed while keys may be moving. The key may have moved between the
+        // questions: a handoff installs a key at its new owner before it deletes the old copy,
+        // so the owner, asked once more, now has it if it moved at all. That last ask also gets
+        // a copy the owner held back while catching up after a restart (nobody else had it).
+        if (code != StatusCode::kNotFound) return done(std::move(r));
+        return GetOnNode((*nodes)[0], key, user_dst, capacity, dst_kind, deadline, done, 0, accept,
+                         {}, w::kFlagLastResort);
       }
-      GetFrom(key, nodes, i + 1, first_previous, user_dst, capacity, dst_kind, deadline, done,
-              accept);
+      GetFrom(key, nodes, i + 1, first_previous, moving, user_dst, capacity, dst_kind, deadline,
+              done, accept);
     };
     GetOnNode(node, key, user_dst, capacity, dst_kind, deadline, next, 0, accept, {},
               i >= first_previous ? w::kFlagPreviousOwner : uint16_t{0});
@@ -1154,9 +1156,8 @@ Status Client::DeleteOnce(std::string_view key, std::chrono::milliseconds timeou
         I->Complete(p, [finish, s] { finish(s); });
       };
       I->Issue(call->nodes[i], w::Opcode::kDelete,
-               i >= first_previous ? w::kFlagPreviousOwner : uint16_t{0},
-               w::EncodeKeyRequest(key), nullptr, 0, MemoryKind::kHost, deadline, on_reply,
-               finish);
+               i >= first_previous ? w::kFlagPreviousOwner : uint16_t{0}, w::EncodeKeyRequest(key),
+               nullptr, 0, MemoryKind::kHost, deadline, on_reply, finish);
     }
   });
   done.wait();
@@ -1188,12 +1189,18 @@ Result<ValueInfo> Client::Stat(std::string_view key, std::chrono::milliseconds t
             std::chrono::milliseconds(1));
       };
       const int owner = route->ring->Owner(key);
-      const std::vector<int> before = route->PreviousOwners(key, 1, {owner});
-      for (int n : before) {
-        auto p = StatOnce(key, n, w::kFlagPreviousOwner, left_now());
+      std::vector<int> others;  // the key's other owners, then its previous owners
+      for (int n : route->ring->Owners(key, I->options.replicas)) {
+        if (n != owner) others.push_back(n);
+      }
+      const size_t first_previous = others.size();
+      for (int n : route->PreviousOwners(key, 1, {owner})) others.push_back(n);
+      for (size_t i = 0; i < others.size(); ++i) {
+        auto p =
+            StatOnce(key, others[i], i >= first_previous ? w::kFlagPreviousOwner : 0, left_now());
         if (p.ok()) return p;
       }
-      if (!before.empty()) r = StatOnce(key, owner, 0, left_now());
+      r = StatOnce(key, owner, w::kFlagLastResort, left_now());
     }
     if (r.ok() || !Impl::Misrouted(r.status()) ||
         Clock::now() + Impl::kWrongNodeRetry >= deadline) {

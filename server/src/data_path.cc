@@ -171,6 +171,10 @@ void Server::Impl::HandleGet(const Req& r, std::string_view body) {
   if (s.ok() && Misrouted(r, key)) s = WrongNode();
   if (!s.ok()) return ReplyStatus(r, s);
   CountRow();
+  if (HeldBack(r, key)) {
+    Status nf = Status::NotFound("key not confirmed since this node restarted");
+    return Reply(r, nf, w::EncodeObjectReply(nf, {}), nullptr, 0, MemoryKind::kHost, nullptr);
+  }
   if (replication_on()) CountRead(key);
   // Hot path: an object in host memory (or in GPU memory that UCX can send) is answered right
   // here on the I/O thread; anything that may block goes to an executor.
@@ -198,14 +202,19 @@ void Server::Impl::HandleKeyOp(const Req& r, std::string_view body) {
   std::string key;
   Status s = w::DecodeKeyRequest(body, &key);
   if (s.ok() && Misrouted(r, key)) s = WrongNode();
+  if (s.ok() && r.h.opcode != w::Opcode::kDelete && HeldBack(r, key)) {
+    s = Status::NotFound("key not confirmed since this node restarted");
+  }
   if (!s.ok()) return ReplyStatus(r, s);
   SubmitRequestWork(r, [this, r, key = std::move(key)] {
     if (r.Expired()) return PostReply([this, r] { ReplyStatus(r, DeadlinePassed()); });
     if (r.h.opcode == w::Opcode::kDelete) {
       RememberDelete(key);  // before the delete: a handoff landing meanwhile is refused too
       Status ds = cache->Delete(key);
-      return PostReply(
-          [this, r, ds, key] { AfterWrite({key}, [this, r, ds] { ReplyStatus(r, ds); }); });
+      return PostReply([this, r, ds, key] {
+        Confirm(key);
+        AfterWrite({key}, [this, r, ds] { ReplyStatus(r, ds); });
+      });
     }
     auto st = cache->Stat(key);
     Status status = st.status();
@@ -238,6 +247,10 @@ void Server::Impl::HandleMultiGet(const Req& r, std::unique_ptr<Incoming> msg) {
                       for (BatchRow& row : *rows) {
                         if (row.replica_version == 0 && Misrouted(r, row.key)) {
                           row.misrouted = true;
+                          continue;
+                        }
+                        if (row.replica_version == 0 && HeldBack(r, row.key)) {
+                          row.held_back = true;
                           continue;
                         }
                         if (row.replica_version != 0) {
@@ -273,6 +286,8 @@ void Server::Impl::ServeMultiGet(const Req& r, std::shared_ptr<std::vector<Batch
     Result<ReadHandle> got = Status::NotFound("no replica of that version here");
     if (row.misrouted) {
       got = Status::WrongNode("");
+    } else if (row.held_back) {
+      got = Status::NotFound("");
     } else if (row.replica_version == 0) {
       got = cache->Acquire(row.key);
     } else if (!row.replica_key.empty()) {

@@ -58,7 +58,7 @@ void Server::Impl::StartHandoffThread() {
         return H.stop || H.generation != gen;
       };
       counters.handoffs_running.store(1, std::memory_order_relaxed);
-      if (registration) (void)registration->SetHandoffRunning(true);
+      SyncHandoffMark();
       const auto started = Clock::now();
       uint64_t keys_out = 0, bytes_out = 0, failed = 0, deleted = 0;
       for (const KeyListing& k : cache->ListKeys()) {
@@ -137,7 +137,7 @@ void Server::Impl::StartHandoffThread() {
       if (!H.pending && !H.giveaway && !H.stop) {
         counters.handoffs_running.store(0, std::memory_order_relaxed);
         lock.unlock();
-        if (registration) (void)registration->SetHandoffRunning(false);
+        SyncHandoffMark();  // stays on while this node catches up
       }
     }
   });
@@ -178,6 +178,9 @@ bool Server::Impl::HandoffIdle() const {
 }
 
 void Server::Impl::NoteCommitted(const std::vector<std::string>& keys) {
+  if (catching_up.load(std::memory_order_relaxed)) {
+    for (const std::string& key : keys) Confirm(key);
+  }
   if (!handoff || !elastic()) return;
   bool stray = false;
   for (const std::string& key : keys) {
@@ -275,6 +278,8 @@ void Server::Impl::HandleHandoffPut(const Req& r, std::string_view body,
                       counters.handoff_bytes_in.fetch_add(put.size, std::memory_order_relaxed);
                     }
                     PostReply([this, r, st, changed, key = put.key] {
+                      // Versions compared: whichever this node now holds is the newest.
+                      if (st.ok()) Confirm(key);
                       if (!changed) return ReplyStatus(r, st);
                       NoteCommitted({key});  // the ring may have moved on meanwhile
                       // A new version of the key here: copies of an older one go first.

@@ -109,6 +109,7 @@ Status Server::Impl::RegisterSelf(uint16_t port) {
   for (;;) {
     auto reg = MemberRegistration::Register(options.cluster.etcd, self_record);
     if (reg.ok()) {
+      std::lock_guard<std::mutex> lock(mark_mu);  // SyncHandoffMark reads it from other threads
       registration = std::move(*reg);
       return Status::OK();
     }
@@ -139,6 +140,10 @@ void Server::Impl::ApplyMembership(MembershipView v) {
   bool same = ring && ring->size() == slots.size();
   for (size_t p = 0; same && p < slots.size(); ++p) same = ring->slot(p) == slots[p];
   if (!same) {
+    if (joined_at == Clock::time_point{} &&
+        slots.end() != std::find(slots.begin(), slots.end(), self_index)) {
+      joined_at = Clock::now();
+    }
     std::string list;
     for (const NodeInfo& n : members) list += (list.empty() ? "" : ",") + n.id;
     auto next =
@@ -187,6 +192,56 @@ void Server::Impl::Leave(std::chrono::milliseconds timeout) {
   Status ds = registration->Deregister();
   if (!ds.ok()) GKV_LOG_WARN("removing node {} from etcd: {}", self.id, ds.ToString());
   GKV_LOG_INFO("node {} left the cluster", self.id);
+}
+
+void Server::Impl::BeginCatchUp() {
+  for (const KeyListing& k : cache->ListKeys()) unconfirmed.insert(k.key);
+  recovered_keys = unconfirmed.size();
+  catching_up.store(recovered_keys > 0);
+}
+
+bool Server::Impl::HeldBack(const Req& r, std::string_view key) const {
+  if (!catching_up.load(std::memory_order_relaxed) || (r.h.flags & w::kFlagLastResort)) {
+    return false;
+  }
+  return unconfirmed.count(std::string(key)) > 0;
+}
+
+void Server::Impl::CatchUpTick(Clock::time_point now) {
+  if (!catching_up.load(std::memory_order_relaxed) || joined_at == Clock::time_point{}) return;
+  const auto since = now - joined_at;
+  if (since < kCatchUpMin) return;
+  bool others_busy = false;
+  for (const std::string& id : view.handoffs_running) others_busy |= id != self.id;
+  const bool overdue = since > kCatchUpMax;
+  if (others_busy && !overdue) return;
+  if (overdue) {
+    GKV_LOG_WARN(
+        "node {}: other nodes' handoffs still run {} s after it joined; serving its {} "
+        "unconfirmed recovered keys as they are",
+        self.id, std::chrono::duration_cast<std::chrono::seconds>(since).count(),
+        unconfirmed.size());
+  }
+  GKV_LOG_INFO(
+      "node {} caught up: of {} keys recovered from disk, {} were confirmed or replaced "
+      "by the cluster, {} kept as they were",
+      self.id, recovered_keys, recovered_keys - unconfirmed.size(), unconfirmed.size());
+  unconfirmed.clear();
+  catching_up.store(false);
+  executors->Submit([this] { SyncHandoffMark(); });
+}
+
+void Server::Impl::SyncHandoffMark() {
+  std::lock_guard<std::mutex> lock(mark_mu);
+  if (!registration) return;
+  const bool want = catching_up.load() || !HandoffIdle();
+  if (want == mark_on) return;
+  Status s = registration->SetHandoffRunning(want);
+  if (s.ok()) {
+    mark_on = want;
+  } else {
+    GKV_LOG_DEBUG("setting handoff/{} to {}: {}", self.id, want, s.ToString());
+  }
 }
 
 }  // namespace gkv

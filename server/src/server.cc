@@ -322,6 +322,7 @@ void Server::Impl::OnTick() {
     CloseStuckConnections(now);
   }
   if (!timers.empty()) RunTimers(now);
+  CatchUpTick(now);
   if (replication_on() && now - last_decay >= std::chrono::seconds(1)) {
     last_decay = now;
     ReplicationTick(now);
@@ -438,6 +439,7 @@ Result<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
   auto cache = TieredCache::Open(own);
   if (!cache.ok()) return cache.status().WithContext("opening the cache");
   impl->cache = std::move(*cache);
+  if (elastic) impl->BeginCatchUp();
   impl->executors = std::make_unique<ThreadPool>(std::max(1, options.executor_threads));
 
   UcxTransport::Options topts;
@@ -473,6 +475,13 @@ Result<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
       impl->transport->Stop();
       return rs;
     }
+    if (impl->catching_up.load()) {
+      GKV_LOG_INFO(
+          "node {}: {} keys recovered from disk are held back until the cluster's "
+          "handoff has compared their versions",
+          impl->self.id, impl->recovered_keys);
+    }
+    impl->SyncHandoffMark();  // on while catching up (or a scan started before registering)
   }
   if (options.metrics_port) {
     Status ms = impl->StartMetrics();

@@ -83,6 +83,7 @@ struct BatchRow {
   std::vector<uint16_t> hint;    // a primary row: copies of hint_version
   uint64_t hint_version = 0;
   bool misrouted = false;  // not this node's key in its ring: answered wrong_node
+  bool held_back = false;  // recovered, not yet confirmed (catching up): answered not_found
 };
 
 struct Server::Impl {
@@ -227,6 +228,35 @@ struct Server::Impl {
   // Leaves the ring: hands every key off, then removes the registration. Blocks up to
   // `timeout` (then deregisters anyway: what was not handed off stays on this node's disk).
   void Leave(std::chrono::milliseconds timeout);
+
+  // Catch-up after a start on an old disk under etcd (docs/ARCHITECTURE.md, "Membership"): the
+  // keys recovered from disk may be older than writes the cluster acknowledged while this node
+  // was away. Until the handoffs its joining starts have compared versions (no other node has a
+  // handoff running, and at least kCatchUpMin has passed since the first ring with this node),
+  // a read of a recovered key that was neither written nor handed off here since answers
+  // not_found, except a client's last-resort ask (kFlagLastResort). This node's handoff/<id>
+  // mark stays on meanwhile, so clients keep asking the other owners and previous owners.
+  // I/O thread only, except `catching_up` (read by the handoff thread for the mark).
+  std::unordered_set<std::string> unconfirmed;
+  size_t recovered_keys = 0;
+  std::atomic<bool> catching_up{false};
+  Clock::time_point joined_at{};  // the first ring with this node was applied ({}: not yet)
+  static constexpr auto kCatchUpMin = std::chrono::seconds(3);
+  static constexpr auto kCatchUpMax = std::chrono::minutes(10);
+  // Start(), before the transport: every key on disk is unconfirmed.
+  void BeginCatchUp();
+  // Whether a read of `key` must answer not_found (cheap when not catching up).
+  bool HeldBack(const Req& r, std::string_view key) const;
+  // A write, delete or handoff of `key` here settled its version.
+  void Confirm(const std::string& key) {
+    if (catching_up.load(std::memory_order_relaxed)) unconfirmed.erase(key);
+  }
+  void CatchUpTick(Clock::time_point now);  // OnTick
+  // Not on the I/O thread (it calls etcd): handoff/<id> is present while this node catches up
+  // or a handoff scan of its runs.
+  void SyncHandoffMark();
+  std::mutex mark_mu;
+  bool mark_on = false;  // guarded by mark_mu
 
   // ---------------- handoff (handoff.cc) ----------------
   struct Handoff {

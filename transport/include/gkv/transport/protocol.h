@@ -62,6 +62,10 @@ inline constexpr uint16_t kFlagAllKeys = 1 << 3;
 // get, stat, mget: asked of the key's owner in the previous ring while a handoff runs, so the
 // node serves the key although the current ring gives it to another node.
 inline constexpr uint16_t kFlagPreviousOwner = 1 << 4;
+// get, stat: a client's last ask of the key's owner, after every owner and previous owner
+// missed while keys may be moving: a node catching up after a restart on its old disk serves a
+// recovered key it otherwise holds back (docs/ARCHITECTURE.md, "Membership").
+inline constexpr uint16_t kFlagLastResort = 1 << 5;
 
 struct Header {
   Opcode opcode = Opcode::kPing;
