@@ -28,7 +28,7 @@ common=(--cluster "$dir/cluster.yaml" --keys "$KEYS" --value-size "$VALUE" --thr
         --connections 4 --timeout-ms 5000)
 
 echo "=== writing $KEYS values of $VALUE"
-"$bin/gkv-bench" "${common[@]}" --ratio 0:1 --requests 1 --warmup 0 > "$dir/load.txt"
+"$bin/gkv-bench" "${common[@]}" --ratio 1:0 --requests 1 --warmup 0 > "$dir/load.txt"
 tail -n 3 "$dir/load.txt"
 
 echo "=== baseline: ${SECONDS_EACH} s of gets at $READ_RATE/s, 3 nodes"
@@ -51,19 +51,18 @@ cat "$dir/during.txt"
 echo "=== handoff lines"
 grep -h "handoff for ring epoch" "$dir"/node*.log || echo "(no handoff line)"
 echo "=== n3"
-grep -h "up on\|ring epoch" "$dir/node3.log" | head -3
+grep -h "up on\|ring epoch" "$dir/node3.log" | head -3 || true
 "$bin/gkv" --cluster "$dir/cluster.yaml" stats --json > "$dir/stats.json" 2>/dev/null || true
 python3 - "$dir/stats.json" <<'PY'
 import json, sys
 try:
-    nodes = json.load(open(sys.argv[1]))
+    data = json.load(open(sys.argv[1]))
 except Exception as e:
     sys.exit(f"(stats unreadable: {e})")
-if isinstance(nodes, dict):
-    nodes = nodes.get("nodes", [nodes])
-for n in nodes:
-    m = n.get("membership", {})
-    print(n.get("node", n.get("id", "?")), "keys:", n.get("objects", n.get("keys", "?")),
-          "handoff in:", m.get("handoff_keys_in"), "keys", m.get("handoff_bytes_in"), "bytes;",
-          "out:", m.get("handoff_keys_out"), "keys", m.get("handoff_bytes_out"), "bytes")
+for n in data if isinstance(data, list) else data.get("nodes", [data]):
+    t, m = n.get("tiers", {}), n.get("membership", {})
+    objs = sum(t.get(k, {}).get("objects", 0) for k in ("gpu", "host", "disk"))
+    print(f"{n.get('node', '?')}: {objs} objects; handoff in {m.get('handoff_keys_in')} keys "
+          f"({m.get('handoff_bytes_in')} B), out {m.get('handoff_keys_out')} keys; "
+          f"ring epoch {m.get('ring_epoch')}")
 PY

@@ -499,8 +499,12 @@ TEST(ElasticTest, ANodeBackOnItsOldDiskServesNothingOlder) {
   ASSERT_NE(watcher, nullptr);
   std::this_thread::sleep_for(milliseconds(500));
   const uint64_t epoch = watcher->RingEpoch();
+  const auto killed = Clock::now();
   cluster.Stop("n1", SIGKILL);
-  while (watcher->RingEpoch() == epoch) std::this_thread::sleep_for(milliseconds(10));
+  while (watcher->RingEpoch() == epoch && Clock::now() - killed < std::chrono::seconds(15)) {
+    std::this_thread::sleep_for(milliseconds(10));
+  }
+  ASSERT_NE(watcher->RingEpoch(), epoch) << "the ring never dropped the killed node";
   ASSERT_TRUE(cluster.WaitHandoffsDone(milliseconds(30000)));
   // Every key is rewritten at least once while n1 is away (one writer, ~1,500 keys).
   const uint64_t writes_before = checker.writes_.load();

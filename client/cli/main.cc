@@ -235,13 +235,15 @@ int main(int argc, char** argv) {
   if (*stat) {
     auto r = c.Stat(key);
     if (!r.ok()) return ExitFor(r.status(), "stat " + key);
+    const auto nodes = c.Nodes();
     std::printf("%s: %s (node %s)\n", key.c_str(), Describe(*r).c_str(),
-                c.cluster().nodes[c.NodeFor(key)].id.c_str());
+                (c.NodeFor(key) >= 0 ? nodes[c.NodeFor(key)].id.c_str() : "?"));
     return kOk;
   }
   if (*ping) {
     int rc = kOk;
-    for (size_t i = 0; i < c.cluster().nodes.size(); ++i) {
+    const auto nodes = c.Nodes();  // under etcd the members (the file names none)
+    for (size_t i = 0; i < nodes.size(); ++i) {
       // The first ping also connects; report the best of three round trips.
       gkv::Result<std::string> r = gkv::Status::Unavailable("not tried");
       double us = 1e18;
@@ -253,7 +255,7 @@ int main(int argc, char** argv) {
             us, std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0)
                     .count());
       }
-      const auto& n = c.cluster().nodes[i];
+      const auto& n = nodes[i];
       if (r.ok()) {
         std::printf("%-10s %-24s ok %.0f us\n", n.id.c_str(), n.address().c_str(), us);
       } else {
@@ -267,13 +269,14 @@ int main(int argc, char** argv) {
   if (*stats) {
     std::vector<std::string> docs;
     int rc = kOk;
-    for (size_t i = 0; i < c.cluster().nodes.size(); ++i) {
+    const auto nodes = c.Nodes();  // under etcd the members (the file names none)
+    for (size_t i = 0; i < nodes.size(); ++i) {
       auto r = c.NodeStats(static_cast<int>(i));
       if (!r.ok()) {
-        std::fprintf(stderr, "gkv: stats %s: %s\n", c.cluster().nodes[i].id.c_str(),
+        std::fprintf(stderr, "gkv: stats %s: %s\n", nodes[i].id.c_str(),
                      r.status().ToString().c_str());
         rc = kUnreachable;
-        docs.push_back("{\"node\":\"" + c.cluster().nodes[i].id + "\",\"error\":\"" +
+        docs.push_back("{\"node\":\"" + nodes[i].id + "\",\"error\":\"" +
                        std::string(gkv::StatusCodeName(r.status().code())) + "\"}");
         continue;
       }
@@ -288,7 +291,7 @@ int main(int argc, char** argv) {
     }
     for (const auto& j : docs) {
       if (j.find("\"error\"") != std::string::npos) continue;
-      std::printf("node %s\n", c.cluster().nodes[&j - &docs[0]].id.c_str());
+      std::printf("node %s\n", nodes[&j - &docs[0]].id.c_str());
       std::printf("  %-5s %22s %10s %12s\n", "tier", "used / capacity", "objects", "hits");
       for (const char* t : {"gpu", "host", "disk"}) {
         std::string anchor = std::string("\"") + t + "\":{";

@@ -443,7 +443,7 @@ struct Client::Impl {
     auto normal = [this, key, nodes, first_previous, moving, user_dst, capacity, dst_kind, deadline,
                    retry_or_finish, accept] {
       GetFrom(key, nodes, 0, first_previous, moving, user_dst, capacity, dst_kind, deadline,
-              retry_or_finish, accept);
+              retry_or_finish, accept, std::make_shared<Status>());
     };
     if (!hints.empty() &&
         TryReplicaRead(key, user_dst, capacity, dst_kind, deadline, finish, normal, accept)) {
@@ -454,30 +454,35 @@ struct Client::Impl {
 
   // Nodes from index first_previous on are the previous rings' owners (asked as such).
   // `moving`: keys may be moving (Routing::Moving), so a miss asks the next node.
+  // `failure`: the first node failure (unavailable, timeout) among the nodes asked so far.
   void GetFrom(std::string key, std::shared_ptr<std::vector<int>> nodes, size_t i,
                size_t first_previous, bool moving, void* user_dst, size_t capacity,
                MemoryKind dst_kind, Clock::time_point deadline,
-               std::function<void(Result<Value>)> done, Accept accept = {}) {
+               std::function<void(Result<Value>)> done, Accept accept,
+               std::shared_ptr<Status> failure) {
     const int node = (*nodes)[i];
     const bool last = i + 1 == nodes->size();
     auto next = [this, key, nodes, i, first_previous, last, moving, user_dst, capacity, dst_kind,
-                 deadline, done, accept](Result<Value> r) {
+                 deadline, done, accept, failure](Result<Value> r) {
       const StatusCode code = r.status().code();
+      if (NodeFailure(r.status()) && failure->ok()) *failure = r.status();
       const bool move_on =
           NodeFailure(r.status()) ||
           (moving && (code == StatusCode::kNotFound || code == StatusCode::kWrongNode));
       if (r.ok() || !move_on || Clock::now() >= deadline) return done(std::move(r));
       if (last) {
+        if (!moving || code != StatusCode::kNotFound) return done(std::move(r));
+        // A node that failed may hold the newest version: no copy elsewhere stands in for it.
+        if (!failure->ok()) return done(*failure);
         // Every node missed while keys may be moving. The key may have moved between the
         // questions: a handoff installs a key at its new owner before it deletes the old copy,
         // so the owner, asked once more, now has it if it moved at all. That last ask also gets
         // a copy the owner held back while catching up after a restart (nobody else had it).
-        if (code != StatusCode::kNotFound) return done(std::move(r));
-        return GetOnNode((*nodes)[0], key, user_dst, capacity, dst_kind, deadline, done, 0, accept,
-                         {}, w::kFlagLastResort);
+        return GetOnNode((*nodes)[0], key, user_dst, capacity, dst_kind, deadline, done, 0,
+                         accept, {}, w::kFlagLastResort);
       }
       GetFrom(key, nodes, i + 1, first_previous, moving, user_dst, capacity, dst_kind, deadline,
-              done, accept);
+              done, accept, failure);
     };
     GetOnNode(node, key, user_dst, capacity, dst_kind, deadline, next, 0, accept, {},
               i >= first_previous ? w::kFlagPreviousOwner : uint16_t{0});

@@ -22,6 +22,8 @@ using namespace std::chrono_literals;
 constexpr std::string_view kMembersDir = "members/";
 constexpr std::string_view kDrainDir = "drain/";
 constexpr std::string_view kHandoffDir = "handoff/";
+// The value of handoff/<id> for a node that only catches up (a running scan's mark is empty).
+constexpr std::string_view kCatchUpMark = "catch-up";
 
 // An idle watch stream carries no bytes at all (the JSON gateway sends no progress messages),
 // so a read timeout cannot tell an idle etcd from a vanished one: the stream is re-opened
@@ -64,7 +66,8 @@ bool SameRecord(const MemberRecord& a, const MemberRecord& b) {
 bool SameContent(const MembershipView& a, const MembershipView& b) {
   return std::equal(a.members.begin(), a.members.end(), b.members.begin(), b.members.end(),
                     SameRecord) &&
-         a.drain_requested == b.drain_requested && a.handoffs_running == b.handoffs_running;
+         a.drain_requested == b.drain_requested && a.handoffs_running == b.handoffs_running &&
+         a.catching_up == b.catching_up;
 }
 
 // The prefix's keys, relative to the prefix, with their values: the state a view is made of.
@@ -85,7 +88,9 @@ MembershipView BuildView(const KeyMap& keys, uint64_t revision, uint64_t epoch) 
     } else if (k.starts_with(kDrainDir)) {
       view.drain_requested.insert(std::string(k.substr(kDrainDir.size())));
     } else if (k.starts_with(kHandoffDir)) {
-      view.handoffs_running.insert(std::string(k.substr(kHandoffDir.size())));
+      const std::string id(k.substr(kHandoffDir.size()));
+      view.handoffs_running.insert(id);
+      if (value == kCatchUpMark) view.catching_up.insert(id);
     }
   }
   // Keys come sorted, so members are sorted by id already.
@@ -473,6 +478,7 @@ struct MemberRegistration::Impl {
   int64_t lease = 0;                        // guarded by mu
   int64_t lease_ttl_s = 0;                  // guarded by mu: as granted
   bool handoff_running = false;             // guarded by mu
+  bool catch_up_only = false;               // guarded by mu
   bool deregistered = false;                // guarded by mu
   bool stopping = false;                    // guarded by mu
   std::atomic<int64_t> published_lease{0};  // lease, for lease_id() without the lock
@@ -481,7 +487,10 @@ struct MemberRegistration::Impl {
 
 Status MemberRegistration::Impl::WriteRecordLocked() {
   std::vector<etcd::TxnOp> writes = {etcd::PutOp(member_key, EncodeMemberRecord(record), lease)};
-  if (handoff_running) writes.push_back(etcd::PutOp(handoff_key, "", lease));
+  if (handoff_running) {
+    writes.push_back(
+        etcd::PutOp(handoff_key, catch_up_only ? std::string(kCatchUpMark) : "", lease));
+  }
   GKV_ASSIGN_OR_RETURN(auto ours, client.Txn({etcd::KeyOnLease(member_key, lease)}, writes));
   if (ours.succeeded) return Status::OK();
   GKV_ASSIGN_OR_RETURN(auto fresh, client.Txn({etcd::KeyMissing(member_key)}, writes));
@@ -596,12 +605,16 @@ Status MemberRegistration::Update(const MemberRecord& record) {
   return s.ok() ? s : impl_->RecoverLocked(s);
 }
 
-Status MemberRegistration::SetHandoffRunning(bool running) {
+Status MemberRegistration::SetHandoffRunning(bool running, bool catch_up_only) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   if (impl_->deregistered) return Status::Aborted("membership: deregistered");
   impl_->handoff_running = running;
+  impl_->catch_up_only = running && catch_up_only;
   if (!running) return impl_->client.Delete(impl_->handoff_key).status();
-  Status s = impl_->client.Put(impl_->handoff_key, "", impl_->lease).status();
+  Status s = impl_->client
+                 .Put(impl_->handoff_key, catch_up_only ? std::string(kCatchUpMark) : "",
+                      impl_->lease)
+                 .status();
   return s.ok() ? s : impl_->RecoverLocked(s);
 }
 

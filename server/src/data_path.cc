@@ -19,6 +19,7 @@ void Server::Impl::HandlePut(const Req& r, std::string_view body, std::unique_pt
   if (s.ok() && Misrouted(r, op->put.key)) s = WrongNode();
   if (!s.ok()) return ReplyStatus(r, s);  // msg dropped: an unreceived payload is released
   op->msg = std::move(msg);
+  op->ring_epoch = ring->epoch();
   // Hot path, all on the I/O thread: free room in a memory tier, receive straight into it,
   // publish. Anything that would evict or touch the disk goes through the executors.
   if (cache->TryReserveInMemory(op->put.key, op->put.size, op->put.tensor, &op->handle) ==
@@ -34,7 +35,7 @@ void Server::Impl::HandlePut(const Req& r, std::string_view body, std::unique_pt
       uint64_t version = 0;
       if ((op->req.h.flags & w::kFlagDurable) == 0 &&
           cache->TryCommitInMemory(&op->handle, &version) == TieredCache::FastPath::kServed) {
-        NoteCommitted({op->put.key});
+        NoteCommitted({op->put.key}, op->ring_epoch);
         return AfterWrite({op->put.key}, [this, op, version] {
           Reply(op->req, Status::OK(), w::EncodePutReply(Status::OK(), version), nullptr, 0,
                 MemoryKind::kHost, nullptr);
@@ -115,7 +116,7 @@ void Server::Impl::CommitAndReply(const std::shared_ptr<PutOp>& op) {
     };
     // Nothing was written when it failed: the copies stay, and the error is not held up.
     if (!s.ok()) return reply();
-    NoteCommitted({op->put.key});
+    NoteCommitted({op->put.key}, op->ring_epoch);
     AfterWrite({op->put.key}, reply);
   });
 }
@@ -172,10 +173,10 @@ void Server::Impl::HandleGet(const Req& r, std::string_view body) {
   if (!s.ok()) return ReplyStatus(r, s);
   CountRow();
   if (HeldBack(r, key)) {
-    Status nf = Status::NotFound("key not confirmed since this node restarted");
-    return Reply(r, nf, w::EncodeObjectReply(nf, {}), nullptr, 0, MemoryKind::kHost, nullptr);
+    Status held = HeldBackStatus();
+    return Reply(r, held, w::EncodeObjectReply(held, {}), nullptr, 0, MemoryKind::kHost, nullptr);
   }
-  if (replication_on()) CountRead(key);
+  if (replication_on() && !Unconfirmed(key)) CountRead(key);  // no copies of those
   // Hot path: an object in host memory (or in GPU memory that UCX can send) is answered right
   // here on the I/O thread; anything that may block goes to an executor.
   {
@@ -203,7 +204,7 @@ void Server::Impl::HandleKeyOp(const Req& r, std::string_view body) {
   Status s = w::DecodeKeyRequest(body, &key);
   if (s.ok() && Misrouted(r, key)) s = WrongNode();
   if (s.ok() && r.h.opcode != w::Opcode::kDelete && HeldBack(r, key)) {
-    s = Status::NotFound("key not confirmed since this node restarted");
+    s = HeldBackStatus();
   }
   if (!s.ok()) return ReplyStatus(r, s);
   SubmitRequestWork(r, [this, r, key = std::move(key)] {
@@ -212,7 +213,7 @@ void Server::Impl::HandleKeyOp(const Req& r, std::string_view body) {
       RememberDelete(key);  // before the delete: a handoff landing meanwhile is refused too
       Status ds = cache->Delete(key);
       return PostReply([this, r, ds, key] {
-        Confirm(key);
+        if (ds.ok() || ds.code() == StatusCode::kNotFound) Confirm(key);
         AfterWrite({key}, [this, r, ds] { ReplyStatus(r, ds); });
       });
     }
@@ -287,7 +288,7 @@ void Server::Impl::ServeMultiGet(const Req& r, std::shared_ptr<std::vector<Batch
     if (row.misrouted) {
       got = Status::WrongNode("");
     } else if (row.held_back) {
-      got = Status::NotFound("");
+      got = HeldBackStatus();
     } else if (row.replica_version == 0) {
       got = cache->Acquire(row.key);
     } else if (!row.replica_key.empty()) {
@@ -396,8 +397,8 @@ void Server::Impl::HandleMultiPut(const Req& r, std::unique_ptr<Incoming> msg) {
                     for (size_t i = 0; i < items.size(); ++i) {
                       if (results[i].code == StatusCode::kOk) keys.push_back(items[i].key);
                     }
-                    PostReply([this, r, payload, keys = std::move(keys)] {
-                      NoteCommitted(keys);
+                    PostReply([this, r, payload, keys = std::move(keys), epoch = now->epoch()] {
+                      NoteCommitted(keys, epoch);
                       AfterWrite(keys, [this, r, payload] { ReplyPayload(r, payload); });
                     });
                   });

@@ -13,8 +13,9 @@
 // or deleted the key since; a write that reached the new owner first therefore wins.
 // A new ring change restarts the scan. A scan whose sends failed is run again a second later,
 // so a key is deleted here only after its new owner has it. A write admitted under the old
-// ring that commits after the scan listed the keys starts one more pass (NoteCommitted), so a
-// leaving node does not exit holding it. The rate is bounded
+// ring that commits after the scan may have read the key starts one more pass over such keys
+// (NoteCommitted), so a leaving node does not exit holding it and a new owner does not keep
+// the older version. The rate is bounded
 // (ServerOptions::handoff_bytes_per_s).
 #include <condition_variable>
 #include <future>
@@ -40,14 +41,15 @@ void Server::Impl::StartHandoffThread() {
     for (;;) {
       RingPtr now, before;
       uint64_t gen;
-      bool full;  // false: only the keys this node gives away
+      bool full;  // false: only the keys in `only`
+      std::unordered_set<std::string> only;
       {
         std::unique_lock<std::mutex> lock(H.mu);
-        H.cv.wait(lock, [&] { return H.stop || H.pending || H.giveaway; });
+        H.cv.wait(lock, [&] { return H.stop || H.pending || !H.recheck.empty(); });
         if (H.stop) return;
         full = H.pending;
         H.pending = false;
-        H.giveaway = false;
+        only.swap(H.recheck);  // a full pass covers them too
         H.scanning = true;
         now = H.now;
         before = H.before;
@@ -63,6 +65,7 @@ void Server::Impl::StartHandoffThread() {
       uint64_t keys_out = 0, bytes_out = 0, failed = 0, deleted = 0;
       for (const KeyListing& k : cache->ListKeys()) {
         if (superseded()) break;
+        if (!full && only.count(k.key) == 0) continue;
         const std::vector<int> p_new = now->Owners(k.key, replicas);
         const std::vector<int> p_old =
             before ? before->Owners(k.key, replicas) : std::vector<int>{};
@@ -72,7 +75,7 @@ void Server::Impl::StartHandoffThread() {
           if (n != self_index && !Has(p_old, n)) targets.push_back(n);
         }
         if (mine) {
-          if (targets.empty() || !full) continue;
+          if (targets.empty()) continue;
           int sender = -1;
           for (int n : p_old) {
             if (now->contains(n)) {
@@ -118,7 +121,9 @@ void Server::Impl::StartHandoffThread() {
       }
       const bool was_superseded = superseded();
       const double secs = std::chrono::duration<double>(Clock::now() - started).count();
-      if (keys_out > 0 || failed > 0) {
+      if (!full && failed == 0) {
+        GKV_LOG_DEBUG("handoff: {} keys looked at again, {} sent", only.size(), keys_out);
+      } else if (keys_out > 0 || failed > 0) {
         GKV_LOG_INFO(
             "handoff for ring epoch {}: {} keys ({}) sent in {:.2f} s ({:.1f} MB/s), {} deleted "
             "here, {} to retry{}",
@@ -131,10 +136,16 @@ void Server::Impl::StartHandoffThread() {
         // Try again in a second (a peer may be restarting), unless a new ring comes first. The
         // scan stays "running" meanwhile: a leaving node must not take this for done.
         H.cv.wait_for(lock, std::chrono::seconds(1), [&] { return H.stop || H.pending; });
-        if (!H.stop && !H.pending) (full ? H.pending : H.giveaway) = true;
+        if (!H.stop && !H.pending) {
+          if (full) {
+            H.pending = true;
+          } else {
+            H.recheck.insert(only.begin(), only.end());
+          }
+        }
       }
       H.scanning = false;
-      if (!H.pending && !H.giveaway && !H.stop) {
+      if (!H.pending && H.recheck.empty() && !H.stop) {
         counters.handoffs_running.store(0, std::memory_order_relaxed);
         lock.unlock();
         SyncHandoffMark();  // stays on while this node catches up
@@ -174,27 +185,27 @@ void Server::Impl::ScheduleHandoff(RingPtr now, RingPtr before) {
 bool Server::Impl::HandoffIdle() const {
   if (!handoff) return true;
   std::lock_guard<std::mutex> lock(handoff->mu);
-  return !handoff->pending && !handoff->giveaway && !handoff->scanning;
+  return !handoff->pending && handoff->recheck.empty() && !handoff->scanning;
 }
 
-void Server::Impl::NoteCommitted(const std::vector<std::string>& keys) {
+void Server::Impl::NoteCommitted(const std::vector<std::string>& keys, uint64_t admitted_epoch) {
   if (catching_up.load(std::memory_order_relaxed)) {
     for (const std::string& key : keys) Confirm(key);
   }
-  if (!handoff || !elastic()) return;
-  bool stray = false;
-  for (const std::string& key : keys) {
-    if (!Owns(*ring, key)) {
-      stray = true;
-      break;
-    }
-  }
-  if (!stray) return;
+  if (!handoff || !elastic() || ring->epoch() == admitted_epoch) return;
+  bool added = false;
   {
     std::lock_guard<std::mutex> lock(handoff->mu);
-    if (!handoff->now) return;  // no ring change yet: nothing to give away to
-    handoff->giveaway = true;
+    const Handoff& H = *handoff;
+    if (!H.now || !H.before) return;
+    for (const std::string& key : keys) {
+      const std::vector<int> p_new = H.now->Owners(key, replicas);
+      if (Has(p_new, self_index) && p_new == H.before->Owners(key, replicas)) continue;
+      handoff->recheck.insert(key);
+      added = true;
+    }
   }
+  if (!added) return;
   counters.handoffs_running.store(1, std::memory_order_relaxed);
   handoff->cv.notify_all();
 }
@@ -247,8 +258,9 @@ void Server::Impl::HandleHandoffPut(const Req& r, std::string_view body,
   if (s.ok() && version == 0) s = Status::ProtocolError("handoff without a version");
   if (!s.ok()) return ReplyStatus(r, s);
   const bool durable = (r.h.flags & w::kFlagDurable) != 0;
-  ReadPayloadThen(r, std::move(msg),
-                  [this, r, put, version, durable](Status rs, std::shared_ptr<PayloadBuffer> buf) {
+  const uint64_t epoch = ring->epoch();
+  ReadPayloadThen(r, std::move(msg), [this, r, put, version, durable, epoch](
+                                         Status rs, std::shared_ptr<PayloadBuffer> buf) {
                     Status st = rs;
                     bool changed = false;
                     if (st.ok() && !DeletedSince(put.key, version)) {
@@ -277,11 +289,11 @@ void Server::Impl::HandleHandoffPut(const Req& r, std::string_view body,
                       counters.handoff_keys_in.fetch_add(1, std::memory_order_relaxed);
                       counters.handoff_bytes_in.fetch_add(put.size, std::memory_order_relaxed);
                     }
-                    PostReply([this, r, st, changed, key = put.key] {
+                    PostReply([this, r, st, changed, key = put.key, epoch] {
                       // Versions compared: whichever this node now holds is the newest.
                       if (st.ok()) Confirm(key);
                       if (!changed) return ReplyStatus(r, st);
-                      NoteCommitted({key});  // the ring may have moved on meanwhile
+                      NoteCommitted({key}, epoch);  // the ring may have moved on meanwhile
                       // A new version of the key here: copies of an older one go first.
                       AfterWrite({key}, [this, r, st] { ReplyStatus(r, st); });
                     });

@@ -140,10 +140,6 @@ void Server::Impl::ApplyMembership(MembershipView v) {
   bool same = ring && ring->size() == slots.size();
   for (size_t p = 0; same && p < slots.size(); ++p) same = ring->slot(p) == slots[p];
   if (!same) {
-    if (joined_at == Clock::time_point{} &&
-        slots.end() != std::find(slots.begin(), slots.end(), self_index)) {
-      joined_at = Clock::now();
-    }
     std::string list;
     for (const NodeInfo& n : members) list += (list.empty() ? "" : ",") + n.id;
     auto next =
@@ -156,6 +152,11 @@ void Server::Impl::ApplyMembership(MembershipView v) {
     counters.ring_changes.fetch_add(1, std::memory_order_relaxed);
     GKV_LOG_INFO("ring epoch {}: {} members [{}]{}", next->epoch(), members.size(), list,
                  next->contains(self_index) ? "" : (was_member ? "; this node left" : ""));
+  }
+  if (catching_up.load(std::memory_order_relaxed) && joined_at != Clock::time_point{}) {
+    for (const std::string& id : view.handoffs_running) {
+      if (id != self.id && view.catching_up.count(id) == 0) seen_marks.insert(id);
+    }
   }
   // `gkv drain` named this node: leave (on a thread of its own: it waits for the handoff).
   if (view.drain_requested.count(self.id) && !leaving.load() && !drain_thread.joinable()) {
@@ -200,33 +201,41 @@ void Server::Impl::BeginCatchUp() {
   catching_up.store(recovered_keys > 0);
 }
 
-bool Server::Impl::HeldBack(const Req& r, std::string_view key) const {
-  if (!catching_up.load(std::memory_order_relaxed) || (r.h.flags & w::kFlagLastResort)) {
-    return false;
-  }
-  return unconfirmed.count(std::string(key)) > 0;
-}
-
 void Server::Impl::CatchUpTick(Clock::time_point now) {
+  if (mark_retry.load(std::memory_order_relaxed) &&
+      now - last_mark_retry >= std::chrono::seconds(1)) {
+    last_mark_retry = now;
+    mark_retry.store(false);
+    executors->Submit([this] { SyncHandoffMark(); });
+  }
   if (!catching_up.load(std::memory_order_relaxed) || joined_at == Clock::time_point{}) return;
   const auto since = now - joined_at;
   if (since < kCatchUpMin) return;
-  bool others_busy = false;
-  for (const std::string& id : view.handoffs_running) others_busy |= id != self.id;
-  const bool overdue = since > kCatchUpMax;
-  if (others_busy && !overdue) return;
-  if (overdue) {
-    GKV_LOG_WARN(
-        "node {}: other nodes' handoffs still run {} s after it joined; serving its {} "
-        "unconfirmed recovered keys as they are",
-        self.id, std::chrono::duration_cast<std::chrono::seconds>(since).count(),
-        unconfirmed.size());
+  // Other nodes' scans: one running keeps this node catching up; one not seen yet (a member
+  // whose watch lags) is waited for up to kCatchUpQuiet. Nodes that only catch up don't count.
+  bool busy = false, all_seen = true;
+  for (const std::string& id : view.handoffs_running) {
+    busy |= id != self.id && view.catching_up.count(id) == 0;
   }
-  GKV_LOG_INFO(
-      "node {} caught up: of {} keys recovered from disk, {} were confirmed or replaced "
-      "by the cluster, {} kept as they were",
-      self.id, recovered_keys, recovered_keys - unconfirmed.size(), unconfirmed.size());
+  for (const NodeInfo& n : view.RingNodes()) {
+    if (n.id != self.id && view.catching_up.count(n.id) == 0 && seen_marks.count(n.id) == 0) {
+      all_seen = false;
+    }
+  }
+  const bool overdue = since > kCatchUpMax;
+  if (!overdue && (busy || (!all_seen && since < kCatchUpQuiet))) return;
+  if (overdue) {
+    GKV_LOG_WARN("node {}: other nodes' handoffs still run {} s after it joined; serving its {} "
+                 "unconfirmed recovered keys as they are",
+                 self.id, std::chrono::duration_cast<std::chrono::seconds>(since).count(),
+                 unconfirmed.size());
+  }
+  GKV_LOG_INFO("node {} caught up in {:.1f} s: of {} keys recovered from disk, {} were confirmed "
+               "or replaced by the cluster, {} kept as they were",
+               self.id, std::chrono::duration<double>(since).count(), recovered_keys,
+               recovered_keys - unconfirmed.size(), unconfirmed.size());
   unconfirmed.clear();
+  seen_marks.clear();
   catching_up.store(false);
   executors->Submit([this] { SyncHandoffMark(); });
 }
@@ -234,14 +243,16 @@ void Server::Impl::CatchUpTick(Clock::time_point now) {
 void Server::Impl::SyncHandoffMark() {
   std::lock_guard<std::mutex> lock(mark_mu);
   if (!registration) return;
-  const bool want = catching_up.load() || !HandoffIdle();
-  if (want == mark_on) return;
-  Status s = registration->SetHandoffRunning(want);
-  if (s.ok()) {
-    mark_on = want;
-  } else {
-    GKV_LOG_DEBUG("setting handoff/{} to {}: {}", self.id, want, s.ToString());
+  const bool scanning = !HandoffIdle();
+  const Mark want = scanning ? Mark::kScan : (catching_up.load() ? Mark::kCatchUp : Mark::kOff);
+  if (want == mark) return;
+  Status s = registration->SetHandoffRunning(want != Mark::kOff, want == Mark::kCatchUp);
+  if (s.ok() || s.code() == StatusCode::kAborted) {  // Aborted: deregistered, no mark left
+    mark = want;
+    return;
   }
+  GKV_LOG_WARN("setting handoff/{} in etcd: {} (trying again)", self.id, s.ToString());
+  mark_retry.store(true);
 }
 
 }  // namespace gkv

@@ -20,6 +20,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -240,13 +241,32 @@ struct Server::Impl {
   std::unordered_set<std::string> unconfirmed;
   size_t recovered_keys = 0;
   std::atomic<bool> catching_up{false};
-  Clock::time_point joined_at{};  // the first ring with this node was applied ({}: not yet)
+  // Set (posted by Start) once this run is registered and its mark is on; before that a held
+  // back read answers unavailable (a previous run's record may still route clients here,
+  // and they have no mark telling them to look further).
+  Clock::time_point joined_at{};
+  std::set<std::string> seen_marks;  // other nodes seen with a scan running since joined_at
   static constexpr auto kCatchUpMin = std::chrono::seconds(3);
+  // Without having seen every other member's scan (watch lag), catch-up waits this long.
+  static constexpr auto kCatchUpQuiet = std::chrono::seconds(10);
   static constexpr auto kCatchUpMax = std::chrono::minutes(10);
   // Start(), before the transport: every key on disk is unconfirmed.
   void BeginCatchUp();
-  // Whether a read of `key` must answer not_found (cheap when not catching up).
-  bool HeldBack(const Req& r, std::string_view key) const;
+  // Whether `key` is unconfirmed (cheap when not catching up); whether a read of it must
+  // answer not_found.
+  bool Unconfirmed(std::string_view key) const {
+    return catching_up.load(std::memory_order_relaxed) && unconfirmed.count(std::string(key)) > 0;
+  }
+  bool HeldBack(const Req& r, std::string_view key) const {
+    return (r.h.flags & w::kFlagLastResort) == 0 && Unconfirmed(key);
+  }
+  // The answer to a held-back read: not_found (the client looks further), or unavailable
+  // before this run registered (its clients may not know to look further).
+  Status HeldBackStatus() const {
+    return joined_at == Clock::time_point{}
+               ? Status::Unavailable("node is starting: catching up with the cluster")
+               : Status::NotFound("key not confirmed since this node restarted");
+  }
   // A write, delete or handoff of `key` here settled its version.
   void Confirm(const std::string& key) {
     if (catching_up.load(std::memory_order_relaxed)) unconfirmed.erase(key);
@@ -254,9 +274,13 @@ struct Server::Impl {
   void CatchUpTick(Clock::time_point now);  // OnTick
   // Not on the I/O thread (it calls etcd): handoff/<id> is present while this node catches up
   // or a handoff scan of its runs.
+  // A failed etcd write leaves mark_retry set; OnTick tries again once a second.
   void SyncHandoffMark();
   std::mutex mark_mu;
-  bool mark_on = false;  // guarded by mark_mu
+  enum class Mark { kOff, kCatchUp, kScan };
+  Mark mark = Mark::kOff;  // guarded by mark_mu
+  std::atomic<bool> mark_retry{false};
+  Clock::time_point last_mark_retry{};
 
   // ---------------- handoff (handoff.cc) ----------------
   struct Handoff {
@@ -266,9 +290,9 @@ struct Server::Impl {
     RingPtr now, before;      // the latest change
     uint64_t generation = 0;  // bumped by every change: a running scan for an older one stops
     bool pending = false;     // a scan is due
-    // A pass over the keys this node gives away (and no repairs) is due: a write admitted under
-    // the ring before a change committed after the scan listed the keys (NoteCommitted).
-    bool giveaway = false;
+    // Keys to look at again (a pass over just these is due): a write admitted under the ring
+    // before a change committed after the scan may have listed them (NoteCommitted).
+    std::unordered_set<std::string> recheck;
     bool scanning = false;
     bool stop = false;
   };
@@ -278,9 +302,10 @@ struct Server::Impl {
   // I/O thread: the ring changed from `before` to `now`; (re)start the scan.
   void ScheduleHandoff(RingPtr now, RingPtr before);
   bool HandoffIdle() const;
-  // I/O thread, after keys were written here: any this node does not own in the current ring
-  // (the write was admitted before the ring changed) are given away by another pass.
-  void NoteCommitted(const std::vector<std::string>& keys);
+  // I/O thread, after keys were written here under a write admitted with the ring of
+  // `admitted_epoch`: when the ring changed since, the keys whose owners moved (the scan may
+  // have sent an older version, or this node may no longer own them) get another pass.
+  void NoteCommitted(const std::vector<std::string>& keys, uint64_t admitted_epoch);
   void HandleHandoffPut(const Req& r, std::string_view body, std::unique_ptr<Incoming> msg);
   // Handoff thread: one HANDOFF_PUT, waited for.
   Status SendHandoff(int target, const std::string& key, const ObjectInfo& info, bool durable,
@@ -375,6 +400,7 @@ struct Server::Impl {
     std::unique_ptr<Incoming> msg;
     WriteHandle handle;
     std::string staging;  // device-tier target without device-capable UCX
+    uint64_t ring_epoch = 0;  // of the ring the put was admitted under (NoteCommitted)
   };
 
   void HandlePut(const Req& r, std::string_view body, std::unique_ptr<Incoming> msg);

@@ -56,6 +56,9 @@ struct MembershipView {
   std::vector<MemberRecord> members;  // every registered node, sorted by id
   std::set<std::string> drain_requested;
   std::set<std::string> handoffs_running;
+  // Of those, the nodes whose mark says only that they catch up after a start on an old disk
+  // (no scan of theirs runs): another node catching up need not wait for them.
+  std::set<std::string> catching_up;
 
   // The members that own keys: not draining and not asked to drain, sorted by id.
   std::vector<NodeInfo> RingNodes() const;
@@ -103,8 +106,9 @@ class MemberRegistration {
   // Rewrites the record (e.g. draining = true), on the same lease (a new one if it expired).
   // The id must stay the same. Aborted after Deregister().
   Status Update(const MemberRecord& record);
-  // handoff/<id> on this node's lease: present while `running`.
-  Status SetHandoffRunning(bool running);
+  // handoff/<id> on this node's lease: present while `running`; `catch_up_only` marks it as
+  // a node catching up with no scan of its own running (MembershipView::catching_up).
+  Status SetHandoffRunning(bool running, bool catch_up_only = false);
   // Deletes members/<id>, drain/<id> and handoff/<id> and revokes the lease; the keepalive stops.
   Status Deregister();
   int64_t lease_id() const;
