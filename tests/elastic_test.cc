@@ -357,6 +357,25 @@ void PrintHandoffLines(const ElasticCluster& cluster, const std::vector<std::str
 
 constexpr int kKeys = 1500;
 
+// Runs the gkv tool; returns its exit code and what it printed (stdout and stderr).
+std::pair<int, std::string> Gkv(const std::string& cluster_file, const std::string& args) {
+  const std::string cmd =
+      std::string(GKV_CLI_BIN) + " --cluster " + cluster_file + " " + args + " 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  std::string out;
+  char buf[4096];
+  size_t n;
+  while (p && (n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
+  const int status = p ? pclose(p) : -1;
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+}
+
+size_t Count(const std::string& text, const std::string& what) {
+  size_t n = 0;
+  for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+  return n;
+}
+
 TEST(ElasticTest, ScaleOutFromThreeToFourNodesLosesNothing) {
   ElasticCluster cluster;
   for (const char* id : {"n0", "n1", "n2"}) cluster.Start(id);
@@ -385,6 +404,13 @@ TEST(ElasticTest, ScaleOutFromThreeToFourNodesLosesNothing) {
   const double share = ShareOn(*c, checker, kKeys, "n3");
   std::printf("  n3 holds %.3f of the keys (weight share 0.25)\n", share);
   EXPECT_NEAR(share, 0.25, 0.025);
+  // The tool reaches every member named in etcd (the cluster file names none).
+  auto [stats_code, stats] = Gkv(cluster.file(), "stats --json");
+  EXPECT_EQ(stats_code, 0) << stats;
+  EXPECT_EQ(Count(stats, "\"handoff_keys_in\":"), 4u) << stats;
+  auto [stat_code, stat] = Gkv(cluster.file(), "stat " + checker.Key(0));
+  EXPECT_EQ(stat_code, 0) << stat;
+  EXPECT_NE(stat.find("(node n"), std::string::npos) << stat;
 }
 
 TEST(ElasticTest, DrainingOneOfFourNodesHandsEverythingOff) {
