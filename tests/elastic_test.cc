@@ -114,6 +114,19 @@ class ElasticCluster {
     return -SIGKILL;
   }
 
+  // SIGKILLs node `id`, then waits (up to 15 s) until `watcher`'s ring changes (the node's
+  // lease expired); returns the seconds from the kill, or -1 if the ring never changed.
+  double KillAndWaitForRingChange(const std::string& id, Client& watcher) {
+    const uint64_t epoch = watcher.RingEpoch();
+    const auto killed = Clock::now();
+    Stop(id, SIGKILL);
+    while (watcher.RingEpoch() == epoch && Clock::now() - killed < std::chrono::seconds(15)) {
+      std::this_thread::sleep_for(milliseconds(10));
+    }
+    if (watcher.RingEpoch() == epoch) return -1;
+    return std::chrono::duration<double>(Clock::now() - killed).count();
+  }
+
   bool WaitMember(const std::string& id, bool present, milliseconds timeout) {
     const auto until = Clock::now() + timeout;
     while (Clock::now() < until) {
@@ -484,15 +497,10 @@ TEST(ElasticTest, AKilledNodeIsRoutedAroundAndItsCopiesAreRepaired) {
   auto watcher = cluster.OpenClient();
   ASSERT_NE(watcher, nullptr);
   std::this_thread::sleep_for(milliseconds(1000));
-  const uint64_t epoch = watcher->RingEpoch();
   const auto killed = Clock::now();
-  cluster.Stop("n1", SIGKILL);
   // Lease expiry, then every client's ring drops n1.
-  while (watcher->RingEpoch() == epoch && Clock::now() - killed < std::chrono::seconds(15)) {
-    std::this_thread::sleep_for(milliseconds(10));
-  }
-  const double reroute_s = std::chrono::duration<double>(Clock::now() - killed).count();
-  ASSERT_NE(watcher->RingEpoch(), epoch) << "the ring never dropped the killed node";
+  const double reroute_s = cluster.KillAndWaitForRingChange("n1", *watcher);
+  ASSERT_GE(reroute_s, 0) << "the ring never dropped the killed node";
   ASSERT_TRUE(cluster.WaitHandoffsDone(milliseconds(30000)));
   const double repaired_s = std::chrono::duration<double>(Clock::now() - killed).count();
   checker.StopLoad();
@@ -524,13 +532,8 @@ TEST(ElasticTest, ANodeBackOnItsOldDiskServesNothingOlder) {
   auto watcher = cluster.OpenClient();
   ASSERT_NE(watcher, nullptr);
   std::this_thread::sleep_for(milliseconds(500));
-  const uint64_t epoch = watcher->RingEpoch();
-  const auto killed = Clock::now();
-  cluster.Stop("n1", SIGKILL);
-  while (watcher->RingEpoch() == epoch && Clock::now() - killed < std::chrono::seconds(15)) {
-    std::this_thread::sleep_for(milliseconds(10));
-  }
-  ASSERT_NE(watcher->RingEpoch(), epoch) << "the ring never dropped the killed node";
+  ASSERT_GE(cluster.KillAndWaitForRingChange("n1", *watcher), 0)
+      << "the ring never dropped the killed node";
   ASSERT_TRUE(cluster.WaitHandoffsDone(milliseconds(30000)));
   // Every key is rewritten at least once while n1 is away (one writer, ~1,500 keys).
   const uint64_t writes_before = checker.writes_.load();

@@ -478,8 +478,8 @@ struct Client::Impl {
         // questions: a handoff installs a key at its new owner before it deletes the old copy,
         // so the owner, asked once more, now has it if it moved at all. That last ask also gets
         // a copy the owner held back while catching up after a restart (nobody else had it).
-        return GetOnNode((*nodes)[0], key, user_dst, capacity, dst_kind, deadline, done, 0,
-                         accept, {}, w::kFlagLastResort);
+        return GetOnNode((*nodes)[0], key, user_dst, capacity, dst_kind, deadline, done, 0, accept,
+                         {}, w::kFlagLastResort);
       }
       GetFrom(key, nodes, i + 1, first_previous, moving, user_dst, capacity, dst_kind, deadline,
               done, accept, failure);

@@ -611,10 +611,10 @@ Status MemberRegistration::SetHandoffRunning(bool running, bool catch_up_only) {
   impl_->handoff_running = running;
   impl_->catch_up_only = running && catch_up_only;
   if (!running) return impl_->client.Delete(impl_->handoff_key).status();
-  Status s = impl_->client
-                 .Put(impl_->handoff_key, catch_up_only ? std::string(kCatchUpMark) : "",
-                      impl_->lease)
-                 .status();
+  Status s =
+      impl_->client
+          .Put(impl_->handoff_key, catch_up_only ? std::string(kCatchUpMark) : "", impl_->lease)
+          .status();
   return s.ok() ? s : impl_->RecoverLocked(s);
 }
 

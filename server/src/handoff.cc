@@ -259,45 +259,46 @@ void Server::Impl::HandleHandoffPut(const Req& r, std::string_view body,
   if (!s.ok()) return ReplyStatus(r, s);
   const bool durable = (r.h.flags & w::kFlagDurable) != 0;
   const uint64_t epoch = ring->epoch();
-  ReadPayloadThen(r, std::move(msg), [this, r, put, version, durable, epoch](
-                                         Status rs, std::shared_ptr<PayloadBuffer> buf) {
-                    Status st = rs;
-                    bool changed = false;
-                    if (st.ok() && !DeletedSince(put.key, version)) {
-                      auto h = cache->Reserve(put.key, put.size, put.tensor);
-                      if (h.ok()) {
-                        st = cache->CopyBytes(h->data(), h->memory_kind(), buf->data(),
-                                              MemoryKind::kHost, put.size);
-                        if (st.ok()) {
-                          auto c = cache->CommitHandedOff(std::move(*h), durable, version);
-                          if (c.ok()) {
-                            changed = *c;
-                            // A delete that came in while this was being installed wins.
-                            if (changed && DeletedSince(put.key, version)) {
-                              (void)cache->DeleteVersion(put.key, version);
-                              changed = false;
-                            }
-                          } else {
-                            st = c.status();
-                          }
-                        }
-                      } else {
-                        st = h.status();
-                      }
-                    }
-                    if (st.ok()) {
-                      counters.handoff_keys_in.fetch_add(1, std::memory_order_relaxed);
-                      counters.handoff_bytes_in.fetch_add(put.size, std::memory_order_relaxed);
-                    }
-                    PostReply([this, r, st, changed, key = put.key, epoch] {
-                      // Versions compared: whichever this node now holds is the newest.
-                      if (st.ok()) Confirm(key);
-                      if (!changed) return ReplyStatus(r, st);
-                      NoteCommitted({key}, epoch);  // the ring may have moved on meanwhile
-                      // A new version of the key here: copies of an older one go first.
-                      AfterWrite({key}, [this, r, st] { ReplyStatus(r, st); });
-                    });
-                  });
+  ReadPayloadThen(
+      r, std::move(msg),
+      [this, r, put, version, durable, epoch](Status rs, std::shared_ptr<PayloadBuffer> buf) {
+        Status st = rs;
+        bool changed = false;
+        if (st.ok() && !DeletedSince(put.key, version)) {
+          auto h = cache->Reserve(put.key, put.size, put.tensor);
+          if (h.ok()) {
+            st = cache->CopyBytes(h->data(), h->memory_kind(), buf->data(), MemoryKind::kHost,
+                                  put.size);
+            if (st.ok()) {
+              auto c = cache->CommitHandedOff(std::move(*h), durable, version);
+              if (c.ok()) {
+                changed = *c;
+                // A delete that came in while this was being installed wins.
+                if (changed && DeletedSince(put.key, version)) {
+                  (void)cache->DeleteVersion(put.key, version);
+                  changed = false;
+                }
+              } else {
+                st = c.status();
+              }
+            }
+          } else {
+            st = h.status();
+          }
+        }
+        if (st.ok()) {
+          counters.handoff_keys_in.fetch_add(1, std::memory_order_relaxed);
+          counters.handoff_bytes_in.fetch_add(put.size, std::memory_order_relaxed);
+        }
+        PostReply([this, r, st, changed, key = put.key, epoch] {
+          // Versions compared: whichever this node now holds is the newest.
+          if (st.ok()) Confirm(key);
+          if (!changed) return ReplyStatus(r, st);
+          NoteCommitted({key}, epoch);  // the ring may have moved on meanwhile
+          // A new version of the key here: copies of an older one go first.
+          AfterWrite({key}, [this, r, st] { ReplyStatus(r, st); });
+        });
+      });
 }
 
 void Server::Impl::RememberDelete(const std::string& key) {

@@ -225,15 +225,17 @@ void Server::Impl::CatchUpTick(Clock::time_point now) {
   const bool overdue = since > kCatchUpMax;
   if (!overdue && (busy || (!all_seen && since < kCatchUpQuiet))) return;
   if (overdue) {
-    GKV_LOG_WARN("node {}: other nodes' handoffs still run {} s after it joined; serving its {} "
-                 "unconfirmed recovered keys as they are",
-                 self.id, std::chrono::duration_cast<std::chrono::seconds>(since).count(),
-                 unconfirmed.size());
+    GKV_LOG_WARN(
+        "node {}: other nodes' handoffs still run {} s after it joined; serving its {} "
+        "unconfirmed recovered keys as they are",
+        self.id, std::chrono::duration_cast<std::chrono::seconds>(since).count(),
+        unconfirmed.size());
   }
-  GKV_LOG_INFO("node {} caught up in {:.1f} s: of {} keys recovered from disk, {} were confirmed "
-               "or replaced by the cluster, {} kept as they were",
-               self.id, std::chrono::duration<double>(since).count(), recovered_keys,
-               recovered_keys - unconfirmed.size(), unconfirmed.size());
+  GKV_LOG_INFO(
+      "node {} caught up in {:.1f} s: of {} keys recovered from disk, {} were confirmed "
+      "or replaced by the cluster, {} kept as they were",
+      self.id, std::chrono::duration<double>(since).count(), recovered_keys,
+      recovered_keys - unconfirmed.size(), unconfirmed.size());
   unconfirmed.clear();
   seen_marks.clear();
   catching_up.store(false);

@@ -399,7 +399,7 @@ struct Server::Impl {
     w::PutRequest put;
     std::unique_ptr<Incoming> msg;
     WriteHandle handle;
-    std::string staging;  // device-tier target without device-capable UCX
+    std::string staging;      // device-tier target without device-capable UCX
     uint64_t ring_epoch = 0;  // of the ring the put was admitted under (NoteCommitted)
   };
 
