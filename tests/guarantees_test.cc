@@ -505,6 +505,36 @@ TEST(GuaranteesTest, AHungClientIsDisconnectedAfterTheSendTimeout) {
   EXPECT_EQ(used, 0u);
 }
 
+// Issue 12, review finding 6: MGET replies are gathered in memory; their bytes now count against
+// --max-inflight (each reply alone is allowed). A hung reader holds a 4 MiB batch reply: a second
+// batch gets Busy until the send timeout closes the hung connection and frees the reply.
+TEST(GuaranteesTest, BatchRepliesCountAgainstTheInFlightLimit) {
+  NodeSpec spec;
+  spec.extra_args = {"--max-inflight", "4MiB", "--send-timeout-ms", "1500"};
+  Cluster cluster(1, spec);
+  auto client = cluster.NewClient();
+  ASSERT_TRUE(client);
+  const std::string value(2 << 20, 'b');
+  ASSERT_TRUE(client->Put("a", value.data(), value.size()).ok());
+  ASSERT_TRUE(client->Put("b", value.data(), value.size()).ok());
+  RawConnection hung(client->cluster().nodes[0].port, /*keep_messages=*/true);
+  hung.Send(wire::Opcode::kMultiGet, "", 1, wire::EncodeKeyList({"a", "b"}));
+  ASSERT_EQ(hung.WaitReply(1), StatusCode::kOk);
+  auto busy = client->MultiGet({"a"});
+  ASSERT_EQ(busy.size(), 1u);
+  EXPECT_EQ(busy[0].status().code(), StatusCode::kBusy) << busy[0].status().ToString();
+  bool closed = false;
+  for (int i = 0; i < 50 && !closed; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    closed = StatsCounter(*client, 0, "stuck_connections_closed") >= 1;
+  }
+  ASSERT_TRUE(closed);
+  auto ok = client->MultiGet({"a", "b"});
+  ASSERT_TRUE(ok[0].ok()) << ok[0].status().ToString();
+  ASSERT_TRUE(ok[1].ok()) << ok[1].status().ToString();
+  EXPECT_EQ(ok[1]->view(), value);
+}
+
 // Review finding: a sender that stops in the middle of a PUT's payload held its reservation
 // and its share of the in-flight limit forever, so every other put got Busy. Its connection is
 // now closed after the send timeout, like a reader that never takes its reply.

@@ -273,6 +273,19 @@ void Server::Impl::HandleMultiGet(const Req& r, std::unique_ptr<Incoming> msg) {
                   });
 }
 
+std::shared_ptr<std::string> Server::Impl::ReserveBatchReply(uint64_t values) {
+  std::atomic<uint64_t>& held = *batch_reply_bytes;
+  uint64_t cur = held.load();
+  do {
+    if (cur > 0 && cur + values > options.max_inflight_bytes) return nullptr;
+  } while (!held.compare_exchange_weak(cur, cur + values));
+  return std::shared_ptr<std::string>(new std::string(),
+                                      [counter = batch_reply_bytes, values](std::string* s) {
+                                        delete s;
+                                        counter->fetch_sub(values);
+                                      });
+}
+
 void Server::Impl::ServeMultiGet(const Req& r, std::shared_ptr<std::vector<BatchRow>> rows) {
   if (r.Expired()) return PostReply([this, r] { ReplyStatus(r, DeadlinePassed()); });
   auto results = std::make_shared<std::vector<w::BatchGetResult>>(rows->size());
@@ -313,7 +326,16 @@ void Server::Impl::ServeMultiGet(const Req& r, std::shared_ptr<std::vector<Batch
     owners.push_back(from);
   }
   // One reply: the result block, then every found value in order (gathered here).
-  auto payload = std::make_shared<std::string>(w::EncodeBatchGetBlock(*results));
+  std::shared_ptr<std::string> payload = ReserveBatchReply(total);
+  if (!payload) {
+    handles.clear();
+    return PostReply([this, r, total] {
+      ReplyStatus(r,
+                  Status::Busy("node has " + FormatSize(batch_reply_bytes->load()) +
+                               " of batch replies in flight; this one needs " + FormatSize(total)));
+    });
+  }
+  *payload = w::EncodeBatchGetBlock(*results);
   const size_t block = payload->size();
   payload->resize(block + total);
   size_t off = block;

@@ -336,6 +336,15 @@ struct Server::Impl {
   };
   std::unordered_map<ConnId, ConnLoad> conn_load;
   uint64_t inflight_bytes = 0;
+  // Bytes of MGET replies gathered in memory and not yet sent (any thread): held to
+  // options.max_inflight_bytes like request payloads, released when the reply's buffer goes.
+  // Shared, so a buffer freed late (at transport stop) never touches a dead Impl.
+  std::shared_ptr<std::atomic<uint64_t>> batch_reply_bytes =
+      std::make_shared<std::atomic<uint64_t>>(0);
+  // A buffer of `block` + `values` bytes whose `values` count against batch_reply_bytes until
+  // it is freed, or null (Busy) when the node has other replies in flight and these would pass
+  // the limit. A reply alone is always allowed (max_batch_bytes bounds it).
+  std::shared_ptr<std::string> ReserveBatchReply(uint64_t values);
   Clock::time_point last_send_check = Clock::now();
   // Accepted connections whose peer said PEER_HELLO (with the peer secret, where the cluster has
   // one): the only ones allowed REPLICA_PUT and INVALIDATE. Value: the node's index.
