@@ -24,12 +24,6 @@ using testing::NodeSpec;
 using Clock = std::chrono::steady_clock;
 
 using testing::KeyOn;
-using testing::StatsCounter;
-
-// Tests set it to 0 by hand to see the read-repair test fail.
-#ifndef GKV_READ_REPAIR_CHANCE
-#define GKV_READ_REPAIR_CHANCE 1.0
-#endif
 
 TEST(FailureTest, FailOpenTurnsADeadNodeIntoAMiss) {
   Cluster cluster(3);
@@ -98,44 +92,6 @@ TEST(FailureTest, ReplicatedKeysStayReadableWhenTheirPrimaryDies) {
   EXPECT_EQ(c.Get(k1)->view(), "live");
   ASSERT_TRUE(c.Delete(k1).ok());
   EXPECT_EQ(c.Get(k1).status().code(), StatusCode::kNotFound);
-}
-
-// Read repair: a replica that missed an acknowledged write (it was down, and came back on its
-// disk with the older version) is brought up to date by the key's first node once reads notice
-// it lagging, so it serves that write after the first node dies. (With read_repair_chance = 0
-// the last read returns "old".)
-TEST(FailureTest, ReadRepairBringsALaggingReplicaUpToDate) {
-  Cluster cluster(2);
-  ClientOptions o;
-  o.cluster_file = cluster.cluster_file();
-  o.replicas = 2;
-  o.read_repair_chance = GKV_READ_REPAIR_CHANCE;
-  o.default_timeout = std::chrono::milliseconds(500);
-  auto client = Client::Open(o);
-  ASSERT_TRUE(client.ok());
-  Client& c = **client;
-  const std::string k = KeyOn(c, 0);
-  PutOptions durable;
-  durable.durable = true;
-  ASSERT_TRUE(c.Put(k, "old", 3, durable).ok());
-  cluster.StopNode(1, SIGKILL);
-  auto put = c.Put(k, "new", 3, durable);  // acknowledged by the key's first node, n0
-  ASSERT_TRUE(put.ok()) << put.status().ToString();
-  cluster.StartNode(1);  // on its disk, with "old"
-  cluster.WaitReady();
-  uint64_t repairs = 0;
-  for (int i = 0; i < 100 && repairs == 0; ++i) {
-    auto got = c.Get(k);
-    ASSERT_TRUE(got.ok()) << got.status().ToString();
-    EXPECT_EQ(got->view(), "new");
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    repairs = StatsCounter(c, 0, "read_repairs");
-  }
-  EXPECT_GT(repairs, 0u) << "no read noticed that n1 lags";
-  cluster.StopNode(0, SIGKILL);
-  auto got = c.Get(k);
-  ASSERT_TRUE(got.ok()) << got.status().ToString();
-  EXPECT_EQ(got->view(), "new");
 }
 
 TEST(FailureTest, DurablePutsSurviveSigkillAndAWarmRestart) {

@@ -1021,7 +1021,7 @@ Result<ReadHandle> TieredCache::Acquire(std::string_view key) {
     GKV_RETURN_IF_ERROR(s);
     h.data_ = reinterpret_cast<const std::byte*>(h.owned_.data());
     h.kind_ = MemoryKind::kHost;
-    h.info_ = ObjectInfo{meta.size, meta.version, meta.tensor, Tier::kDisk, true, meta.durable};
+    h.info_ = ObjectInfo{meta.size, meta.version, meta.tensor, Tier::kDisk, true};
 
     if (promote && meta.version == version) {
       lock.lock();
@@ -1060,7 +1060,7 @@ void TieredCache::PinForRead(const std::shared_ptr<void>& entry, ReadHandle* out
   out->cache_ = this;
   out->data_ = e->data;
   out->kind_ = e->arena->kind();
-  out->info_ = ObjectInfo{e->size, e->version, e->tensor, e->tier, e->on_disk, e->durable};
+  out->info_ = ObjectInfo{e->size, e->version, e->tensor, e->tier, e->on_disk};
   out->entry_ = entry;
 }
 
@@ -1108,7 +1108,7 @@ Result<ObjectInfo> TieredCache::Stat(std::string_view key) {
   if (!sp) return Status::NotFound("key not found");
   std::lock_guard<std::mutex> lock(I.mu);
   if (!sp->live) return Status::NotFound("key not found");
-  return ObjectInfo{sp->size, sp->version, sp->tensor, sp->tier, sp->on_disk, sp->durable};
+  return ObjectInfo{sp->size, sp->version, sp->tensor, sp->tier, sp->on_disk};
 }
 
 Status TieredCache::Delete(std::string_view key) { return DeleteVersion(key, 0); }

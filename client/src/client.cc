@@ -469,9 +469,6 @@ struct Client::Impl {
       const bool move_on =
           NodeFailure(r.status()) ||
           (moving && (code == StatusCode::kNotFound || code == StatusCode::kWrongNode));
-      if (r.ok() && i == 0 && !moving && options.replicas > 1) {
-        MaybeReadRepair(key, *nodes, r->info().version);
-      }
       if (r.ok() || !move_on || Clock::now() >= deadline) return done(std::move(r));
       if (last) {
         if (!moving || code != StatusCode::kNotFound) return done(std::move(r));
@@ -489,45 +486,6 @@ struct Client::Impl {
     };
     GetOnNode(node, key, user_dst, capacity, dst_kind, deadline, next, 0, accept, {},
               i >= first_previous ? w::kFlagPreviousOwner : uint16_t{0});
-  }
-
-  // Read repair (I/O thread), for read_repair_chance of the reads `owners[0]` served at
-  // `version`: asks the key's other owners for their version; any that lags behind (older, or
-  // missing) has owners[0] push its copy (REPAIR). Nothing here waits or reports to the caller.
-  void MaybeReadRepair(const std::string& key, const std::vector<int>& owners, uint64_t version) {
-    if (options.read_repair_chance <= 0 || owners.size() < 2) return;
-    if (std::uniform_real_distribution<double>(0, 1)(hint_rng) >= options.read_repair_chance) {
-      return;
-    }
-    const auto deadline = Clock::now() + options.default_timeout;
-    const int first = owners[0];
-    const size_t replicas = std::min(owners.size(), static_cast<size_t>(options.replicas));
-    for (size_t i = 1; i < replicas; ++i) {
-      const int replica = owners[i];
-      auto on_reply = [this, key, first, replica, version, deadline](
-                          const PendingPtr& p, std::unique_ptr<Incoming> msg) {
-        w::ObjectMeta meta;
-        Status s = ParseReply(*msg, [&](std::string_view body, w::ReplyStatus* rs) {
-          return w::DecodeObjectReply(body, rs, &meta);
-        });
-        const bool lags = s.ok() ? meta.version < version : s.code() == StatusCode::kNotFound;
-        if (lags) {
-          Issue(
-              first, w::Opcode::kRepair, 0, w::EncodeRepair(key, nodes[replica].id), nullptr, 0,
-              MemoryKind::kHost, deadline,
-              [this](const PendingPtr& rp, std::unique_ptr<Incoming>) { Complete(rp, [] {}); },
-              [](Status) {});
-        }
-        // Last: completing drops this callback (and what it captured).
-        if (s.ok()) {
-          Complete(p, [] {});
-        } else {
-          Fail(p, s);
-        }
-      };
-      Issue(replica, w::Opcode::kStat, 0, w::EncodeKeyRequest(key), nullptr, 0, MemoryKind::kHost,
-            deadline, on_reply, [](Status) {});
-    }
   }
 
   // replica_version != 0: read the copy of exactly that version a replica node holds.

@@ -301,41 +301,6 @@ void Server::Impl::HandleHandoffPut(const Req& r, std::string_view body,
       });
 }
 
-void Server::Impl::HandleRepair(const Req& r, std::string_view body) {
-  std::string key, target_id;
-  Status s = w::DecodeRepair(body, &key, &target_id);
-  const int target = s.ok() ? options.cluster.FindNode(target_id) : -1;
-  if (s.ok() && (target < 0 || target == self_index)) {
-    s = Status::InvalidArgument("repair target is not a peer of this node");
-  }
-  // Under etcd the ring says who holds a key: only its owners take copies.
-  if (s.ok() && elastic() && !Has(ring->Owners(key, replicas), target)) {
-    s = Status::InvalidArgument("repair target does not own the key in ring epoch " +
-                                std::to_string(ring->epoch()));
-  }
-  if (!s.ok()) return ReplyStatus(r, s);
-  SubmitRequestWork(r, [this, r, key = std::move(key), target] {
-    if (r.Expired()) return PostReply([this, r] { ReplyStatus(r, DeadlinePassed()); });
-    auto bytes = std::make_shared<std::string>();
-    auto info = cache->Get(key, bytes.get());
-    if (!info.ok()) return PostReply([this, r, st = info.status()] { ReplyStatus(r, st); });
-    w::PutRequest put;
-    put.key = key;
-    put.tensor = info->tensor;
-    put.size = bytes->size();
-    PostReply([this, r, target, bytes, durable = info->durable,
-               body = w::EncodeHandoffPut(put, info->version)]() mutable {
-      CallPeer(
-          target, w::Opcode::kHandoffPut, std::move(body), bytes,
-          [this, r](Status st, std::string_view) {
-            if (st.ok()) counters.read_repairs.fetch_add(1, std::memory_order_relaxed);
-            ReplyStatus(r, st);
-          },
-          durable ? w::kFlagDurable : uint16_t{0}, std::chrono::seconds(2));
-    });
-  });
-}
-
 void Server::Impl::RememberDelete(const std::string& key) {
   if (!elastic()) return;
   const auto now = Clock::now();

@@ -206,8 +206,7 @@ void Server::Impl::OnMessage(std::unique_ptr<Incoming> msg) {
     case w::Opcode::kMultiPut:
     case w::Opcode::kStats:
     case w::Opcode::kReplicaPut:
-    case w::Opcode::kHandoffPut:
-    case w::Opcode::kRepair: {
+    case w::Opcode::kHandoffPut: {
       // Refused here, before anything is reserved or allocated (an unreceived payload is
       // released when `msg` goes).
       Status admitted = Admit(&r, msg->payload_size());
@@ -247,8 +246,6 @@ void Server::Impl::OnMessage(std::unique_ptr<Incoming> msg) {
       return HandleLoadReport(r, body);
     case w::Opcode::kHandoffPut:
       return HandleHandoffPut(r, body, std::move(msg));
-    case w::Opcode::kRepair:
-      return HandleRepair(r, body);
     case w::Opcode::kPeerHello:
       return;  // handled above
   }

@@ -307,9 +307,6 @@ struct Server::Impl {
   // have sent an older version, or this node may no longer own them) get another pass.
   void NoteCommitted(const std::vector<std::string>& keys, uint64_t admitted_epoch);
   void HandleHandoffPut(const Req& r, std::string_view body, std::unique_ptr<Incoming> msg);
-  // Read repair: a client saw a replica of the key lag behind this node's copy; push the copy
-  // there with HANDOFF_PUT (the replica keeps whichever version is newer).
-  void HandleRepair(const Req& r, std::string_view body);
   // Handoff thread: one HANDOFF_PUT, waited for.
   Status SendHandoff(int target, const std::string& key, const ObjectInfo& info, bool durable,
                      const std::string& bytes);

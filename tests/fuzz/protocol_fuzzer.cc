@@ -64,11 +64,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
           case Opcode::kHandoffPut:
             if (DecodeHandoffPut(body, &put, &version).ok()) (void)put.tensor.Validate(put.size);
             break;
-          case Opcode::kRepair: {
-            std::string target;
-            (void)DecodeRepair(body, &key, &target);
-            break;
-          }
           case Opcode::kPeerHello: {
             // Decoded before any authentication: the most exposed decoder.
             std::string secret;

@@ -76,8 +76,6 @@ std::string_view OpcodeName(Opcode op) {
       return "load_report";
     case Opcode::kHandoffPut:
       return "handoff_put";
-    case Opcode::kRepair:
-      return "repair";
   }
   return "unknown";
 }
@@ -117,7 +115,7 @@ Status DecodeMessage(const void* data, size_t size, Header* h, std::string_view*
     return Status::ProtocolError("message shorter than the 24-byte header");
   }
   if (opcode < static_cast<uint8_t>(Opcode::kPing) ||
-      opcode > static_cast<uint8_t>(Opcode::kRepair)) {
+      opcode > static_cast<uint8_t>(Opcode::kHandoffPut)) {
     return Status::ProtocolError("unknown opcode " + std::to_string(opcode));
   }
   if (body_len != r.remaining()) {
@@ -336,22 +334,6 @@ std::string EncodeHandoffPut(const PutRequest& p, uint64_t version) {
   std::string out = EncodePutRequest(p);
   ByteWriter(&out).U64(version);
   return out;
-}
-
-std::string EncodeRepair(std::string_view key, std::string_view target_id) {
-  std::string out;
-  ByteWriter w(&out);
-  w.String(key);
-  w.String(target_id);
-  return out;
-}
-
-Status DecodeRepair(std::string_view body, std::string* key, std::string* target_id) {
-  ByteReader r(body);
-  if (!r.String(key, kMaxKeySize) || !r.String(target_id, kMaxMessageText) || r.remaining() != 0) {
-    return Malformed("repair");
-  }
-  return Status::OK();
 }
 
 Status DecodeHandoffPut(std::string_view body, PutRequest* p, uint64_t* version) {

@@ -92,7 +92,6 @@ struct ObjectInfo {
   TensorMeta tensor;
   Tier tier = Tier::kHost;
   bool on_disk = false;  // the disk tier holds this version (durable put or earlier spill)
-  bool durable = false;  // written durable (its disk copy stays)
 };
 
 struct TierStats {

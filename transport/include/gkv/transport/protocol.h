@@ -46,7 +46,6 @@ enum class Opcode : uint8_t {
   kPeerHello = 12,   // first message on a node -> node connection: the caller's node id
   kLoadReport = 13,  // node -> node, once a second: the sender's read rate (replication)
   kHandoffPut = 14,  // node -> new owner: a key that moved with the ring (membership)
-  kRepair = 15,  // client -> a key's node: push your copy to a replica that lags (read repair)
 };
 std::string_view OpcodeName(Opcode op);
 
@@ -164,9 +163,6 @@ std::string EncodeReplicaPut(const PutRequest& r, uint64_t version, uint64_t att
 // HandoffPut: key, tensor, size, then the version the object has on the sending node (the new
 // owner keeps it unless it has a newer one). kFlagDurable when the object is durable.
 std::string EncodeHandoffPut(const PutRequest& r, uint64_t version);
-// REPAIR: the key, then the id of the node to push the copy to.
-std::string EncodeRepair(std::string_view key, std::string_view target_id);
-Status DecodeRepair(std::string_view body, std::string* key, std::string* target_id);
 Status DecodeHandoffPut(std::string_view body, PutRequest* r, uint64_t* version);
 Status DecodeReplicaPut(std::string_view body, PutRequest* r, uint64_t* version, uint64_t* attempt);
 std::string EncodeInvalidate(std::string_view key, uint64_t version, uint64_t attempt);
