@@ -192,17 +192,27 @@ void Server::Impl::NoteCommitted(const std::vector<std::string>& keys, uint64_t 
   if (catching_up.load(std::memory_order_relaxed)) {
     for (const std::string& key : keys) Confirm(key);
   }
-  if (!handoff || !elastic() || ring->epoch() == admitted_epoch) return;
+  if (!handoff || !elastic()) return;
+  // Keys this node does not own now (a handoff from a peer whose ring is behind, say) go at
+  // once; when the ring changed since the write was admitted, so do keys whose owners moved.
+  std::vector<const std::string*> stray;
+  for (const std::string& key : keys) {
+    if (!Owns(*ring, key)) stray.push_back(&key);
+  }
+  const bool changed = ring->epoch() != admitted_epoch;
+  if (stray.empty() && !changed) return;
   bool added = false;
   {
     std::lock_guard<std::mutex> lock(handoff->mu);
     const Handoff& H = *handoff;
-    if (!H.now || !H.before) return;
-    for (const std::string& key : keys) {
-      const std::vector<int> p_new = H.now->Owners(key, replicas);
-      if (Has(p_new, self_index) && p_new == H.before->Owners(key, replicas)) continue;
-      handoff->recheck.insert(key);
-      added = true;
+    if (!H.now) return;  // no ring change yet: nowhere to give keys to
+    for (const std::string* key : stray) added |= handoff->recheck.insert(*key).second;
+    if (changed && H.before) {
+      for (const std::string& key : keys) {
+        const std::vector<int> p_new = H.now->Owners(key, replicas);
+        if (Has(p_new, self_index) && p_new == H.before->Owners(key, replicas)) continue;
+        added |= handoff->recheck.insert(key).second;
+      }
     }
   }
   if (!added) return;

@@ -153,9 +153,15 @@ void Server::Impl::ApplyMembership(MembershipView v) {
     GKV_LOG_INFO("ring epoch {}: {} members [{}]{}", next->epoch(), members.size(), list,
                  next->contains(self_index) ? "" : (was_member ? "; this node left" : ""));
   }
-  if (catching_up.load(std::memory_order_relaxed) && joined_at != Clock::time_point{}) {
-    for (const std::string& id : view.handoffs_running) {
-      if (id != self.id && view.catching_up.count(id) == 0) seen_marks.insert(id);
+  // Scans that run while this node's record is in etcd are those its joining started (a
+  // previous run's record that expires first resets the tally).
+  if (catching_up.load(std::memory_order_relaxed)) {
+    if (view.Find(self.id) == nullptr) {
+      seen_marks.clear();
+    } else {
+      for (const std::string& id : view.handoffs_running) {
+        if (id != self.id && view.catching_up.count(id) == 0) seen_marks.insert(id);
+      }
     }
   }
   // `gkv drain` named this node: leave (on a thread of its own: it waits for the handoff).

@@ -245,7 +245,8 @@ struct Server::Impl {
   // back read answers unavailable (a previous run's record may still route clients here,
   // and they have no mark telling them to look further).
   Clock::time_point joined_at{};
-  std::set<std::string> seen_marks;  // other nodes seen with a scan running since joined_at
+  // Other nodes seen with a scan running while this node's record is in etcd.
+  std::set<std::string> seen_marks;
   static constexpr auto kCatchUpMin = std::chrono::seconds(3);
   // Without having seen every other member's scan (watch lag), catch-up waits this long.
   static constexpr auto kCatchUpQuiet = std::chrono::seconds(10);
