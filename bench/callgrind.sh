@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# Instructions per request on the hot path, counted with callgrind (stable on a noisy machine,
+# unlike timings): GET and PUT of 64 B and 4 KiB values, server side and client side.
+#   bench/callgrind.sh [N]      (default 2000 requests per run)
+# Method: one node on 127.0.0.1, one client thread with one request in flight (gkv-bench
+# --threads 1 --connections 1). For each case the measured side runs under
+# `valgrind --tool=callgrind` twice, with N and 2N requests (a fresh node each time), and the
+# figure is (Ir(2N) - Ir(N)) / N: start-up, the 16-key load before gets, and shutdown cancel
+# out. The client side is gkv-bench itself (its request loop and latency histogram included).
+# Busy-polling is off (GKV_BUSY_POLL_US=0) so idle spinning is not counted. Replication is off
+# (one node). Needs a build (scripts/build.sh) and valgrind (installed when missing).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+N=${1:-2000}
+bin=$PWD/build/bin
+if ! command -v valgrind > /dev/null; then
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q valgrind > /dev/null
+fi
+dir=$(mktemp -d /tmp/gkv-callgrind.XXXXXX)
+server_pid=""
+cleanup() {
+  if [ -n "$server_pid" ]; then kill -TERM "$server_pid" 2> /dev/null || true; fi
+  wait 2> /dev/null || true
+}
+trap cleanup EXIT
+export GKV_BUSY_POLL_US=0
+
+free_port() {
+  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'
+}
+
+# start_server [valgrind args...]: a fresh node (under the given wrapper, if any).
+start_server() {
+  local port
+  port=$(free_port)
+  printf 'nodes:\n  - {id: n0, address: 127.0.0.1:%s}\n' "$port" > "$dir/cluster.yaml"
+  rm -rf "$dir/disk"
+  "$@" "$bin/gkv-server" --cluster "$dir/cluster.yaml" --node n0 --host-mem 64MiB \
+    --threads 1 > "$dir/server.log" 2>&1 &
+  server_pid=$!
+  for _ in $(seq 1 300); do
+    grep -q "up on" "$dir/server.log" 2> /dev/null && return 0
+    kill -0 "$server_pid" 2> /dev/null || break
+    sleep 0.1
+  done
+  echo "gkv-server did not start:" >&2
+  cat "$dir/server.log" >&2
+  exit 1
+}
+
+stop_server() {
+  kill -TERM "$server_pid"
+  wait "$server_pid" || true
+  server_pid=""
+}
+
+# bench_cmd SIZE OP COUNT: the load, printed as an argument list.
+bench_args() {
+  local ratio=1:0
+  if [ "$2" = put ]; then ratio=0:1; fi
+  echo --cluster "$dir/cluster.yaml" --keys 16 --value-size "$1" --ratio "$ratio" \
+    --requests "$3" --threads 1 --connections 1 --warmup 0 --timeout-ms 30000
+}
+
+total_ir() { awk '/^(summary|totals):/ { print $2; exit }' "$1"; }
+
+# server_ir SIZE OP COUNT
+server_ir() {
+  local out="$dir/server.$1.$2.$3.cg"
+  start_server valgrind --tool=callgrind --callgrind-out-file="$out"
+  # shellcheck disable=SC2046
+  "$bin/gkv-bench" $(bench_args "$1" "$2" "$3") > "$dir/bench.log" 2>&1
+  stop_server
+  total_ir "$out"
+}
+
+# client_ir SIZE OP COUNT
+client_ir() {
+  local out="$dir/client.$1.$2.$3.cg"
+  start_server
+  # shellcheck disable=SC2046
+  valgrind --tool=callgrind --callgrind-out-file="$out" "$bin/gkv-bench" \
+    $(bench_args "$1" "$2" "$3") > "$dir/bench.log" 2>&1
+  stop_server
+  total_ir "$out"
+}
+
+printf '%-4s %6s %14s %14s   (instructions per request, N=%d)\n' op value server client "$N"
+for size in 64 4KiB; do
+  for op in get put; do
+    s1=$(server_ir "$size" "$op" "$N")
+    s2=$(server_ir "$size" "$op" $((2 * N)))
+    c1=$(client_ir "$size" "$op" "$N")
+    c2=$(client_ir "$size" "$op" $((2 * N)))
+    printf '%-4s %6s %14d %14d\n' "$op" "$size" $(((s2 - s1) / N)) $(((c2 - c1) / N))
+  done
+done
+echo "callgrind files: $dir"
