@@ -25,6 +25,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <memory>
@@ -50,7 +51,25 @@ class EtcdProcess {
 
   // Starts etcd and waits (up to 10 s) until it answers /health; on failure says why, with the
   // end of its log. Call from the test's main thread: etcd dies with the thread that forked it.
+  // A first start whose port another process took between the pick and etcd's bind (tests run
+  // in parallel) is tried again on new ports, up to 3 times; a restart keeps its ports.
   ::testing::AssertionResult Start() {
+    for (int attempt = 1;; ++attempt) {
+      ::testing::AssertionResult started = StartOnce();
+      if (started || started_once_ || attempt == 3 || pid_ > 0 ||
+          LogTail().find("address already in use") == std::string::npos) {
+        started_once_ = started_once_ || started;
+        return started;
+      }
+      std::filesystem::remove_all(dir_.Sub("data"));
+      std::filesystem::remove(log_file());
+      client_port_ = FreePort();
+      peer_port_ = FreePort();
+    }
+  }
+
+ private:
+  ::testing::AssertionResult StartOnce() {
     if (pid_ > 0) return ::testing::AssertionFailure() << "etcd is running already";
     if (client_port_ == 0 || peer_port_ == 0) {
       return ::testing::AssertionFailure() << "no free ports for etcd";
@@ -87,6 +106,7 @@ class EtcdProcess {
     return ::testing::AssertionFailure() << "etcd did not answer within 10 s; log:\n" << LogTail();
   }
 
+ public:
   // SIGKILL (a crash: no goodbye to its clients), then waits for it.
   void Kill() { Signal(SIGKILL); }
   // SIGTERM, then waits (up to 10 s; then SIGKILL and a test failure).
@@ -135,9 +155,10 @@ class EtcdProcess {
   }
 
   TempDir dir_;
-  const uint16_t client_port_;
-  const uint16_t peer_port_;
+  uint16_t client_port_;
+  uint16_t peer_port_;
   pid_t pid_ = -1;
+  bool started_once_ = false;  // a restart keeps its ports (clients know the endpoint)
 };
 
 // A TCP relay on a free 127.0.0.1 port to `upstream_port`. Cut() breaks every relayed
