@@ -54,7 +54,7 @@ stop_server() {
   server_pid=""
 }
 
-# bench_cmd SIZE OP COUNT: the load, printed as an argument list.
+# bench_args SIZE OP COUNT: the load, printed as an argument list.
 bench_args() {
   local ratio=1:0
   if [ "$2" = put ]; then ratio=0:1; fi

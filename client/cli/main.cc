@@ -235,9 +235,10 @@ int main(int argc, char** argv) {
   if (*stat) {
     auto r = c.Stat(key);
     if (!r.ok()) return ExitFor(r.status(), "stat " + key);
-    const auto nodes = c.Nodes();
+    const auto nodes = c.Nodes();  // under etcd the members (the file names none)
+    const int owner = c.NodeFor(key);
     std::printf("%s: %s (node %s)\n", key.c_str(), Describe(*r).c_str(),
-                (c.NodeFor(key) >= 0 ? nodes[c.NodeFor(key)].id.c_str() : "?"));
+                owner >= 0 ? nodes[owner].id.c_str() : "?");
     return kOk;
   }
   if (*ping) {

@@ -413,14 +413,17 @@ struct Client::Impl {
              Clock::time_point deadline, bool fail_open, std::function<void(Result<Value>)> done,
              Accept accept = {}) {
     auto route = Route();
-    auto nodes = std::make_shared<std::vector<int>>(route->ring->Owners(key, options.replicas));
-    // While keys may be moving, the previous ring's owners are asked after the current ones.
-    const size_t first_previous = nodes->size();
-    const bool moving = route->Moving();
-    if (moving) {
-      for (int n : route->PreviousOwners(key, options.replicas, *nodes)) nodes->push_back(n);
+    auto plan = std::make_shared<GetPlan>();
+    plan->nodes = route->ring->Owners(key, options.replicas);
+    // While keys may be moving, the previous rings' owners are asked after the current ones.
+    plan->first_previous = plan->nodes.size();
+    plan->moving = route->Moving();
+    if (plan->moving) {
+      for (int n : route->PreviousOwners(key, options.replicas, plan->nodes)) {
+        plan->nodes.push_back(n);
+      }
     }
-    if (nodes->empty()) return done(Status::Unavailable("the ring has no members"));
+    if (plan->nodes.empty()) return done(Status::Unavailable("the ring has no members"));
     std::function<void(Result<Value>)> retry_or_finish;
     std::function<void(Result<Value>)> finish = [fail_open, done](Result<Value> r) {
       if (!r.ok() && fail_open && NodeFailure(r.status())) {
@@ -440,10 +443,9 @@ struct Client::Impl {
       }
       finish(std::move(r));
     };
-    auto normal = [this, key, nodes, first_previous, moving, user_dst, capacity, dst_kind, deadline,
-                   retry_or_finish, accept] {
-      GetFrom(key, nodes, 0, first_previous, moving, user_dst, capacity, dst_kind, deadline,
-              retry_or_finish, accept, std::make_shared<Status>());
+    auto normal = [this, key, plan, user_dst, capacity, dst_kind, deadline, retry_or_finish,
+                   accept] {
+      GetFrom(key, plan, 0, user_dst, capacity, dst_kind, deadline, retry_or_finish, accept);
     };
     if (!hints.empty() &&
         TryReplicaRead(key, user_dst, capacity, dst_kind, deadline, finish, normal, accept)) {
@@ -452,40 +454,41 @@ struct Client::Impl {
     normal();
   }
 
-  // Nodes from index first_previous on are the previous rings' owners (asked as such).
-  // `moving`: keys may be moving (Routing::Moving), so a miss asks the next node.
-  // `failure`: the first node failure (unavailable, timeout) among the nodes asked so far.
-  void GetFrom(std::string key, std::shared_ptr<std::vector<int>> nodes, size_t i,
-               size_t first_previous, bool moving, void* user_dst, size_t capacity,
-               MemoryKind dst_kind, Clock::time_point deadline,
-               std::function<void(Result<Value>)> done, Accept accept,
-               std::shared_ptr<Status> failure) {
-    const int node = (*nodes)[i];
-    const bool last = i + 1 == nodes->size();
-    auto next = [this, key, nodes, i, first_previous, last, moving, user_dst, capacity, dst_kind,
-                 deadline, done, accept, failure](Result<Value> r) {
+  // The nodes a get asks, in order, and what it learnt on the way (shared by its steps).
+  struct GetPlan {
+    std::vector<int> nodes;
+    size_t first_previous = 0;  // nodes from here on are previous rings' owners (asked as such)
+    bool moving = false;        // keys may be moving (Routing::Moving): a miss asks the next node
+    Status failure;             // the first node failure (unavailable, timeout) so far
+  };
+
+  void GetFrom(std::string key, std::shared_ptr<GetPlan> plan, size_t i, void* user_dst,
+               size_t capacity, MemoryKind dst_kind, Clock::time_point deadline,
+               std::function<void(Result<Value>)> done, Accept accept) {
+    const int node = plan->nodes[i];
+    auto next = [this, key, plan, i, user_dst, capacity, dst_kind, deadline, done,
+                 accept](Result<Value> r) {
       const StatusCode code = r.status().code();
-      if (NodeFailure(r.status()) && failure->ok()) *failure = r.status();
+      if (NodeFailure(r.status()) && plan->failure.ok()) plan->failure = r.status();
       const bool move_on =
           NodeFailure(r.status()) ||
-          (moving && (code == StatusCode::kNotFound || code == StatusCode::kWrongNode));
+          (plan->moving && (code == StatusCode::kNotFound || code == StatusCode::kWrongNode));
       if (r.ok() || !move_on || Clock::now() >= deadline) return done(std::move(r));
-      if (last) {
-        if (!moving || code != StatusCode::kNotFound) return done(std::move(r));
+      if (i + 1 == plan->nodes.size()) {
+        if (!plan->moving || code != StatusCode::kNotFound) return done(std::move(r));
         // A node that failed may hold the newest version: no copy elsewhere stands in for it.
-        if (!failure->ok()) return done(*failure);
+        if (!plan->failure.ok()) return done(plan->failure);
         // Every node missed while keys may be moving. The key may have moved between the
         // questions: a handoff installs a key at its new owner before it deletes the old copy,
         // so the owner, asked once more, now has it if it moved at all. That last ask also gets
         // a copy the owner held back while catching up after a restart (nobody else had it).
-        return GetOnNode((*nodes)[0], key, user_dst, capacity, dst_kind, deadline, done, 0, accept,
-                         {}, w::kFlagLastResort);
+        return GetOnNode(plan->nodes[0], key, user_dst, capacity, dst_kind, deadline, done, 0,
+                         accept, {}, w::kFlagLastResort);
       }
-      GetFrom(key, nodes, i + 1, first_previous, moving, user_dst, capacity, dst_kind, deadline,
-              done, accept, failure);
+      GetFrom(key, plan, i + 1, user_dst, capacity, dst_kind, deadline, done, accept);
     };
     GetOnNode(node, key, user_dst, capacity, dst_kind, deadline, next, 0, accept, {},
-              i >= first_previous ? w::kFlagPreviousOwner : uint16_t{0});
+              i >= plan->first_previous ? w::kFlagPreviousOwner : uint16_t{0});
   }
 
   // replica_version != 0: read the copy of exactly that version a replica node holds.
@@ -1107,8 +1110,8 @@ Result<uint64_t> Client::Put(std::string_view key, const void* data, size_t size
 Status Client::Delete(std::string_view key, std::chrono::milliseconds timeout) {
   Impl* I = impl_.get();
   const auto deadline = I->DeadlineFrom(timeout);
-  // A previous owner that deleted the key on an attempt refused by the owner (a ring behind)
-  // makes a later NotFound an OK: the key existed, and this call deleted it.
+  // A previous owner that deleted the key (on this attempt, or on one the owner refused as
+  // misrouted) makes the owner's NotFound an OK: the key existed, and this call deleted it.
   bool deleted_before = false;
   for (;;) {
     const auto left =
@@ -1172,7 +1175,6 @@ Status Client::DeleteOnce(std::string_view key, std::chrono::milliseconds timeou
   for (size_t i = first_previous; i < call->nodes.size(); ++i) {
     if (call->results[i].ok()) *deleted_before = true;
   }
-  if (call->results[0].code() == StatusCode::kNotFound && *deleted_before) return Status::OK();
   return call->results[0];
 }
 

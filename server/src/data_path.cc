@@ -172,11 +172,12 @@ void Server::Impl::HandleGet(const Req& r, std::string_view body) {
   if (s.ok() && Misrouted(r, key)) s = WrongNode();
   if (!s.ok()) return ReplyStatus(r, s);
   CountRow();
-  if (HeldBack(r, key)) {
+  const bool unconfirmed = Unconfirmed(key);
+  if (unconfirmed && (r.h.flags & w::kFlagLastResort) == 0) {  // HeldBack
     Status held = HeldBackStatus();
     return Reply(r, held, w::EncodeObjectReply(held, {}), nullptr, 0, MemoryKind::kHost, nullptr);
   }
-  if (replication_on() && !Unconfirmed(key)) CountRead(key);  // no copies of those
+  if (replication_on() && !unconfirmed) CountRead(key);  // no copies of those
   // Hot path: an object in host memory (or in GPU memory that UCX can send) is answered right
   // here on the I/O thread; anything that may block goes to an executor.
   {

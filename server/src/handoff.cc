@@ -192,27 +192,19 @@ void Server::Impl::NoteCommitted(const std::vector<std::string>& keys, uint64_t 
   if (catching_up.load(std::memory_order_relaxed)) {
     for (const std::string& key : keys) Confirm(key);
   }
-  if (!handoff || !elastic()) return;
-  // Keys this node does not own now (a handoff from a peer whose ring is behind, say) go at
-  // once; when the ring changed since the write was admitted, so do keys whose owners moved.
-  std::vector<const std::string*> stray;
-  for (const std::string& key : keys) {
-    if (!Owns(*ring, key)) stray.push_back(&key);
-  }
-  const bool changed = ring->epoch() != admitted_epoch;
-  if (stray.empty() && !changed) return;
+  // Admitted under the current ring: the admission checked ownership, nothing moved since.
+  if (!handoff || !elastic() || ring->epoch() == admitted_epoch) return;
+  // Keys this node does not own now go; so do keys whose owners the last change moved.
   bool added = false;
   {
     std::lock_guard<std::mutex> lock(handoff->mu);
     const Handoff& H = *handoff;
     if (!H.now) return;  // no ring change yet: nowhere to give keys to
-    for (const std::string* key : stray) added |= handoff->recheck.insert(*key).second;
-    if (changed && H.before) {
-      for (const std::string& key : keys) {
-        const std::vector<int> p_new = H.now->Owners(key, replicas);
-        if (Has(p_new, self_index) && p_new == H.before->Owners(key, replicas)) continue;
-        added |= handoff->recheck.insert(key).second;
-      }
+    for (const std::string& key : keys) {
+      bool moved = !Owns(*H.now, key);
+      if (!moved && H.before)
+        moved = H.now->Owners(key, replicas) != H.before->Owners(key, replicas);
+      if (moved) added |= handoff->recheck.insert(key).second;
     }
   }
   if (!added) return;
@@ -268,47 +260,47 @@ void Server::Impl::HandleHandoffPut(const Req& r, std::string_view body,
   if (s.ok() && version == 0) s = Status::ProtocolError("handoff without a version");
   if (!s.ok()) return ReplyStatus(r, s);
   const bool durable = (r.h.flags & w::kFlagDurable) != 0;
-  const uint64_t epoch = ring->epoch();
-  ReadPayloadThen(
-      r, std::move(msg),
-      [this, r, put, version, durable, epoch](Status rs, std::shared_ptr<PayloadBuffer> buf) {
-        Status st = rs;
-        bool changed = false;
-        if (st.ok() && !DeletedSince(put.key, version)) {
-          auto h = cache->Reserve(put.key, put.size, put.tensor);
-          if (h.ok()) {
-            st = cache->CopyBytes(h->data(), h->memory_kind(), buf->data(), MemoryKind::kHost,
-                                  put.size);
-            if (st.ok()) {
-              auto c = cache->CommitHandedOff(std::move(*h), durable, version);
-              if (c.ok()) {
-                changed = *c;
-                // A delete that came in while this was being installed wins.
-                if (changed && DeletedSince(put.key, version)) {
-                  (void)cache->DeleteVersion(put.key, version);
-                  changed = false;
-                }
-              } else {
-                st = c.status();
-              }
-            }
-          } else {
-            st = h.status();
-          }
-        }
-        if (st.ok()) {
-          counters.handoff_keys_in.fetch_add(1, std::memory_order_relaxed);
-          counters.handoff_bytes_in.fetch_add(put.size, std::memory_order_relaxed);
-        }
-        PostReply([this, r, st, changed, key = put.key, epoch] {
-          // Versions compared: whichever this node now holds is the newest.
-          if (st.ok()) Confirm(key);
-          if (!changed) return ReplyStatus(r, st);
-          NoteCommitted({key}, epoch);  // the ring may have moved on meanwhile
-          // A new version of the key here: copies of an older one go first.
-          AfterWrite({key}, [this, r, st] { ReplyStatus(r, st); });
-        });
-      });
+  ReadPayloadThen(r, std::move(msg),
+                  [this, r, put, version, durable](Status rs, std::shared_ptr<PayloadBuffer> buf) {
+                    Status st = rs;
+                    bool changed = false;
+                    if (st.ok() && !DeletedSince(put.key, version)) {
+                      auto h = cache->Reserve(put.key, put.size, put.tensor);
+                      if (h.ok()) {
+                        st = cache->CopyBytes(h->data(), h->memory_kind(), buf->data(),
+                                              MemoryKind::kHost, put.size);
+                        if (st.ok()) {
+                          auto c = cache->CommitHandedOff(std::move(*h), durable, version);
+                          if (c.ok()) {
+                            changed = *c;
+                            // A delete that came in while this was being installed wins.
+                            if (changed && DeletedSince(put.key, version)) {
+                              (void)cache->DeleteVersion(put.key, version);
+                              changed = false;
+                            }
+                          } else {
+                            st = c.status();
+                          }
+                        }
+                      } else {
+                        st = h.status();
+                      }
+                    }
+                    if (st.ok()) {
+                      counters.handoff_keys_in.fetch_add(1, std::memory_order_relaxed);
+                      counters.handoff_bytes_in.fetch_add(put.size, std::memory_order_relaxed);
+                    }
+                    PostReply([this, r, st, changed, key = put.key] {
+                      // Versions compared: whichever this node now holds is the newest.
+                      if (st.ok()) Confirm(key);
+                      if (!changed) return ReplyStatus(r, st);
+                      // Sent by the sender's ring, never checked against this node's: a key it does
+                      // not own here (the sender's ring is behind, or this one moved on) goes on.
+                      NoteCommitted({key}, kNotRouted);
+                      // A new version of the key here: copies of an older one go first.
+                      AfterWrite({key}, [this, r, st] { ReplyStatus(r, st); });
+                    });
+                  });
 }
 
 void Server::Impl::RememberDelete(const std::string& key) {

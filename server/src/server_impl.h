@@ -232,8 +232,8 @@ struct Server::Impl {
 
   // Catch-up after a start on an old disk under etcd (docs/ARCHITECTURE.md, "Membership"): the
   // keys recovered from disk may be older than writes the cluster acknowledged while this node
-  // was away. Until the handoffs its joining starts have compared versions (no other node has a
-  // handoff running, and at least kCatchUpMin has passed since the first ring with this node),
+  // was away. Until the handoffs its joining starts have compared versions (CatchUpTick: every
+  // other member's scan seen and none running, and at least kCatchUpMin since joined_at),
   // a read of a recovered key that was neither written nor handed off here since answers
   // not_found, except a client's last-resort ask (kFlagLastResort). This node's handoff/<id>
   // mark stays on meanwhile, so clients keep asking the other owners and previous owners.
@@ -304,9 +304,11 @@ struct Server::Impl {
   void ScheduleHandoff(RingPtr now, RingPtr before);
   bool HandoffIdle() const;
   // I/O thread, after keys were written here under a write admitted with the ring of
-  // `admitted_epoch`: when the ring changed since, the keys whose owners moved (the scan may
-  // have sent an older version, or this node may no longer own them) get another pass.
+  // `admitted_epoch` (kNotRouted: never checked against this node's ring): when the ring
+  // changed since, the keys this node no longer owns or whose owners moved (the scan may have
+  // sent an older version) get another pass.
   void NoteCommitted(const std::vector<std::string>& keys, uint64_t admitted_epoch);
+  static constexpr uint64_t kNotRouted = ~uint64_t{0};
   void HandleHandoffPut(const Req& r, std::string_view body, std::unique_ptr<Incoming> msg);
   // Handoff thread: one HANDOFF_PUT, waited for.
   Status SendHandoff(int target, const std::string& key, const ObjectInfo& info, bool durable,
