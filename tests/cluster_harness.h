@@ -90,6 +90,15 @@ class Cluster {
   }
 
   const std::string& cluster_file() const { return cluster_file_; }
+  // A cluster file naming node `i` alone: a client opened on it sends every key there (what a
+  // node itself holds, without the other replicas answering for it).
+  std::string SingleNodeFile(int i) const {
+    std::string path = dir_.Sub("only-n" + std::to_string(i) + ".yaml");
+    std::ofstream f(path);
+    f << "nodes:\n  - {id: n" << i << ", address: 127.0.0.1:" << ports_[i] << "}\n";
+    if (!spec_.secret.empty()) f << "secret: \"" << spec_.secret << "\"\n";
+    return path;
+  }
   std::string disk_dir(int i) const { return dir_.Sub("disk" + std::to_string(i)); }
   std::string log_file(int i) const { return dir_.Sub("node" + std::to_string(i) + ".log"); }
   int size() const { return static_cast<int>(pids_.size()); }

@@ -24,6 +24,12 @@ using testing::NodeSpec;
 using Clock = std::chrono::steady_clock;
 
 using testing::KeyOn;
+using testing::StatsCounter;
+
+// Tests set it to 0 by hand to see the read-repair test fail.
+#ifndef GKV_READ_REPAIR_CHANCE
+#define GKV_READ_REPAIR_CHANCE 1.0
+#endif
 
 TEST(FailureTest, FailOpenTurnsADeadNodeIntoAMiss) {
   Cluster cluster(3);
@@ -92,6 +98,131 @@ TEST(FailureTest, ReplicatedKeysStayReadableWhenTheirPrimaryDies) {
   EXPECT_EQ(c.Get(k1)->view(), "live");
   ASSERT_TRUE(c.Delete(k1).ok());
   EXPECT_EQ(c.Get(k1).status().code(), StatusCode::kNotFound);
+}
+
+// Read repair: a replica that missed an acknowledged write (it was down, and came back on its
+// disk with the older version) is brought up to date by the key's first node once reads notice
+// it lagging, so it serves that write after the first node dies. (With read_repair_chance = 0
+// the last read returns "old".)
+TEST(FailureTest, ReadRepairBringsALaggingReplicaUpToDate) {
+  Cluster cluster(2);
+  ClientOptions o;
+  o.cluster_file = cluster.cluster_file();
+  o.replicas = 2;
+  o.read_repair_chance = GKV_READ_REPAIR_CHANCE;
+  o.default_timeout = std::chrono::milliseconds(500);
+  auto client = Client::Open(o);
+  ASSERT_TRUE(client.ok());
+  Client& c = **client;
+  const std::string k = KeyOn(c, 0);
+  PutOptions durable;
+  durable.durable = true;
+  ASSERT_TRUE(c.Put(k, "old", 3, durable).ok());
+  cluster.StopNode(1, SIGKILL);
+  auto put = c.Put(k, "new", 3, durable);  // acknowledged by the key's first node, n0
+  ASSERT_TRUE(put.ok()) << put.status().ToString();
+  cluster.StartNode(1);  // on its disk, with "old"
+  cluster.WaitReady();
+  uint64_t repairs = 0;
+  for (int i = 0; i < 100 && repairs == 0; ++i) {
+    auto got = c.Get(k);
+    ASSERT_TRUE(got.ok()) << got.status().ToString();
+    EXPECT_EQ(got->view(), "new");
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    repairs = StatsCounter(c, 0, "read_repairs");
+  }
+  EXPECT_GT(repairs, 0u) << "no read noticed that n1 lags";
+  cluster.StopNode(0, SIGKILL);
+  auto got = c.Get(k);
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  EXPECT_EQ(got->view(), "new");
+}
+
+// Read repair the other way: a replica holding a newer version than the key's first node
+// (which was down for a write: the put failed, but the replica took it) pushes it there, so
+// the replicas converge on one value instead of serving different ones by who answers.
+TEST(FailureTest, ReadRepairBringsTheFirstNodeUpToAReplicasNewerWrite) {
+  Cluster cluster(2);
+  ClientOptions o;
+  o.cluster_file = cluster.cluster_file();
+  o.replicas = 2;
+  o.read_repair_chance = GKV_READ_REPAIR_CHANCE;
+  o.default_timeout = std::chrono::milliseconds(500);
+  auto client = Client::Open(o);
+  ASSERT_TRUE(client.ok());
+  Client& c = **client;
+  const std::string k = KeyOn(c, 0);
+  PutOptions durable;
+  durable.durable = true;
+  ASSERT_TRUE(c.Put(k, "old", 3, durable).ok());
+  cluster.StopNode(0, SIGKILL);
+  EXPECT_FALSE(c.Put(k, "new", 3, durable).ok());  // the first node is down: not acknowledged
+  cluster.StartNode(0);                             // on its disk, with "old"
+  cluster.WaitReady();
+  uint64_t repairs = 0;
+  for (int i = 0; i < 100 && repairs == 0; ++i) {
+    (void)c.Get(k);
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    repairs = StatsCounter(c, 1, "read_repairs");
+  }
+  EXPECT_GT(repairs, 0u) << "no read noticed that n0 lags behind n1";
+  auto got = c.Get(k);
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  EXPECT_EQ(got->view(), "new");
+}
+
+// Replicated writes carry the version the client assigned (kFlagClientVersion): every replica
+// gives a put, a batch item and a delete's remembered version the same number, which is what
+// lets read repair tell a lagging replica from an up-to-date one. (Before, each node versioned
+// the write from its own clock and no two replicas agreed.)
+TEST(FailureTest, ReplicasOfAWriteAgreeOnItsVersion) {
+  Cluster cluster(3);
+  ClientOptions o;
+  o.cluster_file = cluster.cluster_file();
+  o.replicas = 3;
+  o.read_repair_chance = 0;
+  auto client = Client::Open(o);
+  ASSERT_TRUE(client.ok()) << client.status().ToString();
+  Client& c = **client;
+  std::vector<std::unique_ptr<Client>> only(3);
+  for (int i = 0; i < 3; ++i) {
+    ClientOptions oi;
+    oi.cluster_file = cluster.SingleNodeFile(i);
+    auto ci = Client::Open(oi);
+    ASSERT_TRUE(ci.ok()) << ci.status().ToString();
+    only[i] = std::move(*ci);
+  }
+  auto expect_everywhere = [&](const std::string& key, uint64_t version) {
+    for (int i = 0; i < 3; ++i) {
+      auto st = only[i]->Stat(key);
+      ASSERT_TRUE(st.ok()) << "n" << i << ": " << st.status().ToString();
+      EXPECT_EQ(st->version, version) << key << " on n" << i;
+    }
+  };
+  for (int round = 0; round < 5; ++round) {
+    const std::string key = "agree-" + std::to_string(round);
+    auto put = c.Put(key, "v1", 2);
+    ASSERT_TRUE(put.ok()) << put.status().ToString();
+    expect_everywhere(key, *put);
+    auto again = c.Put(key, "v2", 2);
+    ASSERT_TRUE(again.ok());
+    EXPECT_GT(*again, *put);
+    expect_everywhere(key, *again);
+  }
+  std::vector<PutItem> items;
+  for (int i = 0; i < 8; ++i) items.push_back({"agree-batch-" + std::to_string(i), "b", 1, {}});
+  auto results = c.MultiPut(items);
+  for (size_t i = 0; i < items.size(); ++i) {
+    ASSERT_TRUE(results[i].ok()) << results[i].status().ToString();
+    expect_everywhere(items[i].key, *results[i]);
+  }
+  // A write through one node alone (no client version) is versioned by that node's clock,
+  // which has adopted the client's versions: it still orders after them.
+  auto solo = only[1]->Put("agree-0", "v3", 2);
+  ASSERT_TRUE(solo.ok());
+  auto st = only[0]->Stat("agree-0");
+  ASSERT_TRUE(st.ok());
+  EXPECT_GT(*solo, st->version);
 }
 
 TEST(FailureTest, DurablePutsSurviveSigkillAndAWarmRestart) {

@@ -111,6 +111,40 @@ TEST(ProtocolTest, BatchBlocksRoundTripAndRejectLies) {
   EXPECT_EQ(pb[1].code, StatusCode::kNoSpace);
 }
 
+TEST(ProtocolTest, ClientVersionsRoundTripAndAreRequired) {
+  // PUT / DELETE: the version trails the body.
+  std::string body = EncodePutRequest({"k", {}, 3});
+  AppendVersion(&body, 77);
+  std::string_view view = body;
+  uint64_t version = 0;
+  ASSERT_TRUE(TakeVersion(&view, &version).ok());
+  EXPECT_EQ(version, 77u);
+  PutRequest put;
+  ASSERT_TRUE(DecodePutRequest(view, &put).ok());
+  EXPECT_EQ(put.key, "k");
+  // Missing (too short) or zero: refused.
+  std::string_view short_body = std::string_view(body).substr(0, 5);
+  EXPECT_FALSE(TakeVersion(&short_body, &version).ok());
+  std::string zero = EncodeKeyRequest("k");
+  AppendVersion(&zero, 0);
+  std::string_view zero_view = zero;
+  EXPECT_FALSE(TakeVersion(&zero_view, &version).ok());
+  // MPUT: one version per item, after its size.
+  std::vector<BatchPutItem> items = {{"a", {}, 1, 10}, {"b", {}, 2, 11}};
+  std::string payload = EncodeBatchPutBlock(items, true) + "xyz";
+  std::vector<BatchPutItem> back;
+  size_t block = 0;
+  ASSERT_TRUE(DecodeBatchPutBlock(payload, &back, &block, true).ok());
+  ASSERT_EQ(back.size(), 2u);
+  EXPECT_EQ(back[0].version, 10u);
+  EXPECT_EQ(back[1].version, 11u);
+  EXPECT_EQ(payload.substr(block), "xyz");
+  // Read without the flag, the versions are taken for values: the sizes no longer add up.
+  EXPECT_FALSE(DecodeBatchPutBlock(payload, &back, &block, false).ok());
+  items[1].version = 0;
+  EXPECT_FALSE(DecodeBatchPutBlock(EncodeBatchPutBlock(items, true) + "xyz", &back, &block, true).ok());
+}
+
 TEST(ProtocolTest, ReplicationEncodingsRoundTrip) {
   // Versioned key lists (MGET rows that read copies).
   std::vector<std::string> keys = {"a", "bb", ""};

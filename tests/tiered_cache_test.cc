@@ -493,6 +493,54 @@ TEST(TieredCacheFastPathTest, ReserveAndCommitOnlyWithoutEvictionOrDiskIo) {
   EXPECT_EQ(c->TryReserveInMemory("", 1, {}, &w4), TieredCache::FastPath::kNeedsSlowPath);
 }
 
+// A client replicating a write assigns its version (kFlagClientVersion), so every replica
+// gives the write the same one; a key already holding a newer version takes the next one up
+// (the put still replaces it), and the cache's own versions stay above what it adopted.
+TEST(TieredCacheFastPathTest, RequestedVersionsAreKeptUnlessTheKeyHoldsANewerOne) {
+  testing::TempDir dir;
+  auto c = MustOpen(SmallOptions(dir.path(), 0, 256 * kKiB, 8 << 20));
+  ASSERT_TRUE(c);
+  const uint64_t v = c->VersionClock() + (uint64_t{1} << 30);  // a client clock a second ahead
+  for (bool fast : {true, false}) {
+    const std::string key = fast ? "fast" : "slow";
+    auto commit_at = [&](uint64_t requested, const std::string& bytes) -> uint64_t {
+      uint64_t version = 0;
+      WriteHandle h;
+      if (fast) {
+        EXPECT_EQ(c->TryReserveInMemory(key, bytes.size(), {}, &h),
+                  TieredCache::FastPath::kServed);
+      } else {
+        auto r = c->Reserve(key, bytes.size(), {});
+        EXPECT_TRUE(r.ok());
+        if (r.ok()) h = std::move(*r);
+      }
+      std::memcpy(h.data(), bytes.data(), bytes.size());
+      h.RequestVersion(requested);
+      if (fast) {
+        EXPECT_EQ(c->TryCommitInMemory(&h, &version), TieredCache::FastPath::kServed);
+      } else {
+        auto r = c->Commit(std::move(h), false);
+        EXPECT_TRUE(r.ok());
+        version = r.ok() ? *r : 0;
+      }
+      return version;
+    };
+    EXPECT_EQ(commit_at(v, "one"), v);
+    // Older than what the key holds: just above it, and it is the key's value now.
+    EXPECT_EQ(commit_at(v - 100, "two"), v + 1);
+    std::string out;
+    auto info = c->Get(key, &out);
+    ASSERT_TRUE(info.ok());
+    EXPECT_EQ(info->version, v + 1);
+    EXPECT_EQ(out, "two");
+    EXPECT_EQ(commit_at(v + 50, "three"), v + 50);
+  }
+  // The cache's own next version is above every version it adopted.
+  auto own = c->Put("own", "x", 1);
+  ASSERT_TRUE(own.ok());
+  EXPECT_GT(*own, v + 50);
+}
+
 }  // namespace
 }  // namespace gkv
 

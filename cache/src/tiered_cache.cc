@@ -8,6 +8,7 @@
 #include <unordered_map>
 
 #include "gkv/hash.h"
+#include "gkv/hybrid_clock.h"
 #include "gkv/log.h"
 #include "gkv/size.h"
 #include "gkv/storage/disk_tier.h"
@@ -80,15 +81,6 @@ struct Shard {
 
 }  // namespace
 
-// The wall clock as a version floor: microseconds since the epoch times 1024 (room for 1024
-// versions per microsecond; 2^64 lasts past the year 2500).
-static uint64_t WallClockVersion() {
-  const auto us = std::chrono::duration_cast<std::chrono::microseconds>(
-                      std::chrono::system_clock::now().time_since_epoch())
-                      .count();
-  return static_cast<uint64_t>(us) << 10;
-}
-
 struct TieredCache::Impl {
   CacheOptions options;
   std::vector<std::unique_ptr<Shard>> shards;
@@ -136,10 +128,31 @@ struct TieredCache::Impl {
     }
   }
 
+  // The version a commit with a client-requested version `requested` gets (WriteHandle::
+  // RequestVersion): `requested`, or just above the key's newest if that is newer. `current`
+  // is the key's newest version (0: none).
+  static uint64_t VersionForRequest(uint64_t requested, uint64_t current) {
+    return current > requested ? current + 1 : requested;
+  }
+
+  // A version from outside (client-requested or handed off) that this cache now uses: versions
+  // handed out from now on are above it, and the persisted mark covers it. May write the mark
+  // (synced disk I/O). REQUIRES: no lock held.
+  void AdoptVersion(uint64_t v) {
+    ObserveVersion(v);
+    ExtendMarkPast(v);
+  }
+
   // A new version, greater than every version handed out before, this run or an earlier one.
   // May write the mark (synced disk I/O). REQUIRES: no lock held.
   uint64_t NextVersion() {
     const uint64_t v = TakeVersion();
+    ExtendMarkPast(v);
+    return v;
+  }
+
+  // Keeps the persisted mark above `v` by the margin. REQUIRES: no lock held.
+  void ExtendMarkPast(uint64_t v) {
     if (v + kVersionMargin >= version_limit.load()) {
       std::lock_guard<std::mutex> lock(mark_mu);
       const uint64_t limit = version_limit.load();
@@ -153,7 +166,6 @@ struct TieredCache::Impl {
         version_limit = next_limit;
       }
     }
-    return v;
   }
 
   // Waits until no write of `e` to disk is in flight. REQUIRES: `lock` holds mu.
@@ -558,6 +570,7 @@ WriteHandle& WriteHandle::operator=(WriteHandle&& o) noexcept {
     staging_ = std::move(o.staging_);
     kind_ = o.kind_;
     handed_version_ = o.handed_version_;
+    requested_version_ = o.requested_version_;
     o.cache_ = nullptr;
     o.arena_ = nullptr;
     o.data_ = nullptr;
@@ -763,7 +776,11 @@ std::vector<Result<uint64_t>> TieredCache::CommitBatch(std::vector<WriteHandle> 
     e->tensor = h.tensor_;
     if (h.handed_version_ != 0) {
       e->version = h.handed_version_;
-      I.ObserveVersion(e->version);
+      I.AdoptVersion(e->version);
+    } else if (h.requested_version_ != 0) {
+      std::shared_ptr<Entry> current = I.Lookup(h.key_);
+      e->version = Impl::VersionForRequest(h.requested_version_, current ? current->version : 0);
+      I.AdoptVersion(e->version);
     } else {
       e->version = I.NextVersion();
     }
@@ -910,7 +927,16 @@ TieredCache::FastPath TieredCache::TryCommitInMemory(WriteHandle* h, uint64_t* v
     e->key = h->key_;
     e->size = h->size_;
     e->tensor = h->tensor_;
-    e->version = I.TakeVersion();  // below version_limit (checked above)
+    if (h->requested_version_ != 0) {
+      const uint64_t v = Impl::VersionForRequest(
+          h->requested_version_, it != s.map.end() ? it->second->version : 0);
+      // Adopting a version near the persisted mark's end means disk I/O: not for this path.
+      if (v + Impl::kVersionMargin >= I.version_limit.load()) return FastPath::kNeedsSlowPath;
+      e->version = v;
+      I.ObserveVersion(v);
+    } else {
+      e->version = I.TakeVersion();  // below version_limit (checked above)
+    }
     e->tier = h->tier_;
     e->arena = h->arena_;
     e->data = h->data_;
@@ -1021,7 +1047,7 @@ Result<ReadHandle> TieredCache::Acquire(std::string_view key) {
     GKV_RETURN_IF_ERROR(s);
     h.data_ = reinterpret_cast<const std::byte*>(h.owned_.data());
     h.kind_ = MemoryKind::kHost;
-    h.info_ = ObjectInfo{meta.size, meta.version, meta.tensor, Tier::kDisk, true};
+    h.info_ = ObjectInfo{meta.size, meta.version, meta.tensor, Tier::kDisk, true, meta.durable};
 
     if (promote && meta.version == version) {
       lock.lock();
@@ -1060,7 +1086,7 @@ void TieredCache::PinForRead(const std::shared_ptr<void>& entry, ReadHandle* out
   out->cache_ = this;
   out->data_ = e->data;
   out->kind_ = e->arena->kind();
-  out->info_ = ObjectInfo{e->size, e->version, e->tensor, e->tier, e->on_disk};
+  out->info_ = ObjectInfo{e->size, e->version, e->tensor, e->tier, e->on_disk, e->durable};
   out->entry_ = entry;
 }
 
@@ -1108,7 +1134,7 @@ Result<ObjectInfo> TieredCache::Stat(std::string_view key) {
   if (!sp) return Status::NotFound("key not found");
   std::lock_guard<std::mutex> lock(I.mu);
   if (!sp->live) return Status::NotFound("key not found");
-  return ObjectInfo{sp->size, sp->version, sp->tensor, sp->tier, sp->on_disk};
+  return ObjectInfo{sp->size, sp->version, sp->tensor, sp->tier, sp->on_disk, sp->durable};
 }
 
 Status TieredCache::Delete(std::string_view key) { return DeleteVersion(key, 0); }

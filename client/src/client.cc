@@ -10,6 +10,7 @@
 
 #include "gkv/cuda.h"
 #include "gkv/hash.h"
+#include "gkv/hybrid_clock.h"
 #include "gkv/log.h"
 #include "gkv/membership.h"
 #include "gkv/ring_view.h"
@@ -473,6 +474,9 @@ struct Client::Impl {
       const bool move_on =
           NodeFailure(r.status()) ||
           (plan->moving && (code == StatusCode::kNotFound || code == StatusCode::kWrongNode));
+      if (r.ok() && i == 0 && !plan->moving && options.replicas > 1) {
+        MaybeReadRepair(key, plan->nodes, r->info().version);
+      }
       if (r.ok() || !move_on || Clock::now() >= deadline) return done(std::move(r));
       if (i + 1 == plan->nodes.size()) {
         if (!plan->moving || code != StatusCode::kNotFound) return done(std::move(r));
@@ -489,6 +493,53 @@ struct Client::Impl {
     };
     GetOnNode(node, key, user_dst, capacity, dst_kind, deadline, next, 0, accept, {},
               i >= plan->first_previous ? w::kFlagPreviousOwner : uint16_t{0});
+  }
+
+  // Read repair (I/O thread), for read_repair_chance of the reads `owners[0]` served at
+  // `version`: asks the key's other owners for their version. One that lags behind (older, or
+  // missing) gets owners[0]'s copy; one that holds a newer version (owners[0] lost a write in a
+  // crash, or failed it) pushes its copy to owners[0]. Replicated writes carry the version
+  // this client assigned, so replicas that took a write agree on its version and only a lagging
+  // one differs. A push is REPAIR to the node holding the newer copy, which sends it with
+  // HANDOFF_PUT (the receiver keeps the newer version, and refuses one older than a delete it
+  // remembers). Nothing here waits or reports to the caller.
+  void MaybeReadRepair(const std::string& key, const std::vector<int>& owners, uint64_t version) {
+    if (options.read_repair_chance <= 0 || owners.size() < 2) return;
+    if (std::uniform_real_distribution<double>(0, 1)(hint_rng) >= options.read_repair_chance) {
+      return;
+    }
+    const auto deadline = Clock::now() + options.default_timeout;
+    const int first = owners[0];
+    const size_t replicas = std::min(owners.size(), static_cast<size_t>(options.replicas));
+    for (size_t i = 1; i < replicas; ++i) {
+      const int replica = owners[i];
+      auto on_reply = [this, key, first, replica, version, deadline](
+                          const PendingPtr& p, std::unique_ptr<Incoming> msg) {
+        w::ObjectMeta meta;
+        Status s = ParseReply(*msg, [&](std::string_view body, w::ReplyStatus* rs) {
+          return w::DecodeObjectReply(body, rs, &meta);
+        });
+        const bool lags = s.ok() ? meta.version < version : s.code() == StatusCode::kNotFound;
+        const bool ahead = s.ok() && meta.version > version;
+        if (lags || ahead) {
+          const int from = lags ? first : replica;
+          const int to = lags ? replica : first;
+          Issue(
+              from, w::Opcode::kRepair, 0, w::EncodeRepair(key, nodes[to].id), nullptr, 0,
+              MemoryKind::kHost, deadline,
+              [this](const PendingPtr& rp, std::unique_ptr<Incoming>) { Complete(rp, [] {}); },
+              [](Status) {});
+        }
+        // Last: completing drops this callback (and what it captured).
+        if (s.ok()) {
+          Complete(p, [] {});
+        } else {
+          Fail(p, s);
+        }
+      };
+      Issue(replica, w::Opcode::kStat, 0, w::EncodeKeyRequest(key), nullptr, 0, MemoryKind::kHost,
+            deadline, on_reply, [](Status) {});
+    }
   }
 
   // replica_version != 0: read the copy of exactly that version a replica node holds.
@@ -508,6 +559,7 @@ struct Client::Impl {
       if (s.ok() && replica_version == 0 && node == Route()->ring->Owner(key)) {
         RememberHint(key, meta.version, std::move(hint), sent);
       }
+      if (s.ok()) write_clock.Observe(meta.version);
       if (s.ok() && meta.size != msg->payload_size()) {
         s = Status::ProtocolError("reply carries a payload of the wrong size");
       }
@@ -569,6 +621,10 @@ struct Client::Impl {
   };
   std::unordered_map<std::string, Hint> hints;
   std::mt19937_64 hint_rng{0x9e3779b97f4a7c15ULL};
+  // Versions of this client's replicated writes (replicas > 1, kFlagClientVersion): every
+  // replica of a write gets the same one, so read repair can tell which replica lags. It
+  // observes the versions replies carry, so a write is above every version this client saw.
+  HybridClock write_clock;
   // The newest version this client was answered for recently read keys, by key hash in a
   // direct-mapped table (a slot holds the last key that hashed there): a hint older than it is
   // refused even when the key has no hint entry (two reads of one key in flight at once).
@@ -870,7 +926,7 @@ struct Client::Impl {
     auto nodes = Route()->ring->Owners(key, options.replicas);
     if (nodes.empty()) return done(Status::Unavailable("the ring has no members"));
     if (nodes.size() == 1)
-      return PutOnNode(nodes[0], key, data, size, kind, keepalive, o, deadline, done);
+      return PutOnNode(nodes[0], key, data, size, kind, keepalive, o, deadline, 0, done);
     struct Fan {
       std::vector<Result<uint64_t>> results;
       size_t remaining;
@@ -878,8 +934,9 @@ struct Client::Impl {
     auto fan = std::make_shared<Fan>();
     fan->remaining = nodes.size();
     for (size_t i = 0; i < nodes.size(); ++i) fan->results.emplace_back(Status::Aborted("pending"));
+    const uint64_t version = write_clock.Take();  // the same on every replica
     for (size_t i = 0; i < nodes.size(); ++i) {
-      PutOnNode(nodes[i], key, data, size, kind, keepalive, o, deadline,
+      PutOnNode(nodes[i], key, data, size, kind, keepalive, o, deadline, version,
                 [fan, i, done](Result<uint64_t> r) {
                   fan->results[i] = std::move(r);
                   if (--fan->remaining > 0) return;
@@ -888,9 +945,11 @@ struct Client::Impl {
     }
   }
 
+  // client_version != 0: the version this client assigned the write (kFlagClientVersion).
   void PutOnNode(int node, const std::string& key, const void* data, size_t size, MemoryKind kind,
                  std::shared_ptr<std::byte[]> keepalive, const PutOptions& o,
-                 Clock::time_point deadline, std::function<void(Result<uint64_t>)> done) {
+                 Clock::time_point deadline, uint64_t client_version,
+                 std::function<void(Result<uint64_t>)> done) {
     w::PutRequest req{key, o.tensor, size};
     auto on_reply = [this, done, keepalive](const PendingPtr& p, std::unique_ptr<Incoming> msg) {
       uint64_t version = 0;
@@ -898,10 +957,17 @@ struct Client::Impl {
         return w::DecodePutReply(body, rs, &version);
       });
       if (!s.ok()) return Fail(p, s);
+      write_clock.Observe(version);
       Complete(p, [done, version] { done(version); });
     };
-    Issue(node, w::Opcode::kPut, o.durable ? w::kFlagDurable : 0, w::EncodePutRequest(req), data,
-          size, kind, deadline, on_reply, [done](Status s) { done(s); });
+    uint16_t flags = o.durable ? w::kFlagDurable : 0;
+    std::string body = w::EncodePutRequest(req);
+    if (client_version != 0) {
+      flags |= w::kFlagClientVersion;
+      w::AppendVersion(&body, client_version);
+    }
+    Issue(node, w::Opcode::kPut, flags, std::move(body), data, size, kind, deadline, on_reply,
+          [done](Status s) { done(s); });
   }
 
   // Replies whose payload is a block to read fully (batches, stats).
@@ -1149,9 +1215,15 @@ Status Client::DeleteOnce(std::string_view key, std::chrono::milliseconds timeou
   }
   call->results.resize(call->nodes.size());
   call->remaining = call->nodes.size();
+  // Replicated: the delete's version, so that no node takes a repair or handoff of an older
+  // version of the key after it (each remembers the delete a while).
+  const uint64_t version = call->nodes.size() > 1 ? I->write_clock.Take() : 0;
+  std::string body = w::EncodeKeyRequest(key);
+  if (version != 0) w::AppendVersion(&body, version);
   auto done = call->all.get_future();
-  I->transport->Post([I, call, first_previous, key = std::string(key),
+  I->transport->Post([I, call, first_previous, body = std::move(body), version,
                       deadline = I->DeadlineFrom(timeout)] {
+    const uint16_t versioned = version != 0 ? w::kFlagClientVersion : uint16_t{0};
     for (size_t i = 0; i < call->nodes.size(); ++i) {
       auto finish = [call, i](Status s) {
         call->results[i] = s;
@@ -1164,7 +1236,7 @@ Status Client::DeleteOnce(std::string_view key, std::chrono::milliseconds timeou
         I->Complete(p, [finish, s] { finish(s); });
       };
       I->Issue(call->nodes[i], w::Opcode::kDelete,
-               i >= first_previous ? w::kFlagPreviousOwner : uint16_t{0}, w::EncodeKeyRequest(key),
+               versioned | (i >= first_previous ? w::kFlagPreviousOwner : uint16_t{0}), body,
                nullptr, 0, MemoryKind::kHost, deadline, on_reply, finish);
     }
   });
@@ -1333,16 +1405,20 @@ std::vector<Result<uint64_t>> Client::MultiPut(const std::vector<PutItem>& items
       batch->by_node[n].push_back(i);
     }
   }
+  // Replicated: item i's version is first_version + i on every node it goes to.
+  const bool versioned = I->options.replicas > 1;
+  const uint64_t first_version = versioned ? I->write_clock.Take(items.size()) : 0;
   // Each node's message: metadata block, then the values (gathered here, in the caller).
   for (size_t n = 0; n < batch->by_node.size(); ++n) {
     if (batch->by_node[n].empty()) continue;
     std::vector<w::BatchPutItem> meta;
     size_t total = 0;
     for (size_t i : batch->by_node[n]) {
-      meta.push_back({items[i].key, items[i].tensor, items[i].size});
+      meta.push_back({items[i].key, items[i].tensor, items[i].size,
+                      versioned ? first_version + i : 0});
       total += items[i].size;
     }
-    auto p = std::make_shared<std::string>(w::EncodeBatchPutBlock(meta));
+    auto p = std::make_shared<std::string>(w::EncodeBatchPutBlock(meta, versioned));
     p->reserve(p->size() + total);
     for (size_t i : batch->by_node[n]) {
       const char* src = staged[i] ? reinterpret_cast<const char*>(staged[i].get())
@@ -1355,12 +1431,13 @@ std::vector<Result<uint64_t>> Client::MultiPut(const std::vector<PutItem>& items
   if (batch->remaining == 0) return std::move(batch->results);
   auto done = batch->all_done.get_future();
   I->transport->Post([I, batch, deadline = I->DeadlineFrom(o.timeout),
-                      flags = o.durable ? w::kFlagDurable : uint16_t{0}] {
+                      flags = static_cast<uint16_t>((o.durable ? w::kFlagDurable : 0) |
+                                                    (versioned ? w::kFlagClientVersion : 0))] {
     for (size_t n = 0; n < batch->by_node.size(); ++n) {
       if (batch->by_node[n].empty()) continue;
       I->IssueWithPayloadReply(
           static_cast<int>(n), w::Opcode::kMultiPut, flags, "", batch->payloads[n], deadline, {},
-          [batch, n](Result<std::shared_ptr<std::string>> r) {
+          [I, batch, n](Result<std::shared_ptr<std::string>> r) {
             const std::vector<size_t>& idx = batch->by_node[n];
             std::vector<w::BatchPutResult> res;
             Status s = r.status();
@@ -1378,6 +1455,7 @@ std::vector<Result<uint64_t>> Client::MultiPut(const std::vector<PutItem>& items
                 out = Status(res[j].code, "batch put failed");
               else
                 out = res[j].version;
+              if (out.ok()) I->write_clock.Observe(*out);
             }
             if (--batch->remaining == 0) batch->all_done.set_value();
           });

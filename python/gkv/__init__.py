@@ -227,7 +227,8 @@ class Client:
         timeout: default deadline of a call, in seconds. A dead or hung node costs at most
             this; raise it for values of tens of MiB.
         replicas: base replication: every put and delete goes to the key's first ``replicas``
-            nodes on the ring; reads go to the first live one.
+            nodes on the ring; reads go to the first live one, and a tenth of them also check
+            the other replicas' versions and have a lagging one repaired (read repair).
         async_workers: threads that run the ``*_async`` calls.
 
     Use as a context manager, or call ``close()``. Thread-safe; bound to its process (pickle

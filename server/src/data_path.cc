@@ -10,7 +10,12 @@ namespace gkv {
 void Server::Impl::HandlePut(const Req& r, std::string_view body, std::unique_ptr<Incoming> msg) {
   auto op = std::make_shared<PutOp>();
   op->req = r;
-  Status s = w::DecodePutRequest(body, &op->put);
+  Status s;
+  if (r.h.flags & w::kFlagClientVersion) {
+    s = w::TakeVersion(&body, &op->client_version);
+    if (s.ok()) s = CheckClientVersion(op->client_version);
+  }
+  if (s.ok()) s = w::DecodePutRequest(body, &op->put);
   if (s.ok() && op->put.size != msg->payload_size()) {
     s = Status::ProtocolError("put declares " + std::to_string(op->put.size) +
                               " bytes but carries " + std::to_string(msg->payload_size()));
@@ -25,6 +30,7 @@ void Server::Impl::HandlePut(const Req& r, std::string_view body, std::unique_pt
   if (cache->TryReserveInMemory(op->put.key, op->put.size, op->put.tensor, &op->handle) ==
           TieredCache::FastPath::kServed &&
       (op->handle.memory_kind() == MemoryKind::kHost || transport->device_memory_supported())) {
+    if (op->client_version != 0) op->handle.RequestVersion(op->client_version);
     void* dst = op->handle.data();
     MemoryKind kind = op->handle.memory_kind();
     ReceivePayload(op->req.conn, std::move(op->msg), dst, kind, [this, op](Status rs) {
@@ -63,6 +69,7 @@ void Server::Impl::HandlePut(const Req& r, std::string_view body, std::unique_pt
       });
     }
     op->handle = std::move(*reserved);
+    if (op->client_version != 0) op->handle.RequestVersion(op->client_version);
     PostReply([this, op] {
       void* dst = op->handle.data();
       MemoryKind kind = op->handle.memory_kind();
@@ -82,6 +89,15 @@ void Server::Impl::HandlePut(const Req& r, std::string_view body, std::unique_pt
       });
     });
   });
+}
+
+Status Server::Impl::CheckClientVersion(uint64_t version) const {
+  const uint64_t clock = cache->VersionClock();
+  if (version <= clock || version - clock <= kMaxClientClockLead) return Status::OK();
+  return Status::InvalidArgument("the client's version is " +
+                                 std::to_string((version - clock) / 1024 / 1000000) +
+                                 " s ahead of node " + self.id +
+                                 "'s clock (more than an hour: check the client's clock)");
 }
 
 Status Server::Impl::CheckValueSize(uint64_t size) const {
@@ -202,16 +218,23 @@ void Server::Impl::HandleGet(const Req& r, std::string_view body) {
 
 void Server::Impl::HandleKeyOp(const Req& r, std::string_view body) {
   std::string key;
-  Status s = w::DecodeKeyRequest(body, &key);
+  uint64_t client_version = 0;
+  Status s;
+  if (r.h.opcode == w::Opcode::kDelete && (r.h.flags & w::kFlagClientVersion)) {
+    s = w::TakeVersion(&body, &client_version);
+    if (s.ok()) s = CheckClientVersion(client_version);
+  }
+  if (s.ok()) s = w::DecodeKeyRequest(body, &key);
   if (s.ok() && Misrouted(r, key)) s = WrongNode();
   if (s.ok() && r.h.opcode != w::Opcode::kDelete && HeldBack(r, key)) {
     s = HeldBackStatus();
   }
   if (!s.ok()) return ReplyStatus(r, s);
-  SubmitRequestWork(r, [this, r, key = std::move(key)] {
+  SubmitRequestWork(r, [this, r, key = std::move(key), client_version] {
     if (r.Expired()) return PostReply([this, r] { ReplyStatus(r, DeadlinePassed()); });
     if (r.h.opcode == w::Opcode::kDelete) {
-      RememberDelete(key);  // before the delete: a handoff landing meanwhile is refused too
+      // Before the delete: a handoff or repair landing meanwhile is refused too.
+      RememberDelete(key, client_version);
       Status ds = cache->Delete(key);
       return PostReply([this, r, ds, key] {
         if (ds.ok() || ds.code() == StatusCode::kNotFound) Confirm(key);
@@ -379,7 +402,8 @@ void Server::Impl::HandleMultiPut(const Req& r, std::unique_ptr<Incoming> msg) {
                   [this, r, peer_conn_request](Status s, std::shared_ptr<PayloadBuffer> buf) {
                     std::vector<w::BatchPutItem> items;
                     size_t block = 0;
-                    if (s.ok()) s = w::DecodeBatchPutBlock(buf->view(), &items, &block);
+                    const bool versioned = (r.h.flags & w::kFlagClientVersion) != 0;
+                    if (s.ok()) s = w::DecodeBatchPutBlock(buf->view(), &items, &block, versioned);
                     if (!s.ok()) return PostReply([this, r, s] { ReplyStatus(r, s); });
                     std::vector<w::BatchPutResult> results(items.size());
                     RingPtr now = CurrentRing();
@@ -391,6 +415,7 @@ void Server::Impl::HandleMultiPut(const Req& r, std::unique_ptr<Incoming> msg) {
                     size_t off = block;
                     for (size_t i = 0; i < items.size(); off += items[i].size, ++i) {
                       Status is = CheckValueSize(items[i].size);
+                      if (is.ok() && versioned) is = CheckClientVersion(items[i].version);
                       if (is.ok() && elastic() && (r.h.flags & w::kFlagPreviousOwner) == 0 &&
                           !peer_conn_request && !Owns(*now, items[i].key)) {
                         is = Status::WrongNode("");
@@ -406,6 +431,7 @@ void Server::Impl::HandleMultiPut(const Req& r, std::unique_ptr<Incoming> msg) {
                       }
                       results[i].code = is.code();
                       if (!is.ok()) continue;  // the reservation (if any) goes with `h`
+                      if (versioned) h->RequestVersion(items[i].version);
                       handles.push_back(std::move(*h));
                       slot.push_back(i);
                     }

@@ -31,6 +31,10 @@ namespace {
 bool Has(const std::vector<int>& v, int x) { return std::find(v.begin(), v.end(), x) != v.end(); }
 
 constexpr auto kTombstoneLifetime = std::chrono::seconds(60);
+// Past this many remembered deletes the oldest are forgotten early (a workload deleting 100k
+// keys a second would otherwise hold 6M): a forgotten delete only reopens the window in which
+// a handoff or repair that started before it could bring the key back.
+constexpr size_t kMaxTombstones = size_t{1} << 20;
 
 }  // namespace
 
@@ -303,15 +307,58 @@ void Server::Impl::HandleHandoffPut(const Req& r, std::string_view body,
                   });
 }
 
-void Server::Impl::RememberDelete(const std::string& key) {
-  if (!elastic()) return;
+void Server::Impl::HandleRepair(const Req& r, std::string_view body) {
+  std::string key, target_id;
+  Status s = w::DecodeRepair(body, &key, &target_id);
+  const int target = s.ok() ? options.cluster.FindNode(target_id) : -1;
+  if (s.ok() && (target < 0 || target == self_index)) {
+    s = Status::InvalidArgument("repair target is not a peer of this node");
+  }
+  // Under etcd the ring says who holds a key: only its owners take copies.
+  if (s.ok() && elastic() && !Has(ring->Owners(key, replicas), target)) {
+    s = Status::InvalidArgument("repair target does not own the key in ring epoch " +
+                                std::to_string(ring->epoch()));
+  }
+  if (!s.ok()) return ReplyStatus(r, s);
+  SubmitRequestWork(r, [this, r, key = std::move(key), target] {
+    if (r.Expired()) return PostReply([this, r] { ReplyStatus(r, DeadlinePassed()); });
+    auto bytes = std::make_shared<std::string>();
+    auto info = cache->Get(key, bytes.get());
+    if (!info.ok()) return PostReply([this, r, st = info.status()] { ReplyStatus(r, st); });
+    w::PutRequest put;
+    put.key = key;
+    put.tensor = info->tensor;
+    put.size = bytes->size();
+    PostReply([this, r, target, bytes, durable = info->durable,
+               body = w::EncodeHandoffPut(put, info->version)]() mutable {
+      CallPeer(
+          target, w::Opcode::kHandoffPut, std::move(body), bytes,
+          [this, r](Status st, std::string_view) {
+            if (st.ok()) counters.read_repairs.fetch_add(1, std::memory_order_relaxed);
+            ReplyStatus(r, st);
+          },
+          durable ? w::kFlagDurable : uint16_t{0}, std::chrono::seconds(2));
+    });
+  });
+}
+
+void Server::Impl::RememberDelete(const std::string& key, uint64_t client_version) {
+  if (!elastic() && client_version == 0) return;
   const auto now = Clock::now();
+  const uint64_t at = std::max(client_version, cache->VersionClock());
   std::lock_guard<std::mutex> lock(tombstone_mu);
-  tombstones[key] = {cache->VersionClock(), now};
-  if (now - last_tombstone_prune < std::chrono::seconds(10)) return;
+  tombstones[key] = {at, now};
+  const bool full = tombstones.size() > kMaxTombstones;
+  if (!full && now - last_tombstone_prune < std::chrono::seconds(10)) return;
   last_tombstone_prune = now;
+  // Full: keep the newest half of the lifetime, then, if still full, whatever order leaves.
+  const auto lifetime = full ? kTombstoneLifetime / 2 : kTombstoneLifetime;
   for (auto it = tombstones.begin(); it != tombstones.end();) {
-    it = now - it->second.second > kTombstoneLifetime ? tombstones.erase(it) : std::next(it);
+    it = now - it->second.second > lifetime ? tombstones.erase(it) : std::next(it);
+  }
+  for (auto it = tombstones.begin();
+       full && it != tombstones.end() && tombstones.size() > kMaxTombstones / 2;) {
+    it = it->first == key ? std::next(it) : tombstones.erase(it);
   }
 }
 

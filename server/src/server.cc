@@ -79,11 +79,23 @@ Status Server::Impl::Admit(Req* r, uint64_t charge) {
                         " requests in flight (limit " + std::to_string(options.max_conn_requests) +
                         ")");
   }
-  if (charge > 0 && load.bytes > 0 && load.bytes + charge > options.max_conn_inflight_bytes) {
-    return Status::Busy("connection has " + FormatSize(load.bytes) + " of payloads in flight");
-  }
-  if (charge > 0 && inflight_bytes > 0 && inflight_bytes + charge > options.max_inflight_bytes) {
-    return Status::Busy("node has " + FormatSize(inflight_bytes) + " of payloads in flight");
+  if (charge > 0) {
+    const auto now = Clock::now();
+    const uint64_t conn_limit = options.max_conn_inflight_bytes;
+    const uint64_t node_limit = options.max_inflight_bytes;
+    const bool conn_fits = BytesFit(load.bytes, charge, conn_limit, load.claim, now);
+    const bool node_fits = BytesFit(inflight_bytes, charge, node_limit, node_claim, now);
+    const bool admitted = conn_fits && node_fits;
+    UpdateClaim(&load.claim, load.bytes, charge, conn_limit, admitted, now);
+    UpdateClaim(&node_claim, inflight_bytes, charge, node_limit, admitted, now);
+    if (!conn_fits) {
+      return Status::Busy("connection has " + FormatSize(load.bytes) + " of payloads in flight" +
+                          (load.claim.bytes > charge ? " and room held for a larger one" : ""));
+    }
+    if (!node_fits) {
+      return Status::Busy("node has " + FormatSize(inflight_bytes) + " of payloads in flight" +
+                          (node_claim.bytes > charge ? " and room held for a larger one" : ""));
+    }
   }
   load.requests++;
   load.bytes += charge;
@@ -91,6 +103,30 @@ Status Server::Impl::Admit(Req* r, uint64_t charge) {
   r->charged = charge;
   r->admitted = true;
   return Status::OK();
+}
+
+bool Server::Impl::BytesFit(uint64_t used, uint64_t charge, uint64_t limit,
+                            const BytesClaim& claim, Clock::time_point now) {
+  const bool claim_live = claim.bytes > 0 && now < claim.until;
+  const uint64_t held = claim_live && charge < claim.bytes ? claim.bytes : 0;
+  // A value up to the maximum size gets through when nothing is in flight, unless it is
+  // smaller than a live claim: then the claimant, retrying, must find the room first.
+  if (used == 0 && held == 0) return true;
+  return used + charge <= limit && held <= limit - used - charge;
+}
+
+void Server::Impl::UpdateClaim(BytesClaim* claim, uint64_t used, uint64_t charge, uint64_t limit,
+                               bool admitted, Clock::time_point now) {
+  if (claim->bytes > 0 && now >= claim->until) claim->bytes = 0;
+  if (admitted) {
+    if (claim->bytes > 0 && charge >= claim->bytes) claim->bytes = 0;  // the claimant got in
+    return;
+  }
+  // Refused because it does not fit beside what is in flight (not merely behind a claim).
+  if (used + charge > limit && charge >= claim->bytes) {
+    claim->bytes = charge;
+    claim->until = now + kClaimHold;
+  }
 }
 
 void Server::Impl::Release(const Req& r) {
@@ -206,7 +242,8 @@ void Server::Impl::OnMessage(std::unique_ptr<Incoming> msg) {
     case w::Opcode::kMultiPut:
     case w::Opcode::kStats:
     case w::Opcode::kReplicaPut:
-    case w::Opcode::kHandoffPut: {
+    case w::Opcode::kHandoffPut:
+    case w::Opcode::kRepair: {
       // Refused here, before anything is reserved or allocated (an unreceived payload is
       // released when `msg` goes).
       Status admitted = Admit(&r, msg->payload_size());
@@ -246,6 +283,8 @@ void Server::Impl::OnMessage(std::unique_ptr<Incoming> msg) {
       return HandleLoadReport(r, body);
     case w::Opcode::kHandoffPut:
       return HandleHandoffPut(r, body, std::move(msg));
+    case w::Opcode::kRepair:
+      return HandleRepair(r, body);
     case w::Opcode::kPeerHello:
       return;  // handled above
   }

@@ -310,14 +310,18 @@ struct Server::Impl {
   void NoteCommitted(const std::vector<std::string>& keys, uint64_t admitted_epoch);
   static constexpr uint64_t kNotRouted = ~uint64_t{0};
   void HandleHandoffPut(const Req& r, std::string_view body, std::unique_ptr<Incoming> msg);
+  // Read repair: a client saw a replica of the key lag behind this node's copy; push the copy
+  // there with HANDOFF_PUT (the replica keeps whichever version is newer).
+  void HandleRepair(const Req& r, std::string_view body);
   // Handoff thread: one HANDOFF_PUT, waited for.
   Status SendHandoff(int target, const std::string& key, const ObjectInfo& info, bool durable,
                      const std::string& bytes);
   // Handoff thread: sleeps as long as keeps the scan at options.handoff_bytes_per_s.
   void PaceHandoff(Clock::time_point started, uint64_t bytes_sent);
-  // Deletes under etcd are remembered a while, so a handed-off older version of a key deleted
-  // meanwhile on its new owner does not come back.
-  void RememberDelete(const std::string& key);
+  // Deletes under etcd, and deletes a client versioned (replicas > 1), are remembered a while,
+  // so a handed-off or repaired older version of a key deleted meanwhile does not come back.
+  // The delete happens at the newer of `client_version` and this node's version clock.
+  void RememberDelete(const std::string& key, uint64_t client_version);
   bool DeletedSince(const std::string& key, uint64_t version);
   std::mutex tombstone_mu;
   std::unordered_map<std::string, std::pair<uint64_t, Clock::time_point>> tombstones;
@@ -326,9 +330,29 @@ struct Server::Impl {
   // I/O-thread state.
   std::unordered_map<ConnId, bool> authenticated;
   // Admission control (ServerOptions): what each connection and the node have in flight.
+  // Room a request refused for its size holds back, so that requests smaller than it stop
+  // filling the gap it needs: on a node (or connection) that is never idle a value near the
+  // limit would otherwise be refused every time it is tried. Held for kClaimHold after the
+  // last refusal; a request at least as large as the claim is admitted into it.
+  struct BytesClaim {
+    uint64_t bytes = 0;
+    Clock::time_point until;
+  };
+  static constexpr auto kClaimHold = std::chrono::seconds(2);
+  // Whether `charge` may join `used` bytes in flight under `limit` (always, when nothing is in
+  // flight), given `claim`. No side effects: Admit applies the outcome to the claims.
+  static bool BytesFit(uint64_t used, uint64_t charge, uint64_t limit, const BytesClaim& claim,
+                       Clock::time_point now);
+  // After the admission decision: a refused request too large for the room left claims it; an
+  // admitted claimant ends the claim.
+  static void UpdateClaim(BytesClaim* claim, uint64_t used, uint64_t charge, uint64_t limit,
+                          bool admitted, Clock::time_point now);
+  BytesClaim node_claim;
+
   struct ConnLoad {
     uint32_t requests = 0;
     uint64_t bytes = 0;
+    BytesClaim claim;
     // Payload transfers the peer must complete (reply payloads going out, rendezvous request
     // payloads coming in), oldest first, each with its deadline and a done flag; done ones are
     // popped from the front, so a hung or stalled peer leaves its oldest one at the front.
@@ -413,11 +437,17 @@ struct Server::Impl {
     WriteHandle handle;
     std::string staging;      // device-tier target without device-capable UCX
     uint64_t ring_epoch = 0;  // of the ring the put was admitted under (NoteCommitted)
+    uint64_t client_version = 0;  // kFlagClientVersion: the version the client assigned
   };
 
   void HandlePut(const Req& r, std::string_view body, std::unique_ptr<Incoming> msg);
 
   Status CheckValueSize(uint64_t size) const;
+  // A client-assigned version (kFlagClientVersion) is taken unless it is more than
+  // kMaxClientClockLead ahead of this node's clock: one client with a clock far in the future
+  // would otherwise push every version of the key (and this node's clock) there.
+  Status CheckClientVersion(uint64_t version) const;
+  static constexpr uint64_t kMaxClientClockLead = uint64_t{3600} * 1000000 * 1024;  // 1 hour
 
   // Executor thread: copy from staging if any, commit (write-through when durable), reply.
   void CommitAndReply(const std::shared_ptr<PutOp>& op);

@@ -9,7 +9,7 @@ namespace w = wire;
 namespace {
 
 constexpr int kFirstOp = static_cast<int>(w::Opcode::kPing);
-constexpr int kLastOp = static_cast<int>(w::Opcode::kHandoffPut);
+constexpr int kLastOp = static_cast<int>(w::Opcode::kRepair);
 
 std::string TierLabel(int t) { return std::string(TierName(static_cast<gkv::Tier>(t))); }
 
@@ -101,6 +101,7 @@ std::string RenderStatsJson(const std::string& node_id, const CacheStats& st,
   j += ",\"handoff_bytes_in\":" + std::to_string(counters.handoff_bytes_in.load());
   j += ",\"handoffs_running\":" + std::to_string(counters.handoffs_running.load());
   j += ",\"repairs\":" + std::to_string(counters.repairs.load());
+  j += ",\"read_repairs\":" + std::to_string(counters.read_repairs.load());
   j += "},\"latency_us\":{";
   first = true;
   for (int op = kFirstOp; op <= kLastOp; ++op) {
@@ -231,6 +232,9 @@ std::string RenderPrometheus(const std::string& node_id, const CacheStats& st,
   family("gkv_repairs_total", "counter",
          "Copies re-created on a key's new owners after a ring change (replicas > 1).");
   sample("gkv_repairs_total", "", counters.repairs.load());
+  family("gkv_read_repairs_total", "counter",
+         "Copies this node pushed to a replica that lagged behind it (read repair).");
+  sample("gkv_read_repairs_total", "", counters.read_repairs.load());
   family("gkv_replica_used_bytes", "gauge", "Bytes of copies held for other primaries, by tier.");
   for (int t = 0; t < 2; ++t) {
     sample("gkv_replica_used_bytes", "tier=\"" + TierLabel(t) + "\"", rep.tiers[t].used_bytes);

@@ -44,6 +44,7 @@ struct ServerCounters {
   std::atomic<uint64_t> handoff_keys_out{0}, handoff_bytes_out{0};
   std::atomic<uint64_t> handoff_keys_in{0}, handoff_bytes_in{0};
   std::atomic<uint64_t> handoffs_running{0}, repairs{0};
+  std::atomic<uint64_t> read_repairs{0};  // copies pushed to lagging replicas (REPAIR)
 
   void RecordLatency(wire::Opcode op, uint64_t ns) {
     std::lock_guard<std::mutex> lock(latency_mu);

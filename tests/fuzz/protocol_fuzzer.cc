@@ -34,6 +34,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       if (DecodeMessage(in.data(), in.size(), &h, &body).ok()) {
         switch (h.opcode) {
           case Opcode::kPut:
+            if ((h.flags & kFlagClientVersion) && !TakeVersion(&body, &version).ok()) break;
             if (DecodePutRequest(body, &put).ok()) (void)put.tensor.Validate(put.size);
             break;
           case Opcode::kGet:
@@ -44,6 +45,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
             }
             break;
           case Opcode::kDelete:
+            if ((h.flags & kFlagClientVersion) && !TakeVersion(&body, &version).ok()) break;
+            (void)DecodeKeyRequest(body, &key);
+            break;
           case Opcode::kStat:
             (void)DecodeKeyRequest(body, &key);
             break;
@@ -64,6 +68,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
           case Opcode::kHandoffPut:
             if (DecodeHandoffPut(body, &put, &version).ok()) (void)put.tensor.Validate(put.size);
             break;
+          case Opcode::kRepair: {
+            std::string target;
+            (void)DecodeRepair(body, &key, &target);
+            break;
+          }
           case Opcode::kPeerHello: {
             // Decoded before any authentication: the most exposed decoder.
             std::string secret;
@@ -81,6 +90,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       break;
     case 2:
       (void)DecodeBatchPutBlock(in, &items, &block);
+      (void)DecodeBatchPutBlock(in, &items, &block, /*versioned=*/true);
       break;
     case 3:
       (void)DecodeBatchGetBlock(in, &gets, &block);

@@ -76,6 +76,8 @@ std::string_view OpcodeName(Opcode op) {
       return "load_report";
     case Opcode::kHandoffPut:
       return "handoff_put";
+    case Opcode::kRepair:
+      return "repair";
   }
   return "unknown";
 }
@@ -115,7 +117,7 @@ Status DecodeMessage(const void* data, size_t size, Header* h, std::string_view*
     return Status::ProtocolError("message shorter than the 24-byte header");
   }
   if (opcode < static_cast<uint8_t>(Opcode::kPing) ||
-      opcode > static_cast<uint8_t>(Opcode::kHandoffPut)) {
+      opcode > static_cast<uint8_t>(Opcode::kRepair)) {
     return Status::ProtocolError("unknown opcode " + std::to_string(opcode));
   }
   if (body_len != r.remaining()) {
@@ -211,7 +213,7 @@ Status DecodeKeyList(std::string_view block, std::vector<std::string>* keys,
   return Status::OK();
 }
 
-std::string EncodeBatchPutBlock(const std::vector<BatchPutItem>& items) {
+std::string EncodeBatchPutBlock(const std::vector<BatchPutItem>& items, bool versioned) {
   std::string out;
   ByteWriter w(&out);
   w.U32(static_cast<uint32_t>(items.size()));
@@ -219,21 +221,29 @@ std::string EncodeBatchPutBlock(const std::vector<BatchPutItem>& items) {
     w.String(it.key);
     w.Tensor(it.tensor);
     w.U64(it.size);
+    if (versioned) w.U64(it.version);
   }
   return out;
 }
 
 Status DecodeBatchPutBlock(std::string_view payload, std::vector<BatchPutItem>* items,
-                           size_t* block_size) {
+                           size_t* block_size, bool versioned) {
   ByteReader r(payload);
   uint32_t n = 0;
-  // Minimum item: 4 (key length) + 2 (dtype, rank) + 8 (size).
-  if (!r.U32(&n) || n > kMaxBatch || n > r.remaining() / 14) return Malformed("batch put block");
+  // Minimum item: 4 (key length) + 2 (dtype, rank) + 8 (size) (+ 8 version).
+  const size_t min_item = versioned ? 22 : 14;
+  if (!r.U32(&n) || n > kMaxBatch || n > r.remaining() / min_item) {
+    return Malformed("batch put block");
+  }
   items->resize(n);
   uint64_t total = 0;
   for (auto& it : *items) {
     if (!r.String(&it.key, kMaxKeySize) || !r.Tensor(&it.tensor) || !r.U64(&it.size)) {
       return Malformed("batch put block");
+    }
+    it.version = 0;
+    if (versioned && (!r.U64(&it.version) || it.version == 0)) {
+      return Malformed("batch put block (item version)");
     }
     if (it.size > payload.size()) return Malformed("batch put block (item size)");
     total += it.size;
@@ -243,6 +253,19 @@ Status DecodeBatchPutBlock(std::string_view payload, std::vector<BatchPutItem>* 
     return Status::ProtocolError("batch put: item sizes add up to " + std::to_string(total) +
                                  " bytes but " + std::to_string(r.remaining()) + " arrived");
   }
+  return Status::OK();
+}
+
+void AppendVersion(std::string* body, uint64_t version) {
+  ByteWriter w(body);
+  w.U64(version);
+}
+
+Status TakeVersion(std::string_view* body, uint64_t* version) {
+  if (body->size() < 8) return Malformed("client version");
+  ByteReader r(body->substr(body->size() - 8));
+  if (!r.U64(version) || *version == 0) return Malformed("client version");
+  body->remove_suffix(8);
   return Status::OK();
 }
 
@@ -334,6 +357,22 @@ std::string EncodeHandoffPut(const PutRequest& p, uint64_t version) {
   std::string out = EncodePutRequest(p);
   ByteWriter(&out).U64(version);
   return out;
+}
+
+std::string EncodeRepair(std::string_view key, std::string_view target_id) {
+  std::string out;
+  ByteWriter w(&out);
+  w.String(key);
+  w.String(target_id);
+  return out;
+}
+
+Status DecodeRepair(std::string_view body, std::string* key, std::string* target_id) {
+  ByteReader r(body);
+  if (!r.String(key, kMaxKeySize) || !r.String(target_id, kMaxMessageText) || r.remaining() != 0) {
+    return Malformed("repair");
+  }
+  return Status::OK();
 }
 
 Status DecodeHandoffPut(std::string_view body, PutRequest* p, uint64_t* version) {

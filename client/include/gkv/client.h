@@ -44,6 +44,11 @@ struct ClientOptions {
   // on the ring; reads go to the first live one of them. 1 = the cluster file's `replicas:`
   // (1 when it has none).
   int replicas = 1;
+  // Read repair (replicas > 1): after a read that the key's first node served, this share of
+  // reads also asks the key's other replicas for their version, off the caller's path, and has
+  // the first node push its copy to any replica holding an older version or none (a replica
+  // that missed a write would otherwise serve it once the first node fails). 0 turns it off.
+  double read_repair_chance = 0.1;
   // After a node fails, calls to it fail fast with Unavailable for a backoff period (doubling
   // from the initial value to the maximum while it stays down), then the client reconnects.
   std::chrono::milliseconds reconnect_backoff_initial{50};

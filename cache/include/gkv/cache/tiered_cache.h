@@ -92,6 +92,7 @@ struct ObjectInfo {
   TensorMeta tensor;
   Tier tier = Tier::kHost;
   bool on_disk = false;  // the disk tier holds this version (durable put or earlier spill)
+  bool durable = false;  // written durable (its disk copy stays)
 };
 
 struct TierStats {
@@ -160,6 +161,11 @@ class WriteHandle {
   MemoryKind memory_kind() const { return kind_; }
   Tier tier() const { return tier_; }
   const std::string& key() const { return key_; }
+  // Commit at `version` (a version the writing client assigned, the same on every replica of
+  // the write) instead of one from this cache's clock; if the key already holds a newer
+  // version, the commit takes the version just above it (a put still replaces what it finds).
+  // Versions handed out afterwards are above the one committed.
+  void RequestVersion(uint64_t version) { requested_version_ = version; }
 
  private:
   friend class TieredCache;
@@ -173,7 +179,8 @@ class WriteHandle {
   std::byte* data_ = nullptr;
   std::unique_ptr<std::byte[]> staging_;  // objects going straight to disk
   MemoryKind kind_ = MemoryKind::kHost;
-  uint64_t handed_version_ = 0;  // CommitHandedOff: the version the object keeps
+  uint64_t handed_version_ = 0;     // CommitHandedOff: the version the object keeps
+  uint64_t requested_version_ = 0;  // RequestVersion
 };
 
 // One key as ListKeys saw it.

@@ -21,7 +21,7 @@
 namespace gkv::wire {
 
 inline constexpr uint32_t kMagic = 0x31564B47;  // "GKV1" read as little-endian
-inline constexpr uint8_t kVersion = 4;
+inline constexpr uint8_t kVersion = 5;
 inline constexpr size_t kFixedHeaderSize = 24;
 inline constexpr unsigned kAmRequest = 0x6b1;
 inline constexpr unsigned kAmReply = 0x6b2;
@@ -46,6 +46,7 @@ enum class Opcode : uint8_t {
   kPeerHello = 12,   // first message on a node -> node connection: the caller's node id
   kLoadReport = 13,  // node -> node, once a second: the sender's read rate (replication)
   kHandoffPut = 14,  // node -> new owner: a key that moved with the ring (membership)
+  kRepair = 15,  // client -> a key's node: push your copy to a replica that lags (read repair)
 };
 std::string_view OpcodeName(Opcode op);
 
@@ -66,6 +67,12 @@ inline constexpr uint16_t kFlagPreviousOwner = 1 << 4;
 // missed while keys may be moving: a node catching up after a restart on its old disk serves a
 // recovered key it otherwise holds back (docs/ARCHITECTURE.md, "Membership").
 inline constexpr uint16_t kFlagLastResort = 1 << 5;
+// put, delete, mput: the client assigned the write's version (a hybrid clock of its own), so
+// every replica of the write gives it the same version and read repair can compare them. PUT
+// and DELETE bodies end with the u64 version; each MPUT block item carries one after its size.
+// The node commits a put at that version, or just above the key's version if the key already
+// holds a newer one (docs/ARCHITECTURE.md, "Failures").
+inline constexpr uint16_t kFlagClientVersion = 1 << 6;
 
 struct Header {
   Opcode opcode = Opcode::kPing;
@@ -123,11 +130,17 @@ struct BatchPutItem {
   std::string key;
   TensorMeta tensor;
   uint64_t size = 0;
+  uint64_t version = 0;  // on the wire only with kFlagClientVersion (`versioned`)
 };
-std::string EncodeBatchPutBlock(const std::vector<BatchPutItem>& items);
+std::string EncodeBatchPutBlock(const std::vector<BatchPutItem>& items, bool versioned = false);
 // `block_size` receives the length of the metadata block (values start there).
 Status DecodeBatchPutBlock(std::string_view payload, std::vector<BatchPutItem>* items,
-                           size_t* block_size);
+                           size_t* block_size, bool versioned = false);
+
+// kFlagClientVersion on PUT and DELETE: the body ends with the client's u64 version.
+void AppendVersion(std::string* body, uint64_t version);
+// Takes the trailing u64 off `body`; ProtocolError when it is missing or 0.
+Status TakeVersion(std::string_view* body, uint64_t* version);
 
 // --- reply bodies: every reply body starts with a status ---
 struct ReplyStatus {
@@ -163,6 +176,9 @@ std::string EncodeReplicaPut(const PutRequest& r, uint64_t version, uint64_t att
 // HandoffPut: key, tensor, size, then the version the object has on the sending node (the new
 // owner keeps it unless it has a newer one). kFlagDurable when the object is durable.
 std::string EncodeHandoffPut(const PutRequest& r, uint64_t version);
+// REPAIR: the key, then the id of the node to push the copy to.
+std::string EncodeRepair(std::string_view key, std::string_view target_id);
+Status DecodeRepair(std::string_view body, std::string* key, std::string* target_id);
 Status DecodeHandoffPut(std::string_view body, PutRequest* r, uint64_t* version);
 Status DecodeReplicaPut(std::string_view body, PutRequest* r, uint64_t* version, uint64_t* attempt);
 std::string EncodeInvalidate(std::string_view key, uint64_t version, uint64_t attempt);
