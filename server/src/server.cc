@@ -395,8 +395,11 @@ Status Server::Impl::StartMetrics() {
                     "text/plain; version=0.0.4");
   });
   metrics_bound_port = options.metrics_port;
-  if (!metrics_http->bind_to_port("0.0.0.0", options.metrics_port)) {
-    return Status::Unavailable("cannot listen for metrics on port " +
+  // The address the node serves on (its cluster-file host, or --listen), not every interface:
+  // a node on 127.0.0.1 keeps its metrics there too.
+  const std::string host = options.listen_host.empty() ? self.host : options.listen_host;
+  if (!metrics_http->bind_to_port(host, options.metrics_port)) {
+    return Status::Unavailable("cannot listen for metrics on " + host + ":" +
                                std::to_string(options.metrics_port));
   }
   metrics_thread = std::thread([this] { metrics_http->listen_after_bind(); });

@@ -40,7 +40,7 @@ struct ServerOptions {
   int executor_threads = 4;
   std::string listen_host;   // default: the node's host from the cluster file
   uint16_t listen_port = 0;  // default: the node's port from the cluster file
-  // Prometheus text exposition on http://0.0.0.0:PORT/metrics; 0 = off.
+  // Prometheus text exposition on http://HOST:PORT/metrics (HOST: the listen host); 0 = off.
   uint16_t metrics_port = 0;
   // Largest batch request or batch reply payload the node buffers (MGET/MPUT); larger ones are
   // refused with NoSpace so a client can't make the node allocate without bound.
