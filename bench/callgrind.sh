@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Instructions per request on the hot path, counted with callgrind (stable on a noisy machine,
-# unlike timings): GET and PUT of 64 B and 4 KiB values, server side and client side.
+# Instructions and heap allocations per request on the hot path, counted with callgrind (stable
+# on a noisy machine, unlike timings): GET and PUT of 64 B and 4 KiB values, server side and
+# client side. Allocations are calls to malloc and its kin (bench/callgrind_allocs.py).
 #   bench/callgrind.sh [N]      (default 2000 requests per run)
 # Method: one node on 127.0.0.1, one client thread with one request in flight (gkv-bench
 # --threads 1 --connections 1). For each case the measured side runs under
@@ -62,7 +63,10 @@ bench_args() {
     --requests "$3" --threads 1 --connections 1 --warmup 0 --timeout-ms 30000
 }
 
-total_ir() { awk '/^(summary|totals):/ { print $2; exit }' "$1"; }
+# total_ir FILE: "INSTRUCTIONS ALLOCATIONS"
+total_ir() {
+  echo "$(awk '/^(summary|totals):/ { print $2; exit }' "$1") $(python3 bench/callgrind_allocs.py "$1")"
+}
 
 # server_ir SIZE OP COUNT
 server_ir() {
@@ -85,14 +89,17 @@ client_ir() {
   total_ir "$out"
 }
 
-printf '%-4s %6s %14s %14s   (instructions per request, N=%d)\n' op value server client "$N"
+printf '%-4s %6s %14s %14s %12s %12s   (per request, N=%d)\n' op value server_instr client_instr \
+  server_alloc client_alloc "$N"
 for size in 64 4KiB; do
   for op in get put; do
-    s1=$(server_ir "$size" "$op" "$N")
-    s2=$(server_ir "$size" "$op" $((2 * N)))
-    c1=$(client_ir "$size" "$op" "$N")
-    c2=$(client_ir "$size" "$op" $((2 * N)))
-    printf '%-4s %6s %14d %14d\n' "$op" "$size" $(((s2 - s1) / N)) $(((c2 - c1) / N))
+    read -r s1 sa1 < <(server_ir "$size" "$op" "$N")
+    read -r s2 sa2 < <(server_ir "$size" "$op" $((2 * N)))
+    read -r c1 ca1 < <(client_ir "$size" "$op" "$N")
+    read -r c2 ca2 < <(client_ir "$size" "$op" $((2 * N)))
+    printf '%-4s %6s %14d %14d %12.1f %12.1f\n' "$op" "$size" $(((s2 - s1) / N)) $(((c2 - c1) / N)) \
+      "$(awk -v a="$sa1" -v b="$sa2" -v n="$N" 'BEGIN { print (b - a) / n }')" \
+      "$(awk -v a="$ca1" -v b="$ca2" -v n="$N" 'BEGIN { print (b - a) / n }')"
   done
 done
 echo "callgrind files: $dir"

@@ -1,13 +1,41 @@
 #include <gtest/gtest.h>
 
+#include <set>
+
 #include "gkv/bytes.h"
 #include "gkv/hash.h"
+#include "gkv/hybrid_clock.h"
 #include "gkv/size.h"
 #include "gkv/status.h"
 #include "gkv/tensor.h"
 
 namespace gkv {
 namespace {
+
+// Client write versions: above the wall clock and everything observed, never equal between
+// two clocks with different tags (two writers' puts of one key cannot tie), and a batch's
+// versions one tick apart with the tag kept.
+TEST(HybridClockTest, TaggedClocksNeverHandOutTheSameVersion) {
+  HybridClock a(1), b(2);
+  const uint64_t wall = WallClockVersion();
+  const uint64_t va = a.Take();
+  EXPECT_GE(va, wall & ~HybridClock::kTagMask);
+  EXPECT_EQ(va & HybridClock::kTagMask, 1u);
+  b.Observe(va);  // b saw a's write: its next is above it, and still ends in b's tag
+  const uint64_t vb = b.Take();
+  EXPECT_GT(vb, va);
+  EXPECT_EQ(vb & HybridClock::kTagMask, 2u);
+  a.Observe(vb);
+  const uint64_t first = a.Take(3);
+  EXPECT_GT(first, vb);
+  EXPECT_EQ(first & HybridClock::kTagMask, 1u);
+  EXPECT_GT(a.Take(), first + 2 * HybridClock::kStep);  // the batch's three are taken
+  std::set<uint64_t> seen;
+  for (int i = 0; i < 1000; ++i) {
+    EXPECT_TRUE(seen.insert(a.Take()).second);
+    EXPECT_TRUE(seen.insert(b.Take()).second);
+  }
+}
 
 TEST(StatusTest, OkIsDefaultAndCarriesNoMessage) {
   Status s;

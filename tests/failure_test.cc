@@ -172,7 +172,7 @@ TEST(FailureTest, ReadRepairBringsTheFirstNodeUpToAReplicasNewerWrite) {
 }
 
 // Replicated writes carry the version the client assigned (kFlagClientVersion): every replica
-// gives a put, a batch item and a delete's remembered version the same number, which is what
+// gives a put and a batch item the same version, which is what
 // lets read repair tell a lagging replica from an up-to-date one. (Before, each node versioned
 // the write from its own clock and no two replicas agreed.)
 TEST(FailureTest, ReplicasOfAWriteAgreeOnItsVersion) {

@@ -493,6 +493,34 @@ TEST(TieredCacheFastPathTest, ReserveAndCommitOnlyWithoutEvictionOrDiskIo) {
   EXPECT_EQ(c->TryReserveInMemory("", 1, {}, &w4), TieredCache::FastPath::kNeedsSlowPath);
 }
 
+// Read repair's conditional install: the pushed copy lands only while the key still holds the
+// version the client compared against (a write that arrived since is newer than the push knew).
+TEST(TieredCacheFastPathTest, ConditionalHandOffLandsOnlyOverTheExpectedVersion) {
+  testing::TempDir dir;
+  auto c = MustOpen(SmallOptions(dir.path(), 0, 256 * kKiB, 8 << 20));
+  ASSERT_TRUE(c);
+  auto handed = [&](uint64_t version, uint64_t expected, const std::string& bytes) {
+    auto h = c->Reserve("k", bytes.size(), {});
+    EXPECT_TRUE(h.ok());
+    std::memcpy(h->data(), bytes.data(), bytes.size());
+    auto r = c->CommitHandedOffIf(std::move(*h), false, version, expected);
+    EXPECT_TRUE(r.ok());
+    return r.ok() && *r;
+  };
+  const uint64_t base = c->VersionClock();
+  EXPECT_FALSE(handed(base + 10, 5, "aa"));  // expected a version, the key is absent
+  EXPECT_TRUE(handed(base + 10, 0, "bb"));   // absent, as expected
+  auto put = c->Put("k", "cc", 2);           // a write lands meanwhile
+  ASSERT_TRUE(put.ok());
+  EXPECT_FALSE(handed(*put + 100, base + 10, "dd"));  // newer, but not over what was compared
+  std::string out;
+  ASSERT_TRUE(c->Get("k", &out).ok());
+  EXPECT_EQ(out, "cc");
+  EXPECT_TRUE(handed(*put + 100, *put, "ee"));
+  ASSERT_TRUE(c->Get("k", &out).ok());
+  EXPECT_EQ(out, "ee");
+}
+
 // A client replicating a write assigns its version (kFlagClientVersion), so every replica
 // gives the write the same one; a key already holding a newer version takes the next one up
 // (the put still replaces it), and the cache's own versions stay above what it adopted.

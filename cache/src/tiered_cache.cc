@@ -139,8 +139,9 @@ struct TieredCache::Impl {
   // handed out from now on are above it, and the persisted mark covers it. May write the mark
   // (synced disk I/O). REQUIRES: no lock held.
   void AdoptVersion(uint64_t v) {
-    ObserveVersion(v);
+    // The mark first: once observed, the fast path may hand out versions above `v`.
     ExtendMarkPast(v);
+    ObserveVersion(v);
   }
 
   // A new version, greater than every version handed out before, this run or an earlier one.
@@ -483,11 +484,16 @@ struct TieredCache::Impl {
   // Makes `e` the key's entry, unless a newer version is there already (then `e` dies at once
   // and false is returned). *old receives the entry it replaced. REQUIRES: the key's shard lock
   // and the placement lock.
-  bool Publish(Shard& s, const std::shared_ptr<Entry>& e, std::shared_ptr<Entry>* old) {
+  // `expected`: publish only while the key's newest version is exactly *expected (0: absent).
+  bool Publish(Shard& s, const std::shared_ptr<Entry>& e, std::shared_ptr<Entry>* old,
+               const uint64_t* expected = nullptr) {
     LinkLru(e.get());
     counters.puts++;
     auto it = s.map.find(e->key);
-    if (it != s.map.end() && it->second->version > e->version) {
+    const bool found = it != s.map.end();
+    // What a reader sees: a dropped entry waiting for its removal reads as absent.
+    const uint64_t visible = found && it->second->live ? it->second->version : 0;
+    if ((found && it->second->version > e->version) || (expected && visible != *expected)) {
       Kill(e.get());
       return false;
     }
@@ -571,6 +577,8 @@ WriteHandle& WriteHandle::operator=(WriteHandle&& o) noexcept {
     kind_ = o.kind_;
     handed_version_ = o.handed_version_;
     requested_version_ = o.requested_version_;
+    expect_current_ = o.expect_current_;
+    expected_current_ = o.expected_current_;
     o.cache_ = nullptr;
     o.arena_ = nullptr;
     o.data_ = nullptr;
@@ -849,7 +857,7 @@ uint64_t TieredCache::Publish(WriteHandle& h, std::shared_ptr<void> entry) {
       h.data_ = nullptr;
     }
     // A newer commit may have won the race: then this one is already overwritten.
-    superseded = !I.Publish(s, e, &old);
+    superseded = !I.Publish(s, e, &old, h.expect_current_ ? &h.expected_current_ : nullptr);
     // (A disk-tier reservation that was not written lost to a newer version already on disk,
     // which replaced the old copy there; it has no bytes in memory to write.)
     replaces_disk_copy = !superseded && old && (old->on_disk || old->writebacks > 0) &&
@@ -1149,6 +1157,13 @@ Result<bool> TieredCache::CommitHandedOff(WriteHandle handle, bool durable, uint
   // holds something at least as new as what was handed off.
   auto info = Stat(key);
   return info.ok() && info->version == version;
+}
+
+Result<bool> TieredCache::CommitHandedOffIf(WriteHandle handle, bool durable, uint64_t version,
+                                             uint64_t expected_current) {
+  handle.expect_current_ = true;
+  handle.expected_current_ = expected_current;
+  return CommitHandedOff(std::move(handle), durable, version);
 }
 
 uint64_t TieredCache::VersionClock() const {

@@ -410,89 +410,114 @@ struct Client::Impl {
   }
 
   // Reads from the key's first live replica, moving on to the next one when a node fails.
-  void DoGet(std::string key, void* user_dst, size_t capacity, MemoryKind dst_kind,
-             Clock::time_point deadline, bool fail_open, std::function<void(Result<Value>)> done,
-             Accept accept = {}) {
-    auto route = Route();
-    auto plan = std::make_shared<GetPlan>();
-    plan->nodes = route->ring->Owners(key, options.replicas);
-    // While keys may be moving, the previous rings' owners are asked after the current ones.
-    plan->first_previous = plan->nodes.size();
-    plan->moving = route->Moving();
-    if (plan->moving) {
-      for (int n : route->PreviousOwners(key, options.replicas, plan->nodes)) {
-        plan->nodes.push_back(n);
-      }
-    }
-    if (plan->nodes.empty()) return done(Status::Unavailable("the ring has no members"));
-    std::function<void(Result<Value>)> retry_or_finish;
-    std::function<void(Result<Value>)> finish = [fail_open, done](Result<Value> r) {
-      if (!r.ok() && fail_open && NodeFailure(r.status())) {
-        return done(
-            Status::NotFound("no live node answered (fail-open): " + r.status().ToString()));
-      }
-      done(std::move(r));
-    };
-    // Refused as misrouted by every node asked: our ring is behind (or theirs is); again soon.
-    retry_or_finish = [this, key, user_dst, capacity, dst_kind, deadline, fail_open, done, finish,
-                       accept](Result<Value> r) {
-      if (!r.ok() && Misrouted(r.status()) && Clock::now() + kWrongNodeRetry < deadline) {
-        return AddTimer(Clock::now() + kWrongNodeRetry, [this, key, user_dst, capacity, dst_kind,
-                                                         deadline, fail_open, done, accept] {
-          DoGet(key, user_dst, capacity, dst_kind, deadline, fail_open, done, accept);
-        });
-      }
-      finish(std::move(r));
-    };
-    auto normal = [this, key, plan, user_dst, capacity, dst_kind, deadline, retry_or_finish,
-                   accept] {
-      GetFrom(key, plan, 0, user_dst, capacity, dst_kind, deadline, retry_or_finish, accept);
-    };
-    if (!hints.empty() &&
-        TryReplicaRead(key, user_dst, capacity, dst_kind, deadline, finish, normal, accept)) {
-      return;
-    }
-    normal();
-  }
-
-  // The nodes a get asks, in order, and what it learnt on the way (shared by its steps).
-  struct GetPlan {
+  // One get, from the caller's request to its answer: what every step needs, shared by the
+  // steps (each callback captures this one pointer, not copies of the caller's callbacks).
+  struct GetCall {
+    std::string key;
+    void* user_dst = nullptr;
+    size_t capacity = 0;
+    MemoryKind dst_kind = MemoryKind::kHost;
+    Clock::time_point deadline;
+    bool fail_open = false;
+    std::function<void(Result<Value>)> done;
+    Accept accept;
+    // The nodes asked, in order, and what was learnt on the way (reset by each attempt).
     std::vector<int> nodes;
     size_t first_previous = 0;  // nodes from here on are previous rings' owners (asked as such)
     bool moving = false;        // keys may be moving (Routing::Moving): a miss asks the next node
     Status failure;             // the first node failure (unavailable, timeout) so far
   };
+  using GetCallPtr = std::shared_ptr<GetCall>;
 
-  void GetFrom(std::string key, std::shared_ptr<GetPlan> plan, size_t i, void* user_dst,
-               size_t capacity, MemoryKind dst_kind, Clock::time_point deadline,
-               std::function<void(Result<Value>)> done, Accept accept) {
-    const int node = plan->nodes[i];
-    auto next = [this, key, plan, i, user_dst, capacity, dst_kind, deadline, done,
-                 accept](Result<Value> r) {
-      const StatusCode code = r.status().code();
-      if (NodeFailure(r.status()) && plan->failure.ok()) plan->failure = r.status();
-      const bool move_on =
-          NodeFailure(r.status()) ||
-          (plan->moving && (code == StatusCode::kNotFound || code == StatusCode::kWrongNode));
-      if (r.ok() && i == 0 && !plan->moving && options.replicas > 1) {
-        MaybeReadRepair(key, plan->nodes, r->info().version);
+  void DoGet(std::string key, void* user_dst, size_t capacity, MemoryKind dst_kind,
+             Clock::time_point deadline, bool fail_open, std::function<void(Result<Value>)> done,
+             Accept accept = {}) {
+    auto call = std::make_shared<GetCall>();
+    call->key = std::move(key);
+    call->user_dst = user_dst;
+    call->capacity = capacity;
+    call->dst_kind = dst_kind;
+    call->deadline = deadline;
+    call->fail_open = fail_open;
+    call->done = std::move(done);
+    call->accept = std::move(accept);
+    StartGet(call);
+  }
+
+  // One attempt of `call` under the current ring (again after every node refused it as
+  // misrouted).
+  void StartGet(const GetCallPtr& call) {
+    auto route = Route();
+    call->nodes = route->ring->Owners(call->key, options.replicas);
+    // While keys may be moving, the previous rings' owners are asked after the current ones.
+    call->first_previous = call->nodes.size();
+    call->moving = route->Moving();
+    call->failure = Status::OK();
+    if (call->moving) {
+      for (int n : route->PreviousOwners(call->key, options.replicas, call->nodes)) {
+        call->nodes.push_back(n);
       }
-      if (r.ok() || !move_on || Clock::now() >= deadline) return done(std::move(r));
-      if (i + 1 == plan->nodes.size()) {
-        if (!plan->moving || code != StatusCode::kNotFound) return done(std::move(r));
-        // A node that failed may hold the newest version: no copy elsewhere stands in for it.
-        if (!plan->failure.ok()) return done(plan->failure);
-        // Every node missed while keys may be moving. The key may have moved between the
-        // questions: a handoff installs a key at its new owner before it deletes the old copy,
-        // so the owner, asked once more, now has it if it moved at all. That last ask also gets
-        // a copy the owner held back while catching up after a restart (nobody else had it).
-        return GetOnNode(plan->nodes[0], key, user_dst, capacity, dst_kind, deadline, done, 0,
-                         accept, {}, w::kFlagLastResort);
-      }
-      GetFrom(key, plan, i + 1, user_dst, capacity, dst_kind, deadline, done, accept);
-    };
-    GetOnNode(node, key, user_dst, capacity, dst_kind, deadline, next, 0, accept, {},
-              i >= plan->first_previous ? w::kFlagPreviousOwner : uint16_t{0});
+    }
+    if (call->nodes.empty()) return call->done(Status::Unavailable("the ring has no members"));
+    if (!hints.empty() &&
+        TryReplicaRead(
+            call->key, call->user_dst, call->capacity, call->dst_kind, call->deadline,
+            [this, call](Result<Value> r) { EndGet(*call, std::move(r)); },
+            [this, call] { GetFrom(call, 0); }, call->accept)) {
+      return;
+    }
+    GetFrom(call, 0);
+  }
+
+  void EndGet(GetCall& call, Result<Value> r) {
+    if (!r.ok() && call.fail_open && NodeFailure(r.status())) {
+      return call.done(
+          Status::NotFound("no live node answered (fail-open): " + r.status().ToString()));
+    }
+    call.done(std::move(r));
+  }
+
+  // Refused as misrouted by every node asked: our ring is behind (or theirs is); again soon.
+  void RetryOrEndGet(const GetCallPtr& call, Result<Value> r) {
+    if (!r.ok() && Misrouted(r.status()) && Clock::now() + kWrongNodeRetry < call->deadline) {
+      return AddTimer(Clock::now() + kWrongNodeRetry, [this, call] { StartGet(call); });
+    }
+    EndGet(*call, std::move(r));
+  }
+
+  void GetFrom(const GetCallPtr& call, size_t i) {
+    GetOnNode(
+        call->nodes[i], call->key, call->user_dst, call->capacity, call->dst_kind, call->deadline,
+        [this, call, i](Result<Value> r) { OnGetAnswer(call, i, std::move(r)); }, 0, call->accept,
+        {}, i >= call->first_previous ? w::kFlagPreviousOwner : uint16_t{0});
+  }
+
+  // The answer of call->nodes[i]: the get's outcome, or ask the next node.
+  void OnGetAnswer(const GetCallPtr& call, size_t i, Result<Value> r) {
+    GetCall& c = *call;
+    const StatusCode code = r.status().code();
+    if (NodeFailure(r.status()) && c.failure.ok()) c.failure = r.status();
+    const bool move_on =
+        NodeFailure(r.status()) ||
+        (c.moving && (code == StatusCode::kNotFound || code == StatusCode::kWrongNode));
+    if (r.ok() && i == 0 && !c.moving && options.replicas > 1) {
+      MaybeReadRepair(c.key, c.nodes, r->info().version);
+    }
+    if (r.ok() || !move_on || Clock::now() >= c.deadline) return RetryOrEndGet(call, std::move(r));
+    if (i + 1 == c.nodes.size()) {
+      if (!c.moving || code != StatusCode::kNotFound) return RetryOrEndGet(call, std::move(r));
+      // A node that failed may hold the newest version: no copy elsewhere stands in for it.
+      if (!c.failure.ok()) return RetryOrEndGet(call, c.failure);
+      // Every node missed while keys may be moving. The key may have moved between the
+      // questions: a handoff installs a key at its new owner before it deletes the old copy,
+      // so the owner, asked once more, now has it if it moved at all. That last ask also gets
+      // a copy the owner held back while catching up after a restart (nobody else had it).
+      return GetOnNode(
+          c.nodes[0], c.key, c.user_dst, c.capacity, c.dst_kind, c.deadline,
+          [this, call](Result<Value> last) { RetryOrEndGet(call, std::move(last)); }, 0, c.accept,
+          {}, w::kFlagLastResort);
+    }
+    GetFrom(call, i + 1);
   }
 
   // Read repair (I/O thread), for read_repair_chance of the reads `owners[0]` served at
@@ -521,12 +546,15 @@ struct Client::Impl {
         });
         const bool lags = s.ok() ? meta.version < version : s.code() == StatusCode::kNotFound;
         const bool ahead = s.ok() && meta.version > version;
-        if (lags || ahead) {
+        if ((lags || ahead) && NoteRepair(key, std::max(version, s.ok() ? meta.version : 0))) {
           const int from = lags ? first : replica;
           const int to = lags ? replica : first;
+          // The push lands only while the target still holds what was seen here (a write that
+          // reaches it meanwhile is newer than this comparison knew).
+          const uint64_t seen_at_target = lags ? (s.ok() ? meta.version : 0) : version;
           Issue(
-              from, w::Opcode::kRepair, 0, w::EncodeRepair(key, nodes[to].id), nullptr, 0,
-              MemoryKind::kHost, deadline,
+              from, w::Opcode::kRepair, 0, w::EncodeRepair(key, nodes[to].id, seen_at_target),
+              nullptr, 0, MemoryKind::kHost, deadline,
               [this](const PendingPtr& rp, std::unique_ptr<Incoming>) { Complete(rp, [] {}); },
               [](Status) {});
         }
@@ -542,14 +570,38 @@ struct Client::Impl {
     }
   }
 
+  // Read repairs asked recently, by key hash in a direct-mapped table: one (key, version) is
+  // repaired at most once per kRepairQuiet, however often reads sample it (a target that keeps
+  // refusing the push costs one copy per period, not one per read).
+  static constexpr size_t kRepairSlots = 1024;
+  static constexpr auto kRepairQuiet = std::chrono::seconds(10);
+  struct RepairAsked {
+    uint64_t key_hash = 0, version = 0;
+    Clock::time_point at;
+  };
+  std::vector<RepairAsked> repairs_asked = std::vector<RepairAsked>(kRepairSlots);
+  bool NoteRepair(const std::string& key, uint64_t version) {
+    const uint64_t h = HashKey(key);
+    RepairAsked& slot = repairs_asked[h % kRepairSlots];
+    const auto now = Clock::now();
+    if (slot.key_hash == h && slot.version == version && now - slot.at < kRepairQuiet) {
+      return false;
+    }
+    slot = {h, version, now};
+    return true;
+  }
+
   // replica_version != 0: read the copy of exactly that version a replica node holds.
   void GetOnNode(int node, const std::string& key, void* user_dst, size_t capacity,
                  MemoryKind dst_kind, Clock::time_point deadline,
                  std::function<void(Result<Value>)> done, uint64_t replica_version = 0,
                  Accept accept = {}, Clock::time_point transfer_deadline = {}, uint16_t flags = 0) {
     const Clock::time_point sent = Clock::now();
-    auto on_reply = [this, node, key, replica_version, user_dst, capacity, dst_kind, done, accept,
-                     sent](const PendingPtr& p, std::unique_ptr<Incoming> msg) {
+    // Held once and shared by the callbacks below: copying the caller's callback into each of
+    // them would allocate a copy of it every time.
+    auto shared_done = std::make_shared<std::function<void(Result<Value>)>>(std::move(done));
+    auto on_reply = [this, node, key, replica_version, user_dst, capacity, dst_kind, shared_done,
+                     accept, sent](const PendingPtr& p, std::unique_ptr<Incoming> msg) {
       w::ObjectMeta meta;
       std::vector<uint16_t> hint;
       Status s = ParseReply(*msg, [&](std::string_view body, w::ReplyStatus* rs) {
@@ -586,21 +638,21 @@ struct Client::Impl {
       }
       const size_t size = meta.size;
       ReceivePayload(p, std::move(msg), dst, kind,
-                     [this, p, value, staging, user_dst, size, done](Status rs2) {
+                     [this, p, value, staging, user_dst, size, shared_done](Status rs2) {
                        if (rs2.ok() && staging) rs2 = CudaCopySync(user_dst, staging.get(), size);
                        if (!rs2.ok()) return Fail(p, rs2);
-                       Complete(p, [value, done] { done(std::move(*value)); });
+                       Complete(p, [value, shared_done] { (*shared_done)(std::move(*value)); });
                      });
     };
+    auto on_fail = [shared_done](Status s) { (*shared_done)(s); };
     if (replica_version != 0) {
-      Issue(
-          node, w::Opcode::kGet, w::kFlagReplicaRead, w::EncodeReplicaGet(key, replica_version),
-          nullptr, 0, MemoryKind::kHost, deadline, on_reply, [done](Status s) { done(s); },
-          transfer_deadline);
+      Issue(node, w::Opcode::kGet, w::kFlagReplicaRead, w::EncodeReplicaGet(key, replica_version),
+            nullptr, 0, MemoryKind::kHost, deadline, std::move(on_reply), std::move(on_fail),
+            transfer_deadline);
       return;
     }
     Issue(node, w::Opcode::kGet, flags, w::EncodeKeyRequest(key), nullptr, 0, MemoryKind::kHost,
-          deadline, on_reply, [done](Status s) { done(s); });
+          deadline, std::move(on_reply), std::move(on_fail));
   }
 
   // --- hot-key hints: which nodes hold a copy of which version (worker thread) ---
@@ -624,7 +676,7 @@ struct Client::Impl {
   // Versions of this client's replicated writes (replicas > 1, kFlagClientVersion): every
   // replica of a write gets the same one, so read repair can tell which replica lags. It
   // observes the versions replies carry, so a write is above every version this client saw.
-  HybridClock write_clock;
+  HybridClock write_clock{std::random_device{}()};
   // The newest version this client was answered for recently read keys, by key hash in a
   // direct-mapped table (a slot holds the last key that hashed there): a hint older than it is
   // refused even when the key has no hint entry (two reads of one key in flight at once).
@@ -1405,7 +1457,7 @@ std::vector<Result<uint64_t>> Client::MultiPut(const std::vector<PutItem>& items
       batch->by_node[n].push_back(i);
     }
   }
-  // Replicated: item i's version is first_version + i on every node it goes to.
+  // Replicated: item i's version is first_version + i * kStep on every node it goes to.
   const bool versioned = I->options.replicas > 1;
   const uint64_t first_version = versioned ? I->write_clock.Take(items.size()) : 0;
   // Each node's message: metadata block, then the values (gathered here, in the caller).
@@ -1415,7 +1467,7 @@ std::vector<Result<uint64_t>> Client::MultiPut(const std::vector<PutItem>& items
     size_t total = 0;
     for (size_t i : batch->by_node[n]) {
       meta.push_back({items[i].key, items[i].tensor, items[i].size,
-                      versioned ? first_version + i : 0});
+                      versioned ? first_version + i * HybridClock::kStep : 0});
       total += items[i].size;
     }
     auto p = std::make_shared<std::string>(w::EncodeBatchPutBlock(meta, versioned));

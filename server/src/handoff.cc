@@ -31,10 +31,12 @@ namespace {
 bool Has(const std::vector<int>& v, int x) { return std::find(v.begin(), v.end(), x) != v.end(); }
 
 constexpr auto kTombstoneLifetime = std::chrono::seconds(60);
-// Past this many remembered deletes the oldest are forgotten early (a workload deleting 100k
-// keys a second would otherwise hold 6M): a forgotten delete only reopens the window in which
-// a handoff or repair that started before it could bring the key back.
-constexpr size_t kMaxTombstones = size_t{1} << 20;
+// Past this many bytes of remembered deletes (keys plus a per-entry overhead) some are
+// forgotten early (a workload deleting 100k keys a second would otherwise hold 6M): a
+// forgotten delete only reopens the window in which a handoff or repair that started before it
+// could bring the key back.
+constexpr size_t kMaxTombstoneBytes = size_t{64} << 20;
+constexpr size_t kTombstoneOverhead = 64;
 
 }  // namespace
 
@@ -258,14 +260,18 @@ void Server::Impl::HandleHandoffPut(const Req& r, std::string_view body,
   }
   w::PutRequest put;
   uint64_t version = 0;
-  Status s = w::DecodeHandoffPut(body, &put, &version);
+  const bool expect = (r.h.flags & w::kFlagExpectVersion) != 0;
+  uint64_t expected = 0;  // with `expect`: the version the key must still have here (0: none)
+  Status s = expect ? w::TakeVersion(&body, &expected, /*zero_ok=*/true) : Status::OK();
+  if (s.ok()) s = w::DecodeHandoffPut(body, &put, &version);
   if (s.ok() && put.size != msg->payload_size()) s = Status::ProtocolError("handoff size mismatch");
   if (s.ok()) s = CheckValueSize(put.size);
   if (s.ok() && version == 0) s = Status::ProtocolError("handoff without a version");
   if (!s.ok()) return ReplyStatus(r, s);
   const bool durable = (r.h.flags & w::kFlagDurable) != 0;
   ReadPayloadThen(r, std::move(msg),
-                  [this, r, put, version, durable](Status rs, std::shared_ptr<PayloadBuffer> buf) {
+                  [this, r, put, version, durable, expect, expected](
+                      Status rs, std::shared_ptr<PayloadBuffer> buf) {
                     Status st = rs;
                     bool changed = false;
                     if (st.ok() && !DeletedSince(put.key, version)) {
@@ -274,7 +280,9 @@ void Server::Impl::HandleHandoffPut(const Req& r, std::string_view body,
                         st = cache->CopyBytes(h->data(), h->memory_kind(), buf->data(),
                                               MemoryKind::kHost, put.size);
                         if (st.ok()) {
-                          auto c = cache->CommitHandedOff(std::move(*h), durable, version);
+                          auto c = expect ? cache->CommitHandedOffIf(std::move(*h), durable,
+                                                                     version, expected)
+                                          : cache->CommitHandedOff(std::move(*h), durable, version);
                           if (c.ok()) {
                             changed = *c;
                             // A delete that came in while this was being installed wins.
@@ -309,7 +317,8 @@ void Server::Impl::HandleHandoffPut(const Req& r, std::string_view body,
 
 void Server::Impl::HandleRepair(const Req& r, std::string_view body) {
   std::string key, target_id;
-  Status s = w::DecodeRepair(body, &key, &target_id);
+  uint64_t seen = 0;
+  Status s = w::DecodeRepair(body, &key, &target_id, &seen);
   const int target = s.ok() ? options.cluster.FindNode(target_id) : -1;
   if (s.ok() && (target < 0 || target == self_index)) {
     s = Status::InvalidArgument("repair target is not a peer of this node");
@@ -320,24 +329,40 @@ void Server::Impl::HandleRepair(const Req& r, std::string_view body) {
                                 std::to_string(ring->epoch()));
   }
   if (!s.ok()) return ReplyStatus(r, s);
-  SubmitRequestWork(r, [this, r, key = std::move(key), target] {
+  SubmitRequestWork(r, [this, r, key = std::move(key), target, seen] {
     if (r.Expired()) return PostReply([this, r] { ReplyStatus(r, DeadlinePassed()); });
-    auto bytes = std::make_shared<std::string>();
+    // The copy is held in memory until the push ends: repairs together hold at most a quarter
+    // of the node's in-flight budget (a busy node repairs later; reads sample the key again).
+    auto st = cache->Stat(key);
+    if (!st.ok()) return PostReply([this, r, e = st.status()] { ReplyStatus(r, e); });
+    const uint64_t size = st->size;
+    if (repair_bytes.fetch_add(size) + size > options.max_inflight_bytes / 4) {
+      repair_bytes.fetch_sub(size);
+      return PostReply([this, r] { ReplyStatus(r, Status::Busy("too many repairs in flight")); });
+    }
+    auto bytes = std::shared_ptr<std::string>(new std::string(), [this, size](std::string* b) {
+      repair_bytes.fetch_sub(size);
+      delete b;
+    });
     auto info = cache->Get(key, bytes.get());
-    if (!info.ok()) return PostReply([this, r, st = info.status()] { ReplyStatus(r, st); });
+    if (!info.ok()) return PostReply([this, r, e = info.status()] { ReplyStatus(r, e); });
     w::PutRequest put;
     put.key = key;
     put.tensor = info->tensor;
     put.size = bytes->size();
-    PostReply([this, r, target, bytes, durable = info->durable,
-               body = w::EncodeHandoffPut(put, info->version)]() mutable {
+    std::string push = w::EncodeHandoffPut(put, info->version);
+    w::AppendVersion(&push, seen);
+    // 2 s, plus the time the bytes take at 50 MB/s (a slow link still completes large values).
+    const auto budget = std::chrono::seconds(2) + std::chrono::milliseconds(put.size / 50'000);
+    const uint16_t flags = w::kFlagExpectVersion | (info->durable ? w::kFlagDurable : 0);
+    PostReply([this, r, target, bytes, flags, budget, push = std::move(push)]() mutable {
       CallPeer(
-          target, w::Opcode::kHandoffPut, std::move(body), bytes,
+          target, w::Opcode::kHandoffPut, std::move(push), bytes,
           [this, r](Status st, std::string_view) {
             if (st.ok()) counters.read_repairs.fetch_add(1, std::memory_order_relaxed);
             ReplyStatus(r, st);
           },
-          durable ? w::kFlagDurable : uint16_t{0}, std::chrono::seconds(2));
+          flags, budget);
     });
   });
 }
@@ -347,18 +372,27 @@ void Server::Impl::RememberDelete(const std::string& key, uint64_t client_versio
   const auto now = Clock::now();
   const uint64_t at = std::max(client_version, cache->VersionClock());
   std::lock_guard<std::mutex> lock(tombstone_mu);
-  tombstones[key] = {at, now};
-  const bool full = tombstones.size() > kMaxTombstones;
+  auto [slot, added] = tombstones.try_emplace(key, at, now);
+  if (added) {
+    tombstone_bytes += key.size() + kTombstoneOverhead;
+  } else {
+    slot->second = {at, now};
+  }
+  const bool full = tombstone_bytes > kMaxTombstoneBytes;
   if (!full && now - last_tombstone_prune < std::chrono::seconds(10)) return;
   last_tombstone_prune = now;
+  auto forget = [this](auto it) {
+    tombstone_bytes -= it->first.size() + kTombstoneOverhead;
+    return tombstones.erase(it);
+  };
   // Full: keep the newest half of the lifetime, then, if still full, whatever order leaves.
   const auto lifetime = full ? kTombstoneLifetime / 2 : kTombstoneLifetime;
   for (auto it = tombstones.begin(); it != tombstones.end();) {
-    it = now - it->second.second > lifetime ? tombstones.erase(it) : std::next(it);
+    it = now - it->second.second > lifetime ? forget(it) : std::next(it);
   }
   for (auto it = tombstones.begin();
-       full && it != tombstones.end() && tombstones.size() > kMaxTombstones / 2;) {
-    it = it->first == key ? std::next(it) : tombstones.erase(it);
+       full && it != tombstones.end() && tombstone_bytes > kMaxTombstoneBytes / 2;) {
+    it = it->first == key ? std::next(it) : forget(it);
   }
 }
 

@@ -117,13 +117,24 @@ bool Server::Impl::BytesFit(uint64_t used, uint64_t charge, uint64_t limit,
 
 void Server::Impl::UpdateClaim(BytesClaim* claim, uint64_t used, uint64_t charge, uint64_t limit,
                                bool admitted, Clock::time_point now) {
-  if (claim->bytes > 0 && now >= claim->until) claim->bytes = 0;
+  if (claim->bytes > 0 && now >= claim->until) {  // expired
+    claim->bytes = 0;
+    claim->next_claim = claim->until + kClaimHold;
+  }
   if (admitted) {
-    if (claim->bytes > 0 && charge >= claim->bytes) claim->bytes = 0;  // the claimant got in
+    if (claim->bytes > 0 && charge >= claim->bytes) {  // the claimant got in
+      claim->bytes = 0;
+      claim->next_claim = now + kClaimHold;
+    }
     return;
   }
-  // Refused because it does not fit beside what is in flight (not merely behind a claim).
-  if (used + charge > limit && charge >= claim->bytes) {
+  // Refused because it does not fit beside what is in flight (not merely behind a claim), and
+  // large: a request of at most a quarter of the limit fits again as soon as the in-flight
+  // bytes fall below three quarters, which they do on their own.
+  if (used + charge <= limit || charge <= limit / 4 || charge > limit) return;
+  if (claim->bytes > 0) {
+    claim->bytes = std::max(claim->bytes, charge);  // the larger one waits; the end stays
+  } else if (now >= claim->next_claim) {
     claim->bytes = charge;
     claim->until = now + kClaimHold;
   }

@@ -313,6 +313,7 @@ struct Server::Impl {
   // Read repair: a client saw a replica of the key lag behind this node's copy; push the copy
   // there with HANDOFF_PUT (the replica keeps whichever version is newer).
   void HandleRepair(const Req& r, std::string_view body);
+  std::atomic<uint64_t> repair_bytes{0};  // copies held for REPAIR pushes in flight
   // Handoff thread: one HANDOFF_PUT, waited for.
   Status SendHandoff(int target, const std::string& key, const ObjectInfo& info, bool durable,
                      const std::string& bytes);
@@ -325,6 +326,7 @@ struct Server::Impl {
   bool DeletedSince(const std::string& key, uint64_t version);
   std::mutex tombstone_mu;
   std::unordered_map<std::string, std::pair<uint64_t, Clock::time_point>> tombstones;
+  size_t tombstone_bytes = 0;  // keys + overhead of `tombstones` (tombstone_mu)
   Clock::time_point last_tombstone_prune = Clock::now();
 
   // I/O-thread state.
@@ -332,11 +334,17 @@ struct Server::Impl {
   // Admission control (ServerOptions): what each connection and the node have in flight.
   // Room a request refused for its size holds back, so that requests smaller than it stop
   // filling the gap it needs: on a node (or connection) that is never idle a value near the
-  // limit would otherwise be refused every time it is tried. Held for kClaimHold after the
-  // last refusal; a request at least as large as the claim is admitted into it.
+  // limit would otherwise be refused every time it is tried. A claim lasts kClaimHold from
+  // its first refusal (retries do not extend it); a request at least as large is admitted
+  // into it and ends it. After a claim ends none starts for kClaimHold, so smaller requests
+  // have the room at least half the time however many large ones keep trying. Only a request
+  // of more than a quarter of the limit and at most the limit claims (a larger one gets in
+  // only when nothing else is in flight); a larger request refused during a claim takes it
+  // over without extending it.
   struct BytesClaim {
     uint64_t bytes = 0;
-    Clock::time_point until;
+    Clock::time_point until;       // the claim's end
+    Clock::time_point next_claim;  // no new claim before this
   };
   static constexpr auto kClaimHold = std::chrono::seconds(2);
   // Whether `charge` may join `used` bytes in flight under `limit` (always, when nothing is in

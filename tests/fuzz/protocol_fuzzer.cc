@@ -66,11 +66,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
             (void)DecodeLoadReport(body, &version);
             break;
           case Opcode::kHandoffPut:
+            if ((h.flags & kFlagExpectVersion) && !TakeVersion(&body, &attempt, true).ok()) break;
             if (DecodeHandoffPut(body, &put, &version).ok()) (void)put.tensor.Validate(put.size);
             break;
           case Opcode::kRepair: {
             std::string target;
-            (void)DecodeRepair(body, &key, &target);
+            (void)DecodeRepair(body, &key, &target, &version);
             break;
           }
           case Opcode::kPeerHello: {

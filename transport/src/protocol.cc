@@ -261,10 +261,10 @@ void AppendVersion(std::string* body, uint64_t version) {
   w.U64(version);
 }
 
-Status TakeVersion(std::string_view* body, uint64_t* version) {
-  if (body->size() < 8) return Malformed("client version");
+Status TakeVersion(std::string_view* body, uint64_t* version, bool zero_ok) {
+  if (body->size() < 8) return Malformed("trailing version");
   ByteReader r(body->substr(body->size() - 8));
-  if (!r.U64(version) || *version == 0) return Malformed("client version");
+  if (!r.U64(version) || (*version == 0 && !zero_ok)) return Malformed("trailing version");
   body->remove_suffix(8);
   return Status::OK();
 }
@@ -359,17 +359,20 @@ std::string EncodeHandoffPut(const PutRequest& p, uint64_t version) {
   return out;
 }
 
-std::string EncodeRepair(std::string_view key, std::string_view target_id) {
+std::string EncodeRepair(std::string_view key, std::string_view target_id, uint64_t seen) {
   std::string out;
   ByteWriter w(&out);
   w.String(key);
   w.String(target_id);
+  w.U64(seen);
   return out;
 }
 
-Status DecodeRepair(std::string_view body, std::string* key, std::string* target_id) {
+Status DecodeRepair(std::string_view body, std::string* key, std::string* target_id,
+                    uint64_t* seen) {
   ByteReader r(body);
-  if (!r.String(key, kMaxKeySize) || !r.String(target_id, kMaxMessageText) || r.remaining() != 0) {
+  if (!r.String(key, kMaxKeySize) || !r.String(target_id, kMaxMessageText) || !r.U64(seen) ||
+      r.remaining() != 0) {
     return Malformed("repair");
   }
   return Status::OK();

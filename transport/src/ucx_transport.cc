@@ -122,6 +122,7 @@ struct UcxTransport::Impl {
   std::unordered_map<ConnId, Conn> conns;
   std::unordered_map<ucp_ep_h, ConnId> conn_by_ep;
   std::vector<std::function<void()>> deferred;  // callbacks to run after progress returns
+  std::vector<std::function<void()>> spare_deferred, spare_posted;  // worker thread: see RunPosted
   // Endpoint close requests in flight, each with its error-handler argument, which UCX may
   // still use until the close completes (then both go).
   struct Closing {
@@ -324,23 +325,33 @@ struct UcxTransport::Impl {
 
   // --- worker thread ---
 
+  // The task lists are swapped with a spare vector and the spare is kept, so that in steady
+  // state running them allocates nothing (a call made from inside a task finds no spare and
+  // allocates, which is still correct).
   void RunDeferred() {
     // Callbacks may add more deferred work; loop until quiet.
     while (!deferred.empty()) {
-      std::vector<std::function<void()>> batch;
+      std::vector<std::function<void()>> batch = std::move(spare_deferred);
+      batch.clear();
       batch.swap(deferred);
       for (auto& fn : batch) fn();
+      batch.clear();
+      spare_deferred = std::move(batch);
     }
   }
 
   bool RunPosted() {
-    std::vector<std::function<void()>> batch;
+    std::vector<std::function<void()>> batch = std::move(spare_posted);
+    batch.clear();
     {
       std::lock_guard<std::mutex> lock(post_mu);
       batch.swap(posted);
     }
     for (auto& fn : batch) fn();
-    return !batch.empty();
+    const bool any = !batch.empty();
+    batch.clear();
+    spare_posted = std::move(batch);
+    return any;
   }
 
   // Returns true if anything happened.

@@ -20,27 +20,40 @@ inline uint64_t WallClockVersion() {
   return static_cast<uint64_t>(us) << 10;
 }
 
-// Thread-safe (lock-free).
+// Thread-safe (lock-free). A clock with a `tag` hands out versions whose low kTagBits bits are
+// the tag, one per tick of 1024: two writers with different tags never hand out the same
+// version, so two different writes of one key cannot tie (a client picks a random tag; two
+// clients share one with probability 2^-10 per pair, and then tie only within one tick).
 class HybridClock {
  public:
-  // Takes `count` (>= 1) consecutive versions; returns the first.
+  static constexpr int kTagBits = 10;
+  static constexpr uint64_t kStep = uint64_t{1} << kTagBits;  // versions between two ticks
+  static constexpr uint64_t kTagMask = kStep - 1;
+
+  explicit HybridClock(uint64_t tag = 0) : tag_(tag & kTagMask) {}
+
+  // Takes `count` (>= 1) versions; returns the first, the i-th is first + i * kStep.
   uint64_t Take(uint64_t count = 1) {
-    const uint64_t floor = WallClockVersion();
+    const uint64_t floor = WallClockVersion() & ~kTagMask;
     uint64_t cur = next_.load(std::memory_order_relaxed);
     for (;;) {
-      const uint64_t v = cur > floor ? cur : floor;
-      if (next_.compare_exchange_weak(cur, v + count, std::memory_order_relaxed)) return v;
+      const uint64_t tick = cur > floor ? cur : floor;
+      if (next_.compare_exchange_weak(cur, tick + count * kStep, std::memory_order_relaxed)) {
+        return tick | tag_;
+      }
     }
   }
   // Versions taken from now on are above `v` (one seen in a reply, or installed).
   void Observe(uint64_t v) {
+    const uint64_t above = (v & ~kTagMask) + kStep;
     uint64_t cur = next_.load(std::memory_order_relaxed);
-    while (cur <= v && !next_.compare_exchange_weak(cur, v + 1, std::memory_order_relaxed)) {
+    while (cur < above && !next_.compare_exchange_weak(cur, above, std::memory_order_relaxed)) {
     }
   }
 
  private:
-  std::atomic<uint64_t> next_{1};
+  const uint64_t tag_;
+  std::atomic<uint64_t> next_{0};
 };
 
 }  // namespace gkv

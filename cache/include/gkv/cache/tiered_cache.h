@@ -181,6 +181,8 @@ class WriteHandle {
   MemoryKind kind_ = MemoryKind::kHost;
   uint64_t handed_version_ = 0;     // CommitHandedOff: the version the object keeps
   uint64_t requested_version_ = 0;  // RequestVersion
+  bool expect_current_ = false;     // CommitHandedOffIf: publish only over this version
+  uint64_t expected_current_ = 0;
 };
 
 // One key as ListKeys saw it.
@@ -256,6 +258,11 @@ class TieredCache {
   // changes). Returns whether the handed-off version is now the key's. Versions handed out
   // afterwards are above `version`.
   Result<bool> CommitHandedOff(WriteHandle handle, bool durable, uint64_t version);
+  // As CommitHandedOff, but the object is installed only while the key's newest version is
+  // exactly `expected_current` (0: the key is absent) at the moment it is published (read
+  // repair: a write that reached this cache since the comparison wins over the push).
+  Result<bool> CommitHandedOffIf(WriteHandle handle, bool durable, uint64_t version,
+                                 uint64_t expected_current);
   // A version above every one this cache has handed out or installed so far (and at least the
   // wall clock's): what a delete "happens at", for comparing with handed-off versions.
   uint64_t VersionClock() const;

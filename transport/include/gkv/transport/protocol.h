@@ -73,6 +73,9 @@ inline constexpr uint16_t kFlagLastResort = 1 << 5;
 // The node commits a put at that version, or just above the key's version if the key already
 // holds a newer one (docs/ARCHITECTURE.md, "Failures").
 inline constexpr uint16_t kFlagClientVersion = 1 << 6;
+// handoff_put (a read repair's push): the body ends with the u64 version the receiver must
+// still hold for the key (0: none) for the copy to be installed; otherwise nothing changes.
+inline constexpr uint16_t kFlagExpectVersion = 1 << 7;
 
 struct Header {
   Opcode opcode = Opcode::kPing;
@@ -139,8 +142,9 @@ Status DecodeBatchPutBlock(std::string_view payload, std::vector<BatchPutItem>* 
 
 // kFlagClientVersion on PUT and DELETE: the body ends with the client's u64 version.
 void AppendVersion(std::string* body, uint64_t version);
-// Takes the trailing u64 off `body`; ProtocolError when it is missing or 0.
-Status TakeVersion(std::string_view* body, uint64_t* version);
+// Takes the trailing u64 off `body`; ProtocolError when it is missing or 0 (unless
+// `zero_ok`, as for kFlagExpectVersion).
+Status TakeVersion(std::string_view* body, uint64_t* version, bool zero_ok = false);
 
 // --- reply bodies: every reply body starts with a status ---
 struct ReplyStatus {
@@ -176,9 +180,11 @@ std::string EncodeReplicaPut(const PutRequest& r, uint64_t version, uint64_t att
 // HandoffPut: key, tensor, size, then the version the object has on the sending node (the new
 // owner keeps it unless it has a newer one). kFlagDurable when the object is durable.
 std::string EncodeHandoffPut(const PutRequest& r, uint64_t version);
-// REPAIR: the key, then the id of the node to push the copy to.
-std::string EncodeRepair(std::string_view key, std::string_view target_id);
-Status DecodeRepair(std::string_view body, std::string* key, std::string* target_id);
+// REPAIR: the key, the id of the node to push the copy to, and the version the client saw
+// that node hold (0: none), which the push must still find there.
+std::string EncodeRepair(std::string_view key, std::string_view target_id, uint64_t seen);
+Status DecodeRepair(std::string_view body, std::string* key, std::string* target_id,
+                    uint64_t* seen);
 Status DecodeHandoffPut(std::string_view body, PutRequest* r, uint64_t* version);
 Status DecodeReplicaPut(std::string_view body, PutRequest* r, uint64_t* version, uint64_t* attempt);
 std::string EncodeInvalidate(std::string_view key, uint64_t version, uint64_t attempt);
