@@ -3,6 +3,8 @@
 // A node that fails to come up fails the test (it never skips).
 #pragma once
 
+#include <algorithm>
+
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <signal.h>
@@ -23,6 +25,7 @@
 
 #include "free_port.h"
 #include "gkv/client.h"
+#include "gkv/cuda.h"
 #include "spawn.h"
 #include "test_util.h"
 
@@ -37,7 +40,14 @@ struct NodeSpec {
   std::string secret;       // written to the cluster file when set
   std::string peer_secret;  // likewise
   bool metrics = false;     // give each node a free --metrics-port
+  // The GPU tier each node gets in fake-device mode (GKV_FAKE_DEVICE=1), unless extra_args
+  // gives --gpu-mem.
+  std::string fake_gpu_mem = "8MiB";
 };
+
+// The tier a fresh small value lands in on a node of this harness: its GPU tier in fake-device
+// mode (every node gets one there), else its host tier.
+inline std::string TopMemoryTier() { return FakeDeviceMode() ? "gpu" : "host"; }
 
 // The first key of the form key-SALT-N that `client` places on `node`.
 inline std::string KeyOn(Client& client, int node, int salt = 0) {
@@ -118,6 +128,11 @@ class Cluster {
       args.insert(args.end(), {"--disk", disk_dir(i), "--disk-capacity", spec_.disk_capacity});
     }
     args.insert(args.end(), spec_.extra_args.begin(), spec_.extra_args.end());
+    // Fake-device mode (GKV_FAKE_DEVICE=1, inherited by the node): every node gets a GPU tier
+    // of "device" memory, so the tests run through the server's device paths.
+    if (FakeDeviceMode() && std::find(args.begin(), args.end(), "--gpu-mem") == args.end()) {
+      args.insert(args.end(), {"--gpu-mem", spec_.fake_gpu_mem});
+    }
     if (metrics_ports_[i]) {
       args.insert(args.end(), {"--metrics-port", std::to_string(metrics_ports_[i])});
     }

@@ -519,6 +519,22 @@ TEST(TieredCacheFastPathTest, ConditionalHandOffLandsOnlyOverTheExpectedVersion)
   EXPECT_TRUE(handed(*put + 100, *put, "ee"));
   ASSERT_TRUE(c->Get("k", &out).ok());
   EXPECT_EQ(out, "ee");
+
+  // Durable: a push that cannot land writes nothing to disk either (it once replaced the disk
+  // copy of the version the key held and then deleted it, leaving no disk copy at all).
+  auto kept = c->Put("d", "keep", 4, {}, /*durable=*/true);
+  ASSERT_TRUE(kept.ok());
+  auto h = c->Reserve("d", 4, {});
+  ASSERT_TRUE(h.ok());
+  std::memcpy(h->data(), "push", 4);
+  auto landed = c->CommitHandedOffIf(std::move(*h), /*durable=*/true, *kept + 1000, 0);
+  ASSERT_TRUE(landed.ok());
+  EXPECT_FALSE(*landed);
+  c.reset();
+  c = MustOpen(SmallOptions(dir.path(), 0, 256 * kKiB, 8 << 20));
+  ASSERT_TRUE(c);
+  ASSERT_TRUE(c->Get("d", &out).ok()) << "the durable copy is gone after a reopen";
+  EXPECT_EQ(out, "keep");
 }
 
 // A client replicating a write assigns its version (kFlagClientVersion), so every replica

@@ -179,6 +179,15 @@ struct TieredCache::Impl {
     if (e->writebacks == 0) writeback_done.notify_all();
   }
 
+  // The version a reader sees for `key` now (0: none, or dropped and awaiting removal).
+  uint64_t VisibleVersion(std::string_view key) {
+    Shard& s = ShardFor(key);
+    std::lock_guard<std::mutex> shard_lock(s.mu);
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = s.map.find(std::string(key));
+    return it != s.map.end() && it->second->live ? it->second->version : 0;
+  }
+
   std::shared_ptr<Entry> Lookup(std::string_view key) {
     Shard& s = ShardFor(key);
     std::lock_guard<std::mutex> lock(s.mu);
@@ -436,6 +445,9 @@ struct TieredCache::Impl {
 
   Status Copy(void* dst, MemoryKind dk, const void* src, MemoryKind sk, uint64_t size) {
     if (size == 0) return Status::OK();
+    // Fake-device mode (tests): the kinds must be what the pointers are.
+    GKV_RETURN_IF_ERROR(CheckMemoryKind(dst, size, dk));
+    GKV_RETURN_IF_ERROR(CheckMemoryKind(src, size, sk));
     if (dk == MemoryKind::kHost && sk == MemoryKind::kHost) {
       std::memcpy(dst, src, size);
       return Status::OK();
@@ -485,15 +497,18 @@ struct TieredCache::Impl {
   // and false is returned). *old receives the entry it replaced. REQUIRES: the key's shard lock
   // and the placement lock.
   // `expected`: publish only while the key's newest version is exactly *expected (0: absent).
+  // `*newer` (when given) tells a refusal for a newer version from one for the expectation.
   bool Publish(Shard& s, const std::shared_ptr<Entry>& e, std::shared_ptr<Entry>* old,
-               const uint64_t* expected = nullptr) {
+               const uint64_t* expected = nullptr, bool* newer = nullptr) {
     LinkLru(e.get());
     counters.puts++;
     auto it = s.map.find(e->key);
     const bool found = it != s.map.end();
     // What a reader sees: a dropped entry waiting for its removal reads as absent.
     const uint64_t visible = found && it->second->live ? it->second->version : 0;
-    if ((found && it->second->version > e->version) || (expected && visible != *expected)) {
+    const bool newer_there = found && it->second->version > e->version;
+    if (newer) *newer = newer_there;
+    if (newer_there || (expected && visible != *expected)) {
       Kill(e.get());
       return false;
     }
@@ -784,6 +799,13 @@ std::vector<Result<uint64_t>> TieredCache::CommitBatch(std::vector<WriteHandle> 
     e->tensor = h.tensor_;
     if (h.handed_version_ != 0) {
       e->version = h.handed_version_;
+      // A conditional install (read repair) that already cannot land writes nothing, not even
+      // to disk: a disk write would replace the copy of the version the key does hold. (Publish
+      // checks again: a write may land in between.)
+      if (h.expect_current_ && I.VisibleVersion(h.key_) != h.expected_current_) {
+        results[i] = e->version;  // not installed: CommitHandedOff reports it unchanged
+        continue;
+      }
       I.AdoptVersion(e->version);
     } else if (h.requested_version_ != 0) {
       std::shared_ptr<Entry> current = I.Lookup(h.key_);
@@ -845,6 +867,7 @@ uint64_t TieredCache::Publish(WriteHandle& h, std::shared_ptr<void> entry) {
   auto e = std::static_pointer_cast<Entry>(std::move(entry));
   std::shared_ptr<Entry> old;
   bool superseded = false;
+  bool newer_there = false;  // superseded by a newer version (not only by an expectation)
   bool replaces_disk_copy = false;
   {
     Shard& s = I.ShardFor(e->key);
@@ -857,7 +880,8 @@ uint64_t TieredCache::Publish(WriteHandle& h, std::shared_ptr<void> entry) {
       h.data_ = nullptr;
     }
     // A newer commit may have won the race: then this one is already overwritten.
-    superseded = !I.Publish(s, e, &old, h.expect_current_ ? &h.expected_current_ : nullptr);
+    superseded = !I.Publish(s, e, &old, h.expect_current_ ? &h.expected_current_ : nullptr,
+                            &newer_there);
     // (A disk-tier reservation that was not written lost to a newer version already on disk,
     // which replaced the old copy there; it has no bytes in memory to write.)
     replaces_disk_copy = !superseded && old && (old->on_disk || old->writebacks > 0) &&
@@ -873,7 +897,10 @@ uint64_t TieredCache::Publish(WriteHandle& h, std::shared_ptr<void> entry) {
   // Past this point the new version is published: nothing below may fail the put (it committed);
   // what goes wrong is logged and its cleanup queued.
   if (replaces_disk_copy) I.ReplaceDiskCopy(e.get(), old.get());
-  if (superseded && e->on_disk) {
+  // A copy refused only for the expectation (a write landed between CommitBatch's check and
+  // now) stays on disk: it replaced the disk copy of a version no newer than itself, and
+  // deleting it would leave the key with no disk copy at all.
+  if (superseded && e->on_disk && newer_there) {
     // Synced, so that a crash cannot bring this copy back over the newer version.
     Status ds = I.disk->DeleteIfVersion(e->key, e->version, /*sync=*/true);
     if (!ds.ok()) {

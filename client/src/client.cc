@@ -546,9 +546,10 @@ struct Client::Impl {
         });
         const bool lags = s.ok() ? meta.version < version : s.code() == StatusCode::kNotFound;
         const bool ahead = s.ok() && meta.version > version;
-        if ((lags || ahead) && NoteRepair(key, std::max(version, s.ok() ? meta.version : 0))) {
-          const int from = lags ? first : replica;
-          const int to = lags ? replica : first;
+        const int from = lags ? first : replica;
+        const int to = lags ? replica : first;
+        if ((lags || ahead) &&
+            NoteRepair(key, to, std::max(version, s.ok() ? meta.version : 0))) {
           // The push lands only while the target still holds what was seen here (a write that
           // reaches it meanwhile is newer than this comparison knew).
           const uint64_t seen_at_target = lags ? (s.ok() ? meta.version : 0) : version;
@@ -570,9 +571,9 @@ struct Client::Impl {
     }
   }
 
-  // Read repairs asked recently, by key hash in a direct-mapped table: one (key, version) is
-  // repaired at most once per kRepairQuiet, however often reads sample it (a target that keeps
-  // refusing the push costs one copy per period, not one per read).
+  // Read repairs asked recently, by key and target in a direct-mapped table: one (key, target,
+  // version) is repaired at most once per kRepairQuiet, however often reads sample it (a target
+  // that keeps refusing the push costs one copy per period, not one per read).
   static constexpr size_t kRepairSlots = 1024;
   static constexpr auto kRepairQuiet = std::chrono::seconds(10);
   struct RepairAsked {
@@ -580,8 +581,8 @@ struct Client::Impl {
     Clock::time_point at;
   };
   std::vector<RepairAsked> repairs_asked = std::vector<RepairAsked>(kRepairSlots);
-  bool NoteRepair(const std::string& key, uint64_t version) {
-    const uint64_t h = HashKey(key);
+  bool NoteRepair(const std::string& key, int target, uint64_t version) {
+    const uint64_t h = HashKey(key) ^ (static_cast<uint64_t>(target + 1) * 0x9e3779b97f4a7c15ULL);
     RepairAsked& slot = repairs_asked[h % kRepairSlots];
     const auto now = Clock::now();
     if (slot.key_hash == h && slot.version == version && now - slot.at < kRepairQuiet) {

@@ -1,5 +1,9 @@
 #include "gkv/cuda.h"
 
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <map>
 #include <mutex>
 
 #include "gkv/log.h"
@@ -12,6 +16,87 @@ namespace gkv {
 
 std::string_view MemoryKindName(MemoryKind kind) {
   return kind == MemoryKind::kDevice ? "device" : "host";
+}
+
+bool FakeDeviceMode() {
+  static const bool on = [] {
+    const char* v = std::getenv("GKV_FAKE_DEVICE");
+    return v != nullptr && std::strcmp(v, "1") == 0;
+  }();
+  return on;
+}
+
+namespace {
+
+// Fake-device memory: start -> size of every live "device" allocation.
+struct FakeRegistry {
+  std::mutex mu;
+  std::map<const std::byte*, size_t> blocks;
+
+  static FakeRegistry& Get() {
+    static FakeRegistry* r = new FakeRegistry();  // never destroyed: used at exit
+    return *r;
+  }
+  // The block holding `p`, if any: its start and size.
+  bool Find(const void* p, const std::byte** start, size_t* size) {
+    auto b = static_cast<const std::byte*>(p);
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = blocks.upper_bound(b);
+    if (it == blocks.begin()) return false;
+    --it;
+    if (b >= it->first + it->second) return false;
+    *start = it->first;
+    *size = it->second;
+    return true;
+  }
+};
+
+Result<void*> FakeMallocDevice(size_t size) {
+  // Poisoned, so a read of bytes never written is visible as 0xdb.
+  void* p = std::aligned_alloc(256, (std::max<size_t>(size, 1) + 255) / 256 * 256);
+  if (!p) return Status::NoSpace("fake device: out of host memory");
+  std::memset(p, 0xdb, size);
+  FakeRegistry& r = FakeRegistry::Get();
+  std::lock_guard<std::mutex> lock(r.mu);
+  r.blocks[static_cast<const std::byte*>(p)] = std::max<size_t>(size, 1);
+  return p;
+}
+
+void FakeFreeDevice(void* p) {
+  if (!p) return;
+  FakeRegistry& r = FakeRegistry::Get();
+  {
+    std::lock_guard<std::mutex> lock(r.mu);
+    if (r.blocks.erase(static_cast<const std::byte*>(p)) == 0) {
+      GKV_LOG_ERROR("fake device: freeing {} which is not device memory", p);
+      return;
+    }
+  }
+  std::free(p);
+}
+
+bool FakeIsDevice(const void* p) {
+  const std::byte* start;
+  size_t size;
+  return p != nullptr && FakeRegistry::Get().Find(p, &start, &size);
+}
+
+}  // namespace
+
+Status CheckMemoryKind(const void* ptr, size_t size, MemoryKind claimed) {
+  if (!FakeDeviceMode() || ptr == nullptr || size == 0) return Status::OK();
+  const std::byte* start;
+  size_t block;
+  const bool device = FakeRegistry::Get().Find(ptr, &start, &block);
+  if (claimed == MemoryKind::kHost) {
+    if (!device) return Status::OK();
+    return Status::Internal("fake device: device memory passed as host memory");
+  }
+  if (!device) return Status::Internal("fake device: host memory passed as device memory");
+  if (static_cast<const std::byte*>(ptr) + size > start + block) {
+    return Status::Internal("fake device: a device range runs past its allocation");
+  }
+  return Status::OK();
 }
 
 #ifdef GKV_HAVE_CUDA
@@ -32,8 +117,19 @@ Status FromCuda(cudaError_t err, std::string_view what) {
 
 }  // namespace
 
+namespace {
+CudaProbe FakeProbe() {
+  CudaProbe p;
+  p.usable = true;
+  p.fake = true;
+  p.device_count = 1;
+  return p;
+}
+}  // namespace
+
 const CudaProbe& ProbeCuda() {
   static const CudaProbe probe = [] {
+    if (FakeDeviceMode()) return FakeProbe();
     CudaProbe p;
     p.compiled_in = true;
     int count = 0;
@@ -55,6 +151,7 @@ const CudaProbe& ProbeCuda() {
 }
 
 Result<void*> CudaMallocDevice(int device, size_t size) {
+  if (FakeDeviceMode()) return FakeMallocDevice(size);
   if (!ProbeCuda().usable) return Status::Unavailable(ProbeCuda().reason);
   GKV_RETURN_IF_ERROR(FromCuda(cudaSetDevice(device), "cudaSetDevice"));
   void* p = nullptr;
@@ -64,12 +161,18 @@ Result<void*> CudaMallocDevice(int device, size_t size) {
 
 void CudaFreeDevice(int device, void* ptr) {
   if (!ptr) return;
+  if (FakeDeviceMode()) return FakeFreeDevice(ptr);
   cudaSetDevice(device);
   cudaError_t err = cudaFree(ptr);
   if (err != cudaSuccess) GKV_LOG_WARN("cudaFree failed: {}", cudaGetErrorString(err));
 }
 
 Result<void*> CudaMallocPinnedHost(size_t size) {
+  if (FakeDeviceMode()) {
+    void* h = std::malloc(std::max<size_t>(size, 1));
+    if (!h) return Status::NoSpace("fake device: out of host memory");
+    return h;
+  }
   if (!ProbeCuda().usable) return Status::Unavailable(ProbeCuda().reason);
   void* p = nullptr;
   GKV_RETURN_IF_ERROR(FromCuda(cudaHostAlloc(&p, size, cudaHostAllocPortable), "cudaHostAlloc"));
@@ -78,11 +181,13 @@ Result<void*> CudaMallocPinnedHost(size_t size) {
 
 void CudaFreePinnedHost(void* ptr) {
   if (!ptr) return;
+  if (FakeDeviceMode()) return std::free(ptr);
   cudaError_t err = cudaFreeHost(ptr);
   if (err != cudaSuccess) GKV_LOG_WARN("cudaFreeHost failed: {}", cudaGetErrorString(err));
 }
 
 bool IsDevicePointer(const void* ptr) {
+  if (FakeDeviceMode()) return FakeIsDevice(ptr);
   if (!ProbeCuda().usable || ptr == nullptr) return false;
   cudaPointerAttributes attr{};
   if (cudaPointerGetAttributes(&attr, ptr) != cudaSuccess) {
@@ -93,12 +198,17 @@ bool IsDevicePointer(const void* ptr) {
 }
 
 Status CudaCopySync(void* dst, const void* src, size_t size) {
-  if (!ProbeCuda().usable) return Status::Unavailable(ProbeCuda().reason);
   if (size == 0) return Status::OK();
+  if (FakeDeviceMode()) {
+    std::memcpy(dst, src, size);
+    return Status::OK();
+  }
+  if (!ProbeCuda().usable) return Status::Unavailable(ProbeCuda().reason);
   return FromCuda(cudaMemcpy(dst, src, size, cudaMemcpyDefault), "cudaMemcpy");
 }
 
 Result<std::unique_ptr<DeviceCopier>> DeviceCopier::Create(int device) {
+  if (FakeDeviceMode()) return std::unique_ptr<DeviceCopier>(new DeviceCopier(device, nullptr));
   if (!ProbeCuda().usable) return Status::Unavailable(ProbeCuda().reason);
   GKV_RETURN_IF_ERROR(FromCuda(cudaSetDevice(device), "cudaSetDevice"));
   cudaStream_t stream;
@@ -108,12 +218,17 @@ Result<std::unique_ptr<DeviceCopier>> DeviceCopier::Create(int device) {
 }
 
 DeviceCopier::~DeviceCopier() {
+  if (stream_ == nullptr) return;  // fake device
   cudaSetDevice(device_);
   cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
 }
 
 Status DeviceCopier::Copy(void* dst, const void* src, size_t size) {
   if (size == 0) return Status::OK();
+  if (stream_ == nullptr) {  // fake device
+    std::memcpy(dst, src, size);
+    return Status::OK();
+  }
   auto stream = static_cast<cudaStream_t>(stream_);
   // cudaSetDevice is per thread; every calling thread needs the right current device.
   GKV_RETURN_IF_ERROR(FromCuda(cudaSetDevice(device_), "cudaSetDevice"));
@@ -127,23 +242,54 @@ Status DeviceCopier::Copy(void* dst, const void* src, size_t size) {
 const CudaProbe& ProbeCuda() {
   static const CudaProbe probe = [] {
     CudaProbe p;
+    if (FakeDeviceMode()) {
+      p.usable = true;
+      p.fake = true;
+      p.device_count = 1;
+      return p;
+    }
     p.reason = "gkv was built without the CUDA toolkit";
     return p;
   }();
   return probe;
 }
 
-Result<void*> CudaMallocDevice(int, size_t) { return Status::NotSupported(ProbeCuda().reason); }
-void CudaFreeDevice(int, void*) {}
-Result<void*> CudaMallocPinnedHost(size_t) { return Status::NotSupported(ProbeCuda().reason); }
-void CudaFreePinnedHost(void*) {}
-bool IsDevicePointer(const void*) { return false; }
-Status CudaCopySync(void*, const void*, size_t) { return Status::NotSupported(ProbeCuda().reason); }
-Result<std::unique_ptr<DeviceCopier>> DeviceCopier::Create(int) {
+Result<void*> CudaMallocDevice(int, size_t size) {
+  if (FakeDeviceMode()) return FakeMallocDevice(size);
+  return Status::NotSupported(ProbeCuda().reason);
+}
+void CudaFreeDevice(int, void* ptr) {
+  if (FakeDeviceMode()) FakeFreeDevice(ptr);
+}
+Result<void*> CudaMallocPinnedHost(size_t size) {
+  if (FakeDeviceMode()) {
+    void* h = std::malloc(std::max<size_t>(size, 1));
+    if (!h) return Status::NoSpace("fake device: out of host memory");
+    return h;
+  }
+  return Status::NotSupported(ProbeCuda().reason);
+}
+void CudaFreePinnedHost(void* ptr) {
+  if (FakeDeviceMode()) std::free(ptr);
+}
+bool IsDevicePointer(const void* ptr) { return FakeDeviceMode() && FakeIsDevice(ptr); }
+Status CudaCopySync(void* dst, const void* src, size_t size) {
+  if (FakeDeviceMode()) {
+    if (size) std::memcpy(dst, src, size);
+    return Status::OK();
+  }
+  return Status::NotSupported(ProbeCuda().reason);
+}
+Result<std::unique_ptr<DeviceCopier>> DeviceCopier::Create(int device) {
+  if (FakeDeviceMode()) return std::unique_ptr<DeviceCopier>(new DeviceCopier(device, nullptr));
   return Status::NotSupported(ProbeCuda().reason);
 }
 DeviceCopier::~DeviceCopier() = default;
-Status DeviceCopier::Copy(void*, const void*, size_t) {
+Status DeviceCopier::Copy(void* dst, const void* src, size_t size) {
+  if (FakeDeviceMode()) {
+    if (size) std::memcpy(dst, src, size);
+    return Status::OK();
+  }
   return Status::NotSupported(ProbeCuda().reason);
 }
 

@@ -302,9 +302,15 @@ void Server::Impl::HandleHandoffPut(const Req& r, std::string_view body,
                       counters.handoff_keys_in.fetch_add(1, std::memory_order_relaxed);
                       counters.handoff_bytes_in.fetch_add(put.size, std::memory_order_relaxed);
                     }
-                    PostReply([this, r, st, changed, key = put.key] {
+                    PostReply([this, r, st, changed, expect, key = put.key] {
                       // Versions compared: whichever this node now holds is the newest.
                       if (st.ok()) Confirm(key);
+                      // A repair's push that did not land (the key moved on meanwhile) says so,
+                      // so the sender does not count it as a repair.
+                      if (!changed && expect && st.ok()) {
+                        return ReplyStatus(r, Status::Aborted("the key changed since it was "
+                                                              "compared; nothing installed"));
+                      }
                       if (!changed) return ReplyStatus(r, st);
                       // Sent by the sender's ring, never checked against this node's: a key it does
                       // not own here (the sender's ring is behind, or this one moved on) goes on.
@@ -336,7 +342,9 @@ void Server::Impl::HandleRepair(const Req& r, std::string_view body) {
     auto st = cache->Stat(key);
     if (!st.ok()) return PostReply([this, r, e = st.status()] { ReplyStatus(r, e); });
     const uint64_t size = st->size;
-    if (repair_bytes.fetch_add(size) + size > options.max_inflight_bytes / 4) {
+    const uint64_t before = repair_bytes.fetch_add(size);
+    // One repair always goes (so a value larger than the budget is still repaired).
+    if (before > 0 && before + size > options.max_inflight_bytes / 4) {
       repair_bytes.fetch_sub(size);
       return PostReply([this, r] { ReplyStatus(r, Status::Busy("too many repairs in flight")); });
     }

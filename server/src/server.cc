@@ -130,8 +130,9 @@ void Server::Impl::UpdateClaim(BytesClaim* claim, uint64_t used, uint64_t charge
   }
   // Refused because it does not fit beside what is in flight (not merely behind a claim), and
   // large: a request of at most a quarter of the limit fits again as soon as the in-flight
-  // bytes fall below three quarters, which they do on their own.
-  if (used + charge <= limit || charge <= limit / 4 || charge > limit) return;
+  // bytes fall below three quarters. (One over the limit claims more than the limit: nothing
+  // smaller is admitted during its claim, and it gets in once nothing is in flight.)
+  if (used + charge <= limit || charge <= limit / 4) return;
   if (claim->bytes > 0) {
     claim->bytes = std::max(claim->bytes, charge);  // the larger one waits; the end stays
   } else if (now >= claim->next_claim) {
@@ -557,9 +558,10 @@ Result<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
                       : fmt::format("replication auto (hot share {}, load slack {})",
                                     rule.hot_share, rule.load_slack);
   }
-  GKV_LOG_INFO("node {} up on {}:{} (gpu {}, host {}, disk {}; {}; {}){}", I.self.id,
-               topts.listen_host, I.transport->listen_port(), tier(Tier::kGpu), tier(Tier::kHost),
-               tier(Tier::kDisk), replication, I.transport->Describe(),
+  GKV_LOG_INFO("node {} up on {}:{} (gpu {}{}, host {}, disk {}; {}; {}){}", I.self.id,
+               topts.listen_host, I.transport->listen_port(), tier(Tier::kGpu),
+               ProbeCuda().fake ? " FAKE DEVICE (GKV_FAKE_DEVICE=1: host memory)" : "",
+               tier(Tier::kHost), tier(Tier::kDisk), replication, I.transport->Describe(),
                options.cluster.secret.empty() ? "" : "; clients must present the cluster secret");
   return std::unique_ptr<Server>(new Server(std::move(impl)));
 }

@@ -338,9 +338,9 @@ struct Server::Impl {
   // its first refusal (retries do not extend it); a request at least as large is admitted
   // into it and ends it. After a claim ends none starts for kClaimHold, so smaller requests
   // have the room at least half the time however many large ones keep trying. Only a request
-  // of more than a quarter of the limit and at most the limit claims (a larger one gets in
-  // only when nothing else is in flight); a larger request refused during a claim takes it
-  // over without extending it.
+  // of more than a quarter of the limit claims (one over the limit claims it all: it gets in
+  // once nothing is in flight); a larger request refused during a claim takes it over without
+  // extending it.
   struct BytesClaim {
     uint64_t bytes = 0;
     Clock::time_point until;       // the claim's end

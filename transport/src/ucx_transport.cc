@@ -609,6 +609,10 @@ void UcxTransport::Send(ConnId conn, unsigned am_id, std::string header, const v
     done(Status::NotSupported("this UCX cannot send device memory; stage through host memory"));
     return;
   }
+  if (Status ks = CheckMemoryKind(payload, size, kind); !ks.ok()) {  // fake-device mode only
+    done(ks);
+    return;
+  }
   auto* op = new Impl::SendOp{&I, std::move(header), std::move(done)};
   ucp_request_param_t p{};
   p.op_attr_mask =
@@ -634,6 +638,10 @@ void UcxTransport::Send(ConnId conn, unsigned am_id, std::string header, const v
 void UcxTransport::Receive(std::unique_ptr<Incoming> msg, void* dst, MemoryKind kind,
                            std::function<void(Status)> done) {
   Impl& I = *impl_;
+  if (Status ks = CheckMemoryKind(dst, msg->length_, kind); !ks.ok()) {  // fake-device mode only
+    done(ks);
+    return;
+  }
   if (!msg->rndv_) {
     std::string_view data = msg->payload();
     Status s;

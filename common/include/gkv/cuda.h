@@ -18,12 +18,25 @@ std::string_view MemoryKindName(MemoryKind kind);
 struct CudaProbe {
   bool compiled_in = false;  // built with the CUDA runtime
   bool usable = false;       // at least one device answered
+  bool fake = false;         // FakeDeviceMode(): the device is host memory
   int device_count = 0;
   std::string reason;  // why not usable, in one line (empty when usable)
 };
 
 // Probes once per process and caches the answer.
 const CudaProbe& ProbeCuda();
+
+// Fake-device mode: GKV_FAKE_DEVICE=1 in the environment (read once per process). A stand-in
+// for a GPU on machines without one, so that CI runs every device branch of the server, the
+// client and the transport: ProbeCuda reports one usable device; "device" memory is host
+// memory that this file remembers (IsDevicePointer answers from that registry); copies are
+// memcpy; CheckMemoryKind fails when a pointer passed as device memory is not such memory, or
+// one passed as host memory is. UCX is not told, so it cannot move "device" memory and every
+// staging path runs. For tests only.
+bool FakeDeviceMode();
+// OK unless in fake-device mode and [ptr, ptr + size) is not memory of kind `claimed`
+// (Internal, with what it was).
+Status CheckMemoryKind(const void* ptr, size_t size, MemoryKind claimed);
 
 // Device memory: cudaMalloc/cudaFree on `device`.
 Result<void*> CudaMallocDevice(int device, size_t size);

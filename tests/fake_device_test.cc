@@ -1,0 +1,211 @@
+// The device branches of server, client and transport, run without a GPU (issue 10 item 7).
+// This process and the nodes it starts run in fake-device mode (GKV_FAKE_DEVICE=1, gkv/cuda.h):
+// "device" memory is host memory the CUDA boundary remembers, every copy checks that the
+// memory kinds it is given are what the pointers are, and UCX cannot move device memory, so
+// every staging path runs: puts from and gets into device buffers, single and batched, with
+// every byte checked; objects in the nodes' GPU tiers (device memory) served, spilled and
+// promoted; hot-key copies in a replica's GPU tier served.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "cluster_harness.h"
+#include "gkv/cuda.h"
+#include "gkv/random.h"
+
+namespace gkv {
+namespace {
+
+using testing::Cluster;
+using testing::KeyOn;
+using testing::NodeSpec;
+using testing::StatsCounter;
+
+// Before main (and before anything asks gkv/cuda.h), so this process and its children run in
+// fake-device mode.
+const bool kFakeDevice = [] {
+  setenv("GKV_FAKE_DEVICE", "1", 1);
+  return true;
+}();
+
+// A "device" buffer of the fake device, freed with the object.
+class DeviceBuffer {
+ public:
+  explicit DeviceBuffer(size_t size) : size_(size) {
+    auto p = CudaMallocDevice(0, size);
+    EXPECT_TRUE(p.ok()) << p.status().ToString();
+    if (p.ok()) ptr_ = *p;
+  }
+  ~DeviceBuffer() { CudaFreeDevice(0, ptr_); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  void* get() const { return ptr_; }
+  size_t size() const { return size_; }
+  void Write(const std::string& bytes) const {
+    ASSERT_TRUE(CudaCopySync(ptr_, bytes.data(), bytes.size()).ok());
+  }
+  std::string Read(size_t n) const {
+    std::string out(n, '\0');
+    EXPECT_TRUE(CudaCopySync(out.data(), ptr_, n).ok());
+    return out;
+  }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t size_;
+};
+
+std::string Pattern(Random& rng, size_t size) {
+  std::string v(size, '\0');
+  rng.Fill(v.data(), size);
+  return v;
+}
+
+TEST(FakeDeviceTest, TheModeIsOnAndDeviceMemoryIsTracked) {
+  ASSERT_TRUE(FakeDeviceMode());
+  ASSERT_TRUE(ProbeCuda().usable);
+  DeviceBuffer d(4096);
+  EXPECT_TRUE(IsDevicePointer(d.get()));
+  EXPECT_TRUE(IsDevicePointer(static_cast<char*>(d.get()) + 4095));
+  std::string host(16, 'h');
+  EXPECT_FALSE(IsDevicePointer(host.data()));
+  EXPECT_TRUE(CheckMemoryKind(d.get(), 4096, MemoryKind::kDevice).ok());
+  EXPECT_FALSE(CheckMemoryKind(d.get(), 4097, MemoryKind::kDevice).ok());
+  EXPECT_FALSE(CheckMemoryKind(d.get(), 16, MemoryKind::kHost).ok());
+  EXPECT_FALSE(CheckMemoryKind(host.data(), 16, MemoryKind::kDevice).ok());
+}
+
+// Puts from device buffers and gets into device buffers (and into host memory), sizes from one
+// byte to past the GPU tier, every byte checked; the values that fit land in the nodes' GPU
+// tiers, which are device memory.
+TEST(FakeDeviceTest, PutsFromAndGetsIntoDeviceBuffersKeepEveryByte) {
+  NodeSpec spec;
+  spec.fake_gpu_mem = "16MiB";
+  Cluster cluster(2, spec);
+  auto client = cluster.NewClient(std::chrono::seconds(10));
+  ASSERT_TRUE(client);
+  Random rng(testing::TestSeed());
+  const std::vector<size_t> sizes = {1, 64, 4096, 100'000, 1 << 20, 6 << 20, 20 << 20};
+  for (size_t size : sizes) {
+    SCOPED_TRACE("size " + std::to_string(size));
+    const std::string key = "dev/" + std::to_string(size);
+    const std::string value = Pattern(rng, size);
+    DeviceBuffer src(size);
+    src.Write(value);
+    auto put = client->Put(key, src.get(), size);
+    ASSERT_TRUE(put.ok()) << put.status().ToString();
+    DeviceBuffer dst(size);
+    auto info = client->GetInto(key, dst.get(), size);
+    ASSERT_TRUE(info.ok()) << info.status().ToString();
+    EXPECT_EQ(info->size, size);
+    EXPECT_TRUE(dst.Read(size) == value) << "device buffer bytes differ";
+    auto host = client->Get(key);
+    ASSERT_TRUE(host.ok()) << host.status().ToString();
+    EXPECT_TRUE(host->view() == value) << "host copy differs";
+  }
+  uint64_t gpu_objects = 0;
+  for (int n = 0; n < 2; ++n) gpu_objects += StatsCounter(*client, n, "objects", "\"gpu\":{");
+  EXPECT_GT(gpu_objects, 0u) << "no value landed in a GPU tier";
+}
+
+// The GPU tier fills, spills to host and disk, and reads bring values back, through device
+// memory on the node's side; every byte checked.
+TEST(FakeDeviceTest, SpillAndPromotionThroughTheDeviceTierKeepBytes) {
+  NodeSpec spec;
+  spec.fake_gpu_mem = "2MiB";
+  spec.host_mem = "4MiB";
+  Cluster cluster(1, spec);
+  auto client = cluster.NewClient(std::chrono::seconds(10));
+  ASSERT_TRUE(client);
+  Random rng(testing::TestSeed() + 1);
+  std::vector<std::string> values;
+  for (int i = 0; i < 40; ++i) {
+    values.push_back(Pattern(rng, 256 * 1024));
+    ASSERT_TRUE(client->Put("spill/" + std::to_string(i), values.back().data(),
+                            values.back().size())
+                    .ok());
+  }
+  for (int round = 0; round < 3; ++round) {
+    for (int i = 0; i < 40; ++i) {
+      auto got = client->Get("spill/" + std::to_string(i));
+      ASSERT_TRUE(got.ok()) << i << ": " << got.status().ToString();
+      ASSERT_TRUE(got->view() == values[i]) << "value " << i << " differs";
+    }
+  }
+  EXPECT_GT(StatsCounter(*client, 0, "objects", "\"gpu\":{"), 0u);
+  EXPECT_GT(StatsCounter(*client, 0, "objects", "\"disk\":{"), 0u);
+}
+
+// Batches from and into device memory: MultiPut from device items, MultiGetInto into one device
+// buffer of rows, MultiGet into host memory.
+TEST(FakeDeviceTest, BatchesFromAndIntoDeviceMemory) {
+  Cluster cluster(2);
+  auto client = cluster.NewClient(std::chrono::seconds(10));
+  ASSERT_TRUE(client);
+  Random rng(testing::TestSeed() + 2);
+  constexpr size_t kRows = 32, kRow = 3000;
+  DeviceBuffer src(kRows * kRow);
+  std::string all = Pattern(rng, kRows * kRow);
+  src.Write(all);
+  std::vector<PutItem> items;
+  std::vector<std::string> keys;
+  for (size_t i = 0; i < kRows; ++i) {
+    keys.push_back("row/" + std::to_string(i));
+    items.push_back({keys.back(), static_cast<char*>(src.get()) + i * kRow, kRow, {}});
+  }
+  auto put = client->MultiPut(items);
+  for (size_t i = 0; i < kRows; ++i) ASSERT_TRUE(put[i].ok()) << put[i].status().ToString();
+  DeviceBuffer rows(kRows * kRow);
+  auto got = client->MultiGetInto(keys, rows.get(), kRow, kRow);
+  for (size_t i = 0; i < kRows; ++i) ASSERT_TRUE(got[i].ok()) << got[i].ToString();
+  EXPECT_TRUE(rows.Read(kRows * kRow) == all) << "device rows differ";
+  auto host = client->MultiGet(keys);
+  for (size_t i = 0; i < kRows; ++i) {
+    ASSERT_TRUE(host[i].ok()) << host[i].status().ToString();
+    EXPECT_TRUE(host[i]->view() == all.substr(i * kRow, kRow)) << "row " << i;
+  }
+}
+
+// A hot key's copies land in the other nodes' GPU tiers (device memory here) and serve reads.
+TEST(FakeDeviceTest, HotKeyCopiesInAReplicasDeviceTierServeReads) {
+  NodeSpec spec;
+  spec.extra_args = {"--replicate-hot", "100", "--hot-replicas", "2"};
+  Cluster cluster(3, spec);
+  auto client = cluster.NewClient(std::chrono::seconds(2));
+  ASSERT_TRUE(client);
+  const std::string key = KeyOn(*client, 0);
+  std::string value(4096, 'g');
+  ASSERT_TRUE(client->Put(key, value.data(), value.size()).ok());
+  for (int i = 0; i < 3000; ++i) {
+    auto r = client->Get(key);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    ASSERT_TRUE(r->view() == value);
+  }
+  uint64_t created = 0, served = 0;
+  for (int n = 0; n < 3; ++n) {
+    created += StatsCounter(*client, n, "created", "\"replication\":{");
+    served += StatsCounter(*client, n, "reads_served", "\"replication\":{");
+  }
+  EXPECT_EQ(created, 2u);
+  for (int n = 1; n <= 2; ++n) {
+    EXPECT_EQ(StatsCounter(*client, n, "objects", "\"replication\":{"), 1u)
+        << "node " << n << ": the copy is not in the GPU tier";
+  }
+  DeviceBuffer dst(value.size());
+  for (int i = 0; i < 600; ++i) {
+    auto r = client->GetInto(key, dst.get(), dst.size());
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+  }
+  EXPECT_TRUE(dst.Read(value.size()) == value);
+  uint64_t served_after = 0;
+  for (int n = 0; n < 3; ++n) {
+    served_after += StatsCounter(*client, n, "reads_served", "\"replication\":{");
+  }
+  EXPECT_GT(served_after, served + 100) << "the copies in the GPU tiers served no read";
+}
+
+}  // namespace
+}  // namespace gkv
