@@ -51,6 +51,10 @@ void Server::Impl::HandlePut(const Req& r, std::string_view body, std::unique_pt
     });
     return;
   }
+  // A fast reservation that this path cannot use (GPU memory that UCX cannot receive into) is
+  // released before the slow path reserves: holding both would count the value twice and could
+  // evict for nothing.
+  op->handle = WriteHandle();
   SubmitRequestWork(r, [this, op] {
     if (op->req.Expired()) {
       return PostReply([this, op] {
