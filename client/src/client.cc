@@ -627,23 +627,19 @@ struct Client::Impl {
       value->info_ = ToInfo(meta);
       void* dst = user_dst;
       MemoryKind kind = dst_kind;
-      std::shared_ptr<std::byte[]> staging;
-      if (!user_dst) {
+      // No caller buffer, or a device one this UCX cannot receive into: the bytes land in the
+      // value's own host buffer. For a device buffer the caller's thread copies them over
+      // (GetInto), never this I/O thread: a synchronous CUDA copy here would stall every
+      // request of this client behind the GPU's queue.
+      if (!user_dst || (kind == MemoryKind::kDevice && !transport->device_memory_supported())) {
         value->bytes_.reset(new std::byte[meta.size ? meta.size : 1]);
         dst = value->bytes_.get();
         kind = MemoryKind::kHost;
-      } else if (kind == MemoryKind::kDevice && !transport->device_memory_supported()) {
-        staging.reset(new std::byte[meta.size ? meta.size : 1]);
-        dst = staging.get();
-        kind = MemoryKind::kHost;
       }
-      const size_t size = meta.size;
-      ReceivePayload(p, std::move(msg), dst, kind,
-                     [this, p, value, staging, user_dst, size, shared_done](Status rs2) {
-                       if (rs2.ok() && staging) rs2 = CudaCopySync(user_dst, staging.get(), size);
-                       if (!rs2.ok()) return Fail(p, rs2);
-                       Complete(p, [value, shared_done] { (*shared_done)(std::move(*value)); });
-                     });
+      ReceivePayload(p, std::move(msg), dst, kind, [this, p, value, shared_done](Status rs2) {
+        if (!rs2.ok()) return Fail(p, rs2);
+        Complete(p, [value, shared_done] { (*shared_done)(std::move(*value)); });
+      });
     };
     auto on_fail = [shared_done](Status s) { (*shared_done)(s); };
     if (replica_version != 0) {
@@ -1175,20 +1171,21 @@ Result<ValueInfo> Client::GetInto(std::string_view key, void* dst, size_t capaci
   }
   const MemoryKind kind = Resolve(o.memory, dst);
   auto deadline = I->DeadlineFrom(o.timeout);
-  std::promise<Result<ValueInfo>> promise;
+  std::promise<Result<Value>> promise;
   auto future = promise.get_future();
   I->transport->Post([&, key = std::string(key)]() mutable {
     I->DoGet(
         std::move(key), dst, capacity, kind, deadline, o.fail_open,
-        [&promise](Result<Value> r) {
-          if (r.ok())
-            promise.set_value(r->info());
-          else
-            promise.set_value(r.status());
-        },
-        o.accept);
+        [&promise](Result<Value> r) { promise.set_value(std::move(r)); }, o.accept);
   });
-  return future.get();
+  Result<Value> r = future.get();
+  if (!r.ok()) return r.status();
+  // Staged through host memory (a device buffer this UCX cannot receive into): the copy to
+  // the device runs here, on the caller's thread.
+  if (r->data() != nullptr && r->size() > 0) {
+    GKV_RETURN_IF_ERROR(CudaCopySync(dst, r->data(), r->size()));
+  }
+  return r->info();
 }
 
 void Client::PutAsync(std::string_view key, const void* data, size_t size, const PutOptions& o,

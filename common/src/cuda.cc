@@ -18,13 +18,25 @@ std::string_view MemoryKindName(MemoryKind kind) {
   return kind == MemoryKind::kDevice ? "device" : "host";
 }
 
-bool FakeDeviceMode() {
-  static const bool on = [] {
+FakeDevice FakeDeviceKind() {
+  static const FakeDevice kind = [] {
     const char* v = std::getenv("GKV_FAKE_DEVICE");
-    return v != nullptr && std::strcmp(v, "1") == 0;
+    if (v == nullptr) return FakeDevice::kOff;
+    if (std::strcmp(v, "1") == 0) return FakeDevice::kStaged;
+    if (std::strcmp(v, "ucx") == 0) return FakeDevice::kMovedByUcx;
+    return FakeDevice::kOff;
   }();
-  return on;
+  return kind;
 }
+
+bool FakeDeviceMode() { return FakeDeviceKind() != FakeDevice::kOff; }
+
+namespace {
+thread_local bool progress_thread = false;
+}  // namespace
+
+void MarkProgressThread() { progress_thread = true; }
+bool OnProgressThread() { return progress_thread; }
 
 namespace {
 
@@ -73,6 +85,15 @@ void FakeFreeDevice(void* p) {
     }
   }
   std::free(p);
+}
+
+Status FakeCopy(void* dst, const void* src, size_t size) {
+  if (OnProgressThread()) {
+    GKV_LOG_ERROR("fake device: a synchronous device copy on a UCX progress thread");
+    return Status::Internal("fake device: synchronous device copy on a UCX progress thread");
+  }
+  if (size) std::memcpy(dst, src, size);
+  return Status::OK();
 }
 
 bool FakeIsDevice(const void* p) {
@@ -199,10 +220,7 @@ bool IsDevicePointer(const void* ptr) {
 
 Status CudaCopySync(void* dst, const void* src, size_t size) {
   if (size == 0) return Status::OK();
-  if (FakeDeviceMode()) {
-    std::memcpy(dst, src, size);
-    return Status::OK();
-  }
+  if (FakeDeviceMode()) return FakeCopy(dst, src, size);
   if (!ProbeCuda().usable) return Status::Unavailable(ProbeCuda().reason);
   return FromCuda(cudaMemcpy(dst, src, size, cudaMemcpyDefault), "cudaMemcpy");
 }
@@ -225,10 +243,7 @@ DeviceCopier::~DeviceCopier() {
 
 Status DeviceCopier::Copy(void* dst, const void* src, size_t size) {
   if (size == 0) return Status::OK();
-  if (stream_ == nullptr) {  // fake device
-    std::memcpy(dst, src, size);
-    return Status::OK();
-  }
+  if (stream_ == nullptr) return FakeCopy(dst, src, size);  // fake device
   auto stream = static_cast<cudaStream_t>(stream_);
   // cudaSetDevice is per thread; every calling thread needs the right current device.
   GKV_RETURN_IF_ERROR(FromCuda(cudaSetDevice(device_), "cudaSetDevice"));
@@ -274,10 +289,7 @@ void CudaFreePinnedHost(void* ptr) {
 }
 bool IsDevicePointer(const void* ptr) { return FakeDeviceMode() && FakeIsDevice(ptr); }
 Status CudaCopySync(void* dst, const void* src, size_t size) {
-  if (FakeDeviceMode()) {
-    if (size) std::memcpy(dst, src, size);
-    return Status::OK();
-  }
+  if (FakeDeviceMode()) return FakeCopy(dst, src, size);
   return Status::NotSupported(ProbeCuda().reason);
 }
 Result<std::unique_ptr<DeviceCopier>> DeviceCopier::Create(int device) {
@@ -286,10 +298,7 @@ Result<std::unique_ptr<DeviceCopier>> DeviceCopier::Create(int device) {
 }
 DeviceCopier::~DeviceCopier() = default;
 Status DeviceCopier::Copy(void* dst, const void* src, size_t size) {
-  if (FakeDeviceMode()) {
-    if (size) std::memcpy(dst, src, size);
-    return Status::OK();
-  }
+  if (FakeDeviceMode()) return FakeCopy(dst, src, size);
   return Status::NotSupported(ProbeCuda().reason);
 }
 

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -103,6 +104,7 @@ struct UcxTransport::Impl {
   ucp_worker_h worker = nullptr;
   ucp_listener_h listener = nullptr;
   bool cuda_supported = false;
+  bool fake_device_memory = false;  // kDevice buffers are host memory (fake-device mode "ucx")
   size_t max_header = 0;
   uint16_t bound_port = 0;
   int epoll_fd = -1;
@@ -131,6 +133,61 @@ struct UcxTransport::Impl {
   };
   std::vector<Closing> closing;
   std::vector<std::unique_ptr<ErrorArg>> retired_at_shutdown;  // freed after the worker
+
+  // Device copies that must not run on the worker thread (an eager payload into device
+  // memory): a synchronous CUDA copy there would stall every request of this transport behind
+  // the GPU's queue. One thread, started on first use, stopped by ~Impl before anything else
+  // goes (declared last). Completions are posted back to the worker thread.
+  class CopyThread {
+   public:
+    ~CopyThread() {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        stop_ = true;
+      }
+      cv_.notify_all();
+      if (thread_.joinable()) thread_.join();
+    }
+    void Submit(std::function<void()> job) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!thread_.joinable()) thread_ = std::thread([this] { Run(); });
+      jobs_.push_back(std::move(job));
+      cv_.notify_one();
+    }
+
+   private:
+    void Run() {
+      std::unique_lock<std::mutex> lock(mu_);
+      for (;;) {
+        cv_.wait(lock, [this] { return stop_ || !jobs_.empty(); });
+        if (jobs_.empty()) return;  // stopping, nothing left
+        auto job = std::move(jobs_.front());
+        jobs_.pop_front();
+        lock.unlock();
+        job();
+        job = nullptr;  // what it captured goes outside the lock too
+        lock.lock();
+      }
+    }
+    std::mutex mu_;
+    std::condition_variable cv_;
+    std::deque<std::function<void()>> jobs_;
+    bool stop_ = false;
+    std::thread thread_;
+  };
+
+  // From any thread: runs `task` on the worker thread (dropped after the loop ended).
+  void PostTask(std::function<void()> task) {
+    {
+      std::lock_guard<std::mutex> lock(post_mu);
+      if (post_closed) return;
+      posted.push_back(std::move(task));
+    }
+    uint64_t one = 1;
+    (void)!write(event_fd, &one, sizeof one);
+  }
+
+  CopyThread copy_thread;  // last: joined first
 
   ~Impl() {
     if (listener) ucp_listener_destroy(listener);
@@ -163,6 +220,9 @@ struct UcxTransport::Impl {
     // A successful ucp_mem_map of CUDA memory proves nothing on a UCX without CUDA; the
     // context's memory types are the reliable signal.
     cuda_supported = (cattr.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
+    // Fake-device mode "ucx" (tests): the "device" memory is host memory, which UCX moves.
+    fake_device_memory = FakeDeviceKind() == FakeDevice::kMovedByUcx;
+    cuda_supported |= fake_device_memory;
 
     ucp_worker_params_t wparams{};
     wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
@@ -365,6 +425,7 @@ struct UcxTransport::Impl {
 
   void Loop() {
     thread_id = std::this_thread::get_id();
+    MarkProgressThread();
     epoll_event events[4];
     auto last_activity = std::chrono::steady_clock::now();
     while (!stopping.load(std::memory_order_acquire)) {
@@ -620,7 +681,7 @@ void UcxTransport::Send(ConnId conn, unsigned am_id, std::string header, const v
   p.flags = UCP_AM_SEND_FLAG_REPLY;
   p.cb.send = &Impl::OnSendDone;
   p.user_data = op;
-  if (kind == MemoryKind::kDevice) {
+  if (kind == MemoryKind::kDevice && !I.fake_device_memory) {
     p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMORY_TYPE;
     p.memory_type = UCS_MEMORY_TYPE_CUDA;
   }
@@ -643,14 +704,20 @@ void UcxTransport::Receive(std::unique_ptr<Incoming> msg, void* dst, MemoryKind 
     return;
   }
   if (!msg->rndv_) {
-    std::string_view data = msg->payload();
-    Status s;
-    if (kind == MemoryKind::kDevice) {
-      s = CudaCopySync(dst, data.data(), data.size());
-    } else if (!data.empty()) {
-      std::memcpy(dst, data.data(), data.size());
+    if (kind == MemoryKind::kDevice && msg->payload_size() > 0) {
+      // Off the worker thread; the message (which may hold UCX's buffer) lives until the copy
+      // is done and goes on the worker thread with the completion.
+      std::shared_ptr<Incoming> held(std::move(msg));
+      I.copy_thread.Submit([&I, held, dst, done = std::move(done)]() mutable {
+        const std::string_view data = held->payload();
+        Status s = CudaCopySync(dst, data.data(), data.size());
+        I.PostTask([held, done = std::move(done), s]() { done(s); });
+      });
+      return;
     }
-    done(s);
+    std::string_view data = msg->payload();
+    if (!data.empty()) std::memcpy(dst, data.data(), data.size());
+    done(Status::OK());
     return;
   }
   if (kind == MemoryKind::kDevice && !I.cuda_supported) {
@@ -664,7 +731,7 @@ void UcxTransport::Receive(std::unique_ptr<Incoming> msg, void* dst, MemoryKind 
   p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
   p.cb.recv_am = &Impl::OnRecvDone;
   p.user_data = op;
-  if (kind == MemoryKind::kDevice) {
+  if (kind == MemoryKind::kDevice && !I.fake_device_memory) {
     p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMORY_TYPE;
     p.memory_type = UCS_MEMORY_TYPE_CUDA;
   }

@@ -26,14 +26,23 @@ struct CudaProbe {
 // Probes once per process and caches the answer.
 const CudaProbe& ProbeCuda();
 
-// Fake-device mode: GKV_FAKE_DEVICE=1 in the environment (read once per process). A stand-in
+// Fake-device mode: GKV_FAKE_DEVICE in the environment (read once per process). A stand-in
 // for a GPU on machines without one, so that CI runs every device branch of the server, the
 // client and the transport: ProbeCuda reports one usable device; "device" memory is host
 // memory that this file remembers (IsDevicePointer answers from that registry); copies are
 // memcpy; CheckMemoryKind fails when a pointer passed as device memory is not such memory, or
-// one passed as host memory is. UCX is not told, so it cannot move "device" memory and every
-// staging path runs. For tests only.
-bool FakeDeviceMode();
+// one passed as host memory is; a synchronous copy on a UCX progress thread fails (a real one
+// would stall every request behind the GPU's queue). Two flavours:
+//   GKV_FAKE_DEVICE=1    UCX cannot move device memory: every staging path runs;
+//   GKV_FAKE_DEVICE=ucx  UCX moves it (the transport hands UCX host memory): the direct
+//                        paths a CUDA-capable UCX takes run.
+// For tests only.
+enum class FakeDevice : uint8_t { kOff, kStaged, kMovedByUcx };
+FakeDevice FakeDeviceKind();
+bool FakeDeviceMode();  // FakeDeviceKind() != kOff
+// The calling thread progresses a UCX worker (UcxTransport's loop marks itself).
+void MarkProgressThread();
+bool OnProgressThread();
 // OK unless in fake-device mode and [ptr, ptr + size) is not memory of kind `claimed`
 // (Internal, with what it was).
 Status CheckMemoryKind(const void* ptr, size_t size, MemoryKind claimed);
