@@ -218,6 +218,23 @@ bool IsDevicePointer(const void* ptr) {
   return attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged;
 }
 
+int CudaCurrentDevice() {
+  if (FakeDeviceMode() || !ProbeCuda().usable) return -1;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    cudaGetLastError();
+    return -1;
+  }
+  return device;
+}
+
+Status CudaBindThread(int device) {
+  if (device < 0 || FakeDeviceMode() || !ProbeCuda().usable) return Status::OK();
+  GKV_RETURN_IF_ERROR(FromCuda(cudaSetDevice(device), "cudaSetDevice"));
+  // cudaFree(nullptr) is the documented way to create the context without allocating.
+  return FromCuda(cudaFree(nullptr), "cudaFree(nullptr) to create the context");
+}
+
 Status CudaCopySync(void* dst, const void* src, size_t size) {
   if (size == 0) return Status::OK();
   if (FakeDeviceMode()) return FakeCopy(dst, src, size);
@@ -288,6 +305,8 @@ void CudaFreePinnedHost(void* ptr) {
   if (FakeDeviceMode()) std::free(ptr);
 }
 bool IsDevicePointer(const void* ptr) { return FakeDeviceMode() && FakeIsDevice(ptr); }
+int CudaCurrentDevice() { return -1; }
+Status CudaBindThread(int) { return Status::OK(); }
 Status CudaCopySync(void* dst, const void* src, size_t size) {
   if (FakeDeviceMode()) return FakeCopy(dst, src, size);
   return Status::NotSupported(ProbeCuda().reason);

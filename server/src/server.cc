@@ -512,6 +512,15 @@ Result<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
     GKV_LOG_DEBUG("client connection {} closed: {}", id, s.ToString());
   };
   handlers.on_tick = [raw] { raw->OnTick(); };
+  // The I/O thread inherits the current CUDA device (UcxTransport::Create): the node's first
+  // GPU when it has a GPU tier.
+  if (options.cache.gpu_capacity > 0 && !options.cache.gpu_devices.empty() &&
+      !options.cache.gpu_tier_in_host_memory) {
+    if (Status cs = CudaBindThread(options.cache.gpu_devices.front()); !cs.ok()) {
+      GKV_LOG_WARN("no CUDA context on GPU {}: {}", options.cache.gpu_devices.front(),
+                   cs.ToString());
+    }
+  }
   auto transport = UcxTransport::Create(topts, std::move(handlers));
   if (!transport.ok()) return transport.status();
   impl->transport = std::move(*transport);

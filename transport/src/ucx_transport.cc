@@ -571,7 +571,16 @@ Result<std::unique_ptr<UcxTransport>> UcxTransport::Create(const Options& option
   std::unique_ptr<UcxTransport> t(new UcxTransport(std::move(impl)));
   Impl* raw = t->impl_.get();
   std::atomic<bool> started{false};
-  raw->thread = std::thread([raw, &started] {
+  // The worker thread gets the CUDA device current on the creating thread (the server sets its
+  // first GPU before; a client the device its caller uses), with a context: UCX's CUDA
+  // transports need one on every thread that progresses the worker, and a process working on
+  // GPU 5 should create none on GPU 0.
+  const int cuda_device = CudaCurrentDevice();
+  raw->thread = std::thread([raw, &started, cuda_device] {
+    if (Status cs = CudaBindThread(cuda_device); !cs.ok()) {
+      GKV_LOG_WARN("UCX worker thread: no CUDA context on device {}: {}", cuda_device,
+                   cs.ToString());
+    }
     raw->thread_id = std::this_thread::get_id();
     started.store(true, std::memory_order_release);
     raw->Loop();

@@ -40,6 +40,13 @@ const CudaProbe& ProbeCuda();
 enum class FakeDevice : uint8_t { kOff, kStaged, kMovedByUcx };
 FakeDevice FakeDeviceKind();
 bool FakeDeviceMode();  // FakeDeviceKind() != kOff
+// The CUDA device current on the calling thread (0 when none was set; -1 without a usable
+// GPU or in fake-device mode). Creates no context.
+int CudaCurrentDevice();
+// Makes `device` current on the calling thread and creates (retains) its primary context, so
+// that UCX's CUDA transports find one on a thread that progresses a worker. No-op for -1.
+Status CudaBindThread(int device);
+
 // The calling thread progresses a UCX worker (UcxTransport's loop marks itself).
 void MarkProgressThread();
 bool OnProgressThread();
