@@ -1,6 +1,8 @@
 // Calls to other nodes: peer connections (PEER_HELLO first), replies matched on (connection,
 // id), deadlines and timers. See server_impl.h for the map of server/.
 #include "gkv/log.h"
+#include <algorithm>
+
 #include "server_impl.h"
 
 namespace gkv {
@@ -32,7 +34,9 @@ void Server::Impl::CallPeer(int node, w::Opcode op, std::string body,
   auto conn = PeerConn(node);
   if (!conn.ok()) return done(conn.status(), {});
   const uint64_t id = next_peer_call++;
-  peer_calls[id] = PeerCall{node, *conn, Clock::now() + budget, done};
+  const auto deadline = Clock::now() + budget;
+  peer_calls[id] = PeerCall{node, *conn, deadline, done};
+  peer_deadlines.push({deadline, id});
   // The budget travels too: a replica drops an install that arrives after the caller gave up.
   transport->Send(*conn, w::kAmRequest,
                   w::EncodeMessage({op, flags, id, static_cast<uint32_t>(budget.count())}, body),
@@ -65,26 +69,29 @@ void Server::Impl::OnPeerReply(std::unique_ptr<Incoming> msg) {
 }
 
 void Server::Impl::ExpirePeerCalls(Clock::time_point now) {
-  std::vector<uint64_t> expired;
-  for (auto& [id, call] : peer_calls) {
-    if (call.deadline <= now) expired.push_back(id);
-  }
-  for (uint64_t id : expired) {
-    auto cb = std::move(peer_calls[id].done);
-    peer_calls.erase(id);
+  while (!peer_deadlines.empty() && peer_deadlines.top().first <= now) {
+    const uint64_t id = peer_deadlines.top().second;
+    peer_deadlines.pop();
+    auto it = peer_calls.find(id);
+    if (it == peer_calls.end()) continue;  // answered or failed already
+    auto cb = std::move(it->second.done);
+    peer_calls.erase(it);
     cb(Status::Timeout("peer did not answer"), {});
   }
 }
 
+void Server::Impl::AddTimer(Clock::time_point due, std::function<void()> fn) {
+  timers.push_back({due, next_timer++, std::move(fn)});
+  std::push_heap(timers.begin(), timers.end(), std::greater<Timer>());
+}
+
 void Server::Impl::RunTimers(Clock::time_point now) {
+  // Due ones first, then run: a timer may add timers.
   std::vector<std::function<void()>> due;
-  for (auto it = timers.begin(); it != timers.end();) {
-    if (it->first <= now) {
-      due.push_back(std::move(it->second));
-      it = timers.erase(it);
-    } else {
-      ++it;
-    }
+  while (!timers.empty() && timers.front().due <= now) {
+    std::pop_heap(timers.begin(), timers.end(), std::greater<Timer>());
+    due.push_back(std::move(timers.back().fn));
+    timers.pop_back();
   }
   for (auto& fn : due) fn();
 }

@@ -168,8 +168,7 @@ void Server::Impl::Withdraw(const std::string& key, const char* why) {
                 why);
   const uint64_t attempt = set.attempt;
   // Whichever comes first: every holder confirmed, or every hint has expired.
-  timers.push_back(
-      {Clock::now() + kWithdrawWait, [this, key, attempt] { FinishWithdraw(key, attempt); }});
+  AddTimer(Clock::now() + kWithdrawWait, [this, key, attempt] { FinishWithdraw(key, attempt); });
   for (int n : set.nodes) {
     CallPeer(n, w::Opcode::kInvalidate, w::EncodeInvalidate(key, set.version, attempt), nullptr,
              [this, key, attempt](Status s, std::string_view) {

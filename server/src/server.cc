@@ -367,7 +367,7 @@ void Server::Impl::OnTick() {
   if (!ticking.load(std::memory_order_acquire)) return;
   if (!boot_sync_started) StartBootSync();
   const auto now = Clock::now();
-  if (!peer_calls.empty()) ExpirePeerCalls(now);
+  if (!peer_deadlines.empty()) ExpirePeerCalls(now);
   if (now - last_send_check >= std::chrono::milliseconds(100)) {
     last_send_check = now;
     CloseStuckConnections(now);

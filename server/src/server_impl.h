@@ -23,6 +23,7 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <queue>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
@@ -186,7 +187,21 @@ struct Server::Impl {
   std::unordered_map<ConnId, int> peer_of_conn;
   std::unordered_map<uint64_t, PeerCall> peer_calls;
   uint64_t next_peer_call = 1;
-  std::vector<std::pair<Clock::time_point, std::function<void()>>> timers;
+  // Deadlines of peer calls, earliest first (a min-heap; an entry whose call already ended is
+  // skipped when it comes up): a tick looks at the front only, not at every call.
+  using Deadline = std::pair<Clock::time_point, uint64_t>;
+  std::priority_queue<Deadline, std::vector<Deadline>, std::greater<Deadline>> peer_deadlines;
+  // Timers, earliest first (a min-heap on `due`; `seq` keeps equal times in order).
+  struct Timer {
+    Clock::time_point due;
+    uint64_t seq;
+    std::function<void()> fn;
+    bool operator>(const Timer& o) const { return due != o.due ? due > o.due : seq > o.seq; }
+  };
+  std::vector<Timer> timers;
+  uint64_t next_timer = 0;
+  // Runs `fn` on the I/O thread at `due` or soon after (I/O thread).
+  void AddTimer(Clock::time_point due, std::function<void()> fn);
   Clock::time_point last_decay = Clock::now();
 
   bool replication_on() const { return replica_cache != nullptr; }
