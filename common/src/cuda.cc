@@ -220,6 +220,24 @@ bool IsDevicePointer(const void* ptr) {
 
 int CudaCurrentDevice() {
   if (FakeDeviceMode() || !ProbeCuda().usable) return -1;
+  // Only a thread that has a context says which device it works on: cudaGetDevice answers 0
+  // for one that never chose, and binding that would put a context on GPU 0 for every process
+  // (the CLI, host-only nodes, a rank that sets its device later). The driver's
+  // cuCtxGetCurrent tells, reached through the runtime so gkv links no libcuda.
+  using CtxGetCurrent = int (*)(void**);
+  static const CtxGetCurrent get_current = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuCtxGetCurrent", &fn, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      return CtxGetCurrent{nullptr};
+    }
+    return reinterpret_cast<CtxGetCurrent>(fn);
+  }();
+  void* ctx = nullptr;
+  if (get_current == nullptr || get_current(&ctx) != 0 || ctx == nullptr) return -1;
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) {
     cudaGetLastError();

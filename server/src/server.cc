@@ -514,14 +514,17 @@ Result<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
   handlers.on_tick = [raw] { raw->OnTick(); };
   // The I/O thread inherits the current CUDA device (UcxTransport::Create): the node's first
   // GPU when it has a GPU tier.
-  if (options.cache.gpu_capacity > 0 && !options.cache.gpu_devices.empty() &&
-      !options.cache.gpu_tier_in_host_memory) {
+  const int caller_device = CudaCurrentDevice();  // given back after Create
+  const bool bind_gpu = options.cache.gpu_capacity > 0 && !options.cache.gpu_devices.empty() &&
+                        !options.cache.gpu_tier_in_host_memory;
+  if (bind_gpu) {
     if (Status cs = CudaBindThread(options.cache.gpu_devices.front()); !cs.ok()) {
       GKV_LOG_WARN("no CUDA context on GPU {}: {}", options.cache.gpu_devices.front(),
                    cs.ToString());
     }
   }
   auto transport = UcxTransport::Create(topts, std::move(handlers));
+  if (bind_gpu && caller_device >= 0) (void)CudaBindThread(caller_device);
   if (!transport.ok()) return transport.status();
   impl->transport = std::move(*transport);
   // The worker thread ticks from inside Create: its timers and peer calls start only now that
@@ -569,7 +572,10 @@ Result<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
   }
   GKV_LOG_INFO("node {} up on {}:{} (gpu {}{}, host {}, disk {}; {}; {}){}", I.self.id,
                topts.listen_host, I.transport->listen_port(), tier(Tier::kGpu),
-               ProbeCuda().fake ? " FAKE DEVICE (GKV_FAKE_DEVICE=1: host memory)" : "",
+               !ProbeCuda().fake ? ""
+               : FakeDeviceKind() == FakeDevice::kMovedByUcx
+                   ? " FAKE DEVICE (GKV_FAKE_DEVICE=ucx: host memory, moved by UCX)"
+                   : " FAKE DEVICE (GKV_FAKE_DEVICE=1: host memory, staged)",
                tier(Tier::kHost), tier(Tier::kDisk), replication, I.transport->Describe(),
                options.cluster.secret.empty() ? "" : "; clients must present the cluster secret");
   return std::unique_ptr<Server>(new Server(std::move(impl)));

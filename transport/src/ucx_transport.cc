@@ -136,11 +136,29 @@ struct UcxTransport::Impl {
 
   // Device copies that must not run on the worker thread (an eager payload into device
   // memory): a synchronous CUDA copy there would stall every request of this transport behind
-  // the GPU's queue. One thread, started on first use, stopped by ~Impl before anything else
-  // goes (declared last). Completions are posted back to the worker thread.
+  // the GPU's queue. One thread, started on first use with the worker's CUDA device bound;
+  // jobs own the bytes they copy (never UCX's buffers) and post their completion back to the
+  // worker. Shutdown joins it before its last RunPosted, so completions still run there and no
+  // job outlives the transport (or the memory it copies into).
   class CopyThread {
    public:
-    ~CopyThread() {
+    explicit CopyThread(int cuda_device) : cuda_device_(cuda_device) {}
+    ~CopyThread() { Join(); }
+    // Runs `job` on the copy thread; once joined, on the calling thread.
+    void Submit(std::function<void()> job) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (!stop_) {
+          if (!thread_.joinable()) thread_ = std::thread([this] { Run(); });
+          jobs_.push_back(std::move(job));
+          cv_.notify_one();
+          return;
+        }
+      }
+      job();
+    }
+    // Finishes the queued jobs and ends the thread. Idempotent.
+    void Join() {
       {
         std::lock_guard<std::mutex> lock(mu_);
         stop_ = true;
@@ -148,15 +166,13 @@ struct UcxTransport::Impl {
       cv_.notify_all();
       if (thread_.joinable()) thread_.join();
     }
-    void Submit(std::function<void()> job) {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!thread_.joinable()) thread_ = std::thread([this] { Run(); });
-      jobs_.push_back(std::move(job));
-      cv_.notify_one();
-    }
 
    private:
     void Run() {
+      if (Status cs = CudaBindThread(cuda_device_); !cs.ok()) {
+        GKV_LOG_WARN("device copy thread: no CUDA context on device {}: {}", cuda_device_,
+                     cs.ToString());
+      }
       std::unique_lock<std::mutex> lock(mu_);
       for (;;) {
         cv_.wait(lock, [this] { return stop_ || !jobs_.empty(); });
@@ -169,6 +185,7 @@ struct UcxTransport::Impl {
         lock.lock();
       }
     }
+    const int cuda_device_;
     std::mutex mu_;
     std::condition_variable cv_;
     std::deque<std::function<void()>> jobs_;
@@ -187,9 +204,11 @@ struct UcxTransport::Impl {
     (void)!write(event_fd, &one, sizeof one);
   }
 
-  CopyThread copy_thread;  // last: joined first
+  int cuda_device = -1;  // bound on the worker and copy threads (CudaCurrentDevice at Create)
+  std::unique_ptr<CopyThread> copy_thread;  // made at Create; joined by Shutdown
 
   ~Impl() {
+    if (copy_thread) copy_thread->Join();  // in case Shutdown never ran
     if (listener) ucp_listener_destroy(listener);
     if (worker) ucp_worker_destroy(worker);
     retired_at_shutdown.clear();
@@ -474,6 +493,8 @@ struct UcxTransport::Impl {
       ucp_listener_destroy(listener);
       listener = nullptr;
     }
+    // Device copies in flight finish and post their completions, which run just below.
+    if (copy_thread) copy_thread->Join();
     // Finish what was posted, then close every endpoint (flush for a short grace period).
     RunPosted();
     ProgressAll();
@@ -576,6 +597,8 @@ Result<std::unique_ptr<UcxTransport>> UcxTransport::Create(const Options& option
   // transports need one on every thread that progresses the worker, and a process working on
   // GPU 5 should create none on GPU 0.
   const int cuda_device = CudaCurrentDevice();
+  raw->cuda_device = cuda_device;
+  raw->copy_thread = std::make_unique<Impl::CopyThread>(cuda_device);
   raw->thread = std::thread([raw, &started, cuda_device] {
     if (Status cs = CudaBindThread(cuda_device); !cs.ok()) {
       GKV_LOG_WARN("UCX worker thread: no CUDA context on device {}: {}", cuda_device,
@@ -716,11 +739,14 @@ void UcxTransport::Receive(std::unique_ptr<Incoming> msg, void* dst, MemoryKind 
     if (kind == MemoryKind::kDevice && msg->payload_size() > 0) {
       // Off the worker thread; the message (which may hold UCX's buffer) lives until the copy
       // is done and goes on the worker thread with the completion.
-      std::shared_ptr<Incoming> held(std::move(msg));
-      I.copy_thread.Submit([&I, held, dst, done = std::move(done)]() mutable {
-        const std::string_view data = held->payload();
-        Status s = CudaCopySync(dst, data.data(), data.size());
-        I.PostTask([held, done = std::move(done), s]() { done(s); });
+      // The bytes are copied out first (an eager payload is small) and the message goes here,
+      // on the worker: the job never touches a buffer UCX owns.
+      const std::string_view data = msg->payload();
+      auto owned = std::make_shared<std::string>(data.data(), data.size());
+      msg.reset();
+      I.copy_thread->Submit([&I, owned, dst, done = std::move(done)]() mutable {
+        Status s = CudaCopySync(dst, owned->data(), owned->size());
+        I.PostTask([done = std::move(done), s]() { done(s); });
       });
       return;
     }

@@ -40,8 +40,8 @@ const CudaProbe& ProbeCuda();
 enum class FakeDevice : uint8_t { kOff, kStaged, kMovedByUcx };
 FakeDevice FakeDeviceKind();
 bool FakeDeviceMode();  // FakeDeviceKind() != kOff
-// The CUDA device current on the calling thread (0 when none was set; -1 without a usable
-// GPU or in fake-device mode). Creates no context.
+// The CUDA device of the calling thread's current context; -1 when the thread has none (it
+// never chose a device), without a usable GPU, or in fake-device mode. Creates no context.
 int CudaCurrentDevice();
 // Makes `device` current on the calling thread and creates (retains) its primary context, so
 // that UCX's CUDA transports find one on a thread that progresses a worker. No-op for -1.
