@@ -100,20 +100,43 @@ TEST(FailureTest, ReplicatedKeysStayReadableWhenTheirPrimaryDies) {
   EXPECT_EQ(c.Get(k1).status().code(), StatusCode::kNotFound);
 }
 
-// Read repair: a replica that missed an acknowledged write (it was down, and came back on its
-// disk with the older version) is brought up to date by the key's first node once reads notice
-// it lagging, so it serves that write after the first node dies. (With read_repair_chance = 0
-// the last read returns "old".)
-TEST(FailureTest, ReadRepairBringsALaggingReplicaUpToDate) {
-  Cluster cluster(2);
+// A client with replicas = 2 and read repair at GKV_READ_REPAIR_CHANCE.
+std::unique_ptr<Client> RepairingClient(const Cluster& cluster) {
   ClientOptions o;
   o.cluster_file = cluster.cluster_file();
   o.replicas = 2;
   o.read_repair_chance = GKV_READ_REPAIR_CHANCE;
   o.default_timeout = std::chrono::milliseconds(500);
   auto client = Client::Open(o);
-  ASSERT_TRUE(client.ok());
-  Client& c = **client;
+  EXPECT_TRUE(client.ok()) << client.status().ToString();
+  return client.ok() ? std::move(*client) : nullptr;
+}
+
+// Reads `key` (each read must return `expect`, when given) until node `pusher` counts a read
+// repair, for at most 100 reads 50 ms apart; returns its count.
+uint64_t ReadUntilRepaired(Client& c, const std::string& key, int pusher, const char* expect) {
+  uint64_t repairs = 0;
+  for (int i = 0; i < 100 && repairs == 0; ++i) {
+    auto got = c.Get(key);
+    if (expect) {
+      EXPECT_TRUE(got.ok()) << got.status().ToString();
+      if (got.ok()) EXPECT_EQ(got->view(), expect);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    repairs = StatsCounter(c, pusher, "read_repairs");
+  }
+  return repairs;
+}
+
+// Read repair: a replica that missed an acknowledged write (it was down, and came back on its
+// disk with the older version) is brought up to date by the key's first node once reads notice
+// it lagging, so it serves that write after the first node dies. (With read_repair_chance = 0
+// the last read returns "old".)
+TEST(FailureTest, ReadRepairBringsALaggingReplicaUpToDate) {
+  Cluster cluster(2);
+  auto client = RepairingClient(cluster);
+  ASSERT_TRUE(client);
+  Client& c = *client;
   const std::string k = KeyOn(c, 0);
   PutOptions durable;
   durable.durable = true;
@@ -123,15 +146,7 @@ TEST(FailureTest, ReadRepairBringsALaggingReplicaUpToDate) {
   ASSERT_TRUE(put.ok()) << put.status().ToString();
   cluster.StartNode(1);  // on its disk, with "old"
   cluster.WaitReady();
-  uint64_t repairs = 0;
-  for (int i = 0; i < 100 && repairs == 0; ++i) {
-    auto got = c.Get(k);
-    ASSERT_TRUE(got.ok()) << got.status().ToString();
-    EXPECT_EQ(got->view(), "new");
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    repairs = StatsCounter(c, 0, "read_repairs");
-  }
-  EXPECT_GT(repairs, 0u) << "no read noticed that n1 lags";
+  EXPECT_GT(ReadUntilRepaired(c, k, /*pusher=*/0, "new"), 0u) << "no read noticed that n1 lags";
   cluster.StopNode(0, SIGKILL);
   auto got = c.Get(k);
   ASSERT_TRUE(got.ok()) << got.status().ToString();
@@ -143,29 +158,19 @@ TEST(FailureTest, ReadRepairBringsALaggingReplicaUpToDate) {
 // the replicas converge on one value instead of serving different ones by who answers.
 TEST(FailureTest, ReadRepairBringsTheFirstNodeUpToAReplicasNewerWrite) {
   Cluster cluster(2);
-  ClientOptions o;
-  o.cluster_file = cluster.cluster_file();
-  o.replicas = 2;
-  o.read_repair_chance = GKV_READ_REPAIR_CHANCE;
-  o.default_timeout = std::chrono::milliseconds(500);
-  auto client = Client::Open(o);
-  ASSERT_TRUE(client.ok());
-  Client& c = **client;
+  auto client = RepairingClient(cluster);
+  ASSERT_TRUE(client);
+  Client& c = *client;
   const std::string k = KeyOn(c, 0);
   PutOptions durable;
   durable.durable = true;
   ASSERT_TRUE(c.Put(k, "old", 3, durable).ok());
   cluster.StopNode(0, SIGKILL);
   EXPECT_FALSE(c.Put(k, "new", 3, durable).ok());  // the first node is down: not acknowledged
-  cluster.StartNode(0);                             // on its disk, with "old"
+  cluster.StartNode(0);                            // on its disk, with "old"
   cluster.WaitReady();
-  uint64_t repairs = 0;
-  for (int i = 0; i < 100 && repairs == 0; ++i) {
-    (void)c.Get(k);
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    repairs = StatsCounter(c, 1, "read_repairs");
-  }
-  EXPECT_GT(repairs, 0u) << "no read noticed that n0 lags behind n1";
+  EXPECT_GT(ReadUntilRepaired(c, k, /*pusher=*/1, nullptr), 0u)
+      << "no read noticed that n0 lags behind n1";
   auto got = c.Get(k);
   ASSERT_TRUE(got.ok()) << got.status().ToString();
   EXPECT_EQ(got->view(), "new");

@@ -151,9 +151,8 @@ TEST(FakeDeviceTest, SpillAndPromotionThroughTheDeviceTierKeepBytes) {
   std::vector<std::string> values;
   for (int i = 0; i < 40; ++i) {
     values.push_back(Pattern(rng, 256 * 1024));
-    ASSERT_TRUE(client->Put("spill/" + std::to_string(i), values.back().data(),
-                            values.back().size())
-                    .ok());
+    ASSERT_TRUE(
+        client->Put("spill/" + std::to_string(i), values.back().data(), values.back().size()).ok());
   }
   for (int round = 0; round < 3; ++round) {
     for (int i = 0; i < 40; ++i) {

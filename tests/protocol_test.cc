@@ -142,7 +142,8 @@ TEST(ProtocolTest, ClientVersionsRoundTripAndAreRequired) {
   // Read without the flag, the versions are taken for values: the sizes no longer add up.
   EXPECT_FALSE(DecodeBatchPutBlock(payload, &back, &block, false).ok());
   items[1].version = 0;
-  EXPECT_FALSE(DecodeBatchPutBlock(EncodeBatchPutBlock(items, true) + "xyz", &back, &block, true).ok());
+  EXPECT_FALSE(
+      DecodeBatchPutBlock(EncodeBatchPutBlock(items, true) + "xyz", &back, &block, true).ok());
 }
 
 TEST(ProtocolTest, ReplicationEncodingsRoundTrip) {

@@ -551,8 +551,7 @@ TEST(TieredCacheFastPathTest, RequestedVersionsAreKeptUnlessTheKeyHoldsANewerOne
       uint64_t version = 0;
       WriteHandle h;
       if (fast) {
-        EXPECT_EQ(c->TryReserveInMemory(key, bytes.size(), {}, &h),
-                  TieredCache::FastPath::kServed);
+        EXPECT_EQ(c->TryReserveInMemory(key, bytes.size(), {}, &h), TieredCache::FastPath::kServed);
       } else {
         auto r = c->Reserve(key, bytes.size(), {});
         EXPECT_TRUE(r.ok());

@@ -880,8 +880,8 @@ uint64_t TieredCache::Publish(WriteHandle& h, std::shared_ptr<void> entry) {
       h.data_ = nullptr;
     }
     // A newer commit may have won the race: then this one is already overwritten.
-    superseded = !I.Publish(s, e, &old, h.expect_current_ ? &h.expected_current_ : nullptr,
-                            &newer_there);
+    superseded =
+        !I.Publish(s, e, &old, h.expect_current_ ? &h.expected_current_ : nullptr, &newer_there);
     // (A disk-tier reservation that was not written lost to a newer version already on disk,
     // which replaced the old copy there; it has no bytes in memory to write.)
     replaces_disk_copy = !superseded && old && (old->on_disk || old->writebacks > 0) &&
@@ -963,8 +963,8 @@ TieredCache::FastPath TieredCache::TryCommitInMemory(WriteHandle* h, uint64_t* v
     e->size = h->size_;
     e->tensor = h->tensor_;
     if (h->requested_version_ != 0) {
-      const uint64_t v = Impl::VersionForRequest(
-          h->requested_version_, it != s.map.end() ? it->second->version : 0);
+      const uint64_t v = Impl::VersionForRequest(h->requested_version_,
+                                                 it != s.map.end() ? it->second->version : 0);
       // Adopting a version near the persisted mark's end means disk I/O: not for this path.
       if (v + Impl::kVersionMargin >= I.version_limit.load()) return FastPath::kNeedsSlowPath;
       e->version = v;
@@ -1187,7 +1187,7 @@ Result<bool> TieredCache::CommitHandedOff(WriteHandle handle, bool durable, uint
 }
 
 Result<bool> TieredCache::CommitHandedOffIf(WriteHandle handle, bool durable, uint64_t version,
-                                             uint64_t expected_current) {
+                                            uint64_t expected_current) {
   handle.expect_current_ = true;
   handle.expected_current_ = expected_current;
   return CommitHandedOff(std::move(handle), durable, version);

@@ -548,8 +548,7 @@ struct Client::Impl {
         const bool ahead = s.ok() && meta.version > version;
         const int from = lags ? first : replica;
         const int to = lags ? replica : first;
-        if ((lags || ahead) &&
-            NoteRepair(key, to, std::max(version, s.ok() ? meta.version : 0))) {
+        if ((lags || ahead) && NoteRepair(key, to, std::max(version, s.ok() ? meta.version : 0))) {
           // The push lands only while the target still holds what was seen here (a write that
           // reaches it meanwhile is newer than this comparison knew).
           const uint64_t seen_at_target = lags ? (s.ok() ? meta.version : 0) : version;

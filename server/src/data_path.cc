@@ -98,10 +98,9 @@ void Server::Impl::HandlePut(const Req& r, std::string_view body, std::unique_pt
 Status Server::Impl::CheckClientVersion(uint64_t version) const {
   const uint64_t clock = cache->VersionClock();
   if (version <= clock || version - clock <= kMaxClientClockLead) return Status::OK();
-  return Status::InvalidArgument("the client's version is " +
-                                 std::to_string((version - clock) / 1024 / 1000000) +
-                                 " s ahead of node " + self.id +
-                                 "'s clock (more than an hour: check the client's clock)");
+  return Status::InvalidArgument(
+      "the client's version is " + std::to_string((version - clock) / 1024 / 1000000) +
+      " s ahead of node " + self.id + "'s clock (more than an hour: check the client's clock)");
 }
 
 Status Server::Impl::CheckValueSize(uint64_t size) const {

@@ -1,8 +1,8 @@
 // Calls to other nodes: peer connections (PEER_HELLO first), replies matched on (connection,
 // id), deadlines and timers. See server_impl.h for the map of server/.
-#include "gkv/log.h"
 #include <algorithm>
 
+#include "gkv/log.h"
 #include "server_impl.h"
 
 namespace gkv {

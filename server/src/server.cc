@@ -105,8 +105,8 @@ Status Server::Impl::Admit(Req* r, uint64_t charge) {
   return Status::OK();
 }
 
-bool Server::Impl::BytesFit(uint64_t used, uint64_t charge, uint64_t limit,
-                            const BytesClaim& claim, Clock::time_point now) {
+bool Server::Impl::BytesFit(uint64_t used, uint64_t charge, uint64_t limit, const BytesClaim& claim,
+                            Clock::time_point now) {
   const bool claim_live = claim.bytes > 0 && now < claim.until;
   const uint64_t held = claim_live && charge < claim.bytes ? claim.bytes : 0;
   // A value up to the maximum size gets through when nothing is in flight, unless it is

@@ -20,10 +20,10 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <queue>
 #include <set>
 #include <string>
 #include <thread>
-#include <queue>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
@@ -458,8 +458,8 @@ struct Server::Impl {
     w::PutRequest put;
     std::unique_ptr<Incoming> msg;
     WriteHandle handle;
-    std::string staging;      // device-tier target without device-capable UCX
-    uint64_t ring_epoch = 0;  // of the ring the put was admitted under (NoteCommitted)
+    std::string staging;          // device-tier target without device-capable UCX
+    uint64_t ring_epoch = 0;      // of the ring the put was admitted under (NoteCommitted)
     uint64_t client_version = 0;  // kFlagClientVersion: the version the client assigned
   };
 

@@ -46,7 +46,7 @@ enum class Opcode : uint8_t {
   kPeerHello = 12,   // first message on a node -> node connection: the caller's node id
   kLoadReport = 13,  // node -> node, once a second: the sender's read rate (replication)
   kHandoffPut = 14,  // node -> new owner: a key that moved with the ring (membership)
-  kRepair = 15,  // client -> a key's node: push your copy to a replica that lags (read repair)
+  kRepair = 15,      // client -> a key's node: push your copy to a replica that lags (read repair)
 };
 std::string_view OpcodeName(Opcode op);
 
