@@ -45,9 +45,13 @@ struct NodeSpec {
   std::string fake_gpu_mem = "8MiB";
 };
 
-// The tier a fresh small value lands in on a node of this harness: its GPU tier in fake-device
-// mode (every node gets one there), else its host tier.
-inline std::string TopMemoryTier() { return FakeDeviceMode() ? "gpu" : "host"; }
+// The tier a fresh small value lands in on a node of this harness: the GPU tier every node
+// gets in fake-device mode when UCX moves device memory (GKV_FAKE_DEVICE=ucx), else the host
+// tier (without a GPU tier, or with one placed behind host memory because this UCX cannot
+// move device memory: --gpu-placement auto).
+inline std::string TopMemoryTier() {
+  return FakeDeviceKind() == FakeDevice::kMovedByUcx ? "gpu" : "host";
+}
 
 // The first key of the form key-SALT-N that `client` places on `node`.
 inline std::string KeyOn(Client& client, int node, int salt = 0) {

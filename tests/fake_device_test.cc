@@ -88,6 +88,7 @@ TEST(FakeDeviceTest, TheModeIsOnAndDeviceMemoryIsTracked) {
 TEST(FakeDeviceTest, PutsFromAndGetsIntoDeviceBuffersKeepEveryByte) {
   NodeSpec spec;
   spec.fake_gpu_mem = "16MiB";
+  spec.extra_args = {"--gpu-placement", "first"};  // the device tier serves (staged or not)
   Cluster cluster(2, spec);
   auto client = cluster.NewClient(std::chrono::seconds(10));
   ASSERT_TRUE(client);
@@ -125,6 +126,7 @@ TEST(FakeDeviceTest, ASlowPathPutDoesNotHoldItsFastReservationToo) {
   }
   NodeSpec spec;
   spec.fake_gpu_mem = "8MiB";
+  spec.extra_args = {"--gpu-placement", "first"};
   Cluster cluster(1, spec);
   auto client = cluster.NewClient(std::chrono::seconds(10));
   ASSERT_TRUE(client);
@@ -138,12 +140,42 @@ TEST(FakeDeviceTest, ASlowPathPutDoesNotHoldItsFastReservationToo) {
   EXPECT_TRUE(got->view() == value);
 }
 
+// Issue 10 item 9: a node whose UCX cannot move device memory places its GPU tier behind the
+// host tier (--gpu-placement auto): new objects land in host memory, where a read is served
+// straight away, and the GPU tier takes what the host tier spills, before the disk does.
+TEST(FakeDeviceTest, WithoutADeviceCapableUcxTheGpuTierSitsBehindHostMemory) {
+  NodeSpec spec;
+  spec.fake_gpu_mem = "8MiB";
+  spec.host_mem = "4MiB";
+  Cluster cluster(1, spec);
+  auto client = cluster.NewClient(std::chrono::seconds(10));
+  ASSERT_TRUE(client);
+  const bool behind = FakeDeviceKind() == FakeDevice::kStaged;
+  Random rng(testing::TestSeed() + 3);
+  std::vector<std::string> values;
+  for (int i = 0; i < 10; ++i) {
+    values.push_back(Pattern(rng, 1 << 20));
+    ASSERT_TRUE(client->Put("p/" + std::to_string(i), values[i].data(), values[i].size()).ok());
+  }
+  // The newest is in the first memory tier, the oldest spilled to the second.
+  EXPECT_EQ(client->Stat("p/9")->tier, behind ? "host" : "gpu");
+  EXPECT_EQ(client->Stat("p/0")->tier, behind ? "gpu" : "host");
+  for (int i = 0; i < 10; ++i) {
+    auto got = client->Get("p/" + std::to_string(i));
+    ASSERT_TRUE(got.ok()) << i << ": " << got.status().ToString();
+    EXPECT_TRUE(got->view() == values[i]) << i;
+  }
+  EXPECT_NE(cluster.ReadLog(0).find(behind ? "behind the host tier" : "GPU tier on"),
+            std::string::npos);
+}
+
 // The GPU tier fills, spills to host and disk, and reads bring values back, through device
 // memory on the node's side; every byte checked.
 TEST(FakeDeviceTest, SpillAndPromotionThroughTheDeviceTierKeepBytes) {
   NodeSpec spec;
   spec.fake_gpu_mem = "2MiB";
   spec.host_mem = "4MiB";
+  spec.extra_args = {"--gpu-placement", "first"};
   Cluster cluster(1, spec);
   auto client = cluster.NewClient(std::chrono::seconds(10));
   ASSERT_TRUE(client);
@@ -168,7 +200,9 @@ TEST(FakeDeviceTest, SpillAndPromotionThroughTheDeviceTierKeepBytes) {
 // Batches from and into device memory: MultiPut from device items, MultiGetInto into one device
 // buffer of rows, MultiGet into host memory.
 TEST(FakeDeviceTest, BatchesFromAndIntoDeviceMemory) {
-  Cluster cluster(2);
+  NodeSpec spec;
+  spec.extra_args = {"--gpu-placement", "first"};
+  Cluster cluster(2, spec);
   auto client = cluster.NewClient(std::chrono::seconds(10));
   ASSERT_TRUE(client);
   Random rng(testing::TestSeed() + 2);
@@ -198,7 +232,7 @@ TEST(FakeDeviceTest, BatchesFromAndIntoDeviceMemory) {
 // A hot key's copies land in the other nodes' GPU tiers (device memory here) and serve reads.
 TEST(FakeDeviceTest, HotKeyCopiesInAReplicasDeviceTierServeReads) {
   NodeSpec spec;
-  spec.extra_args = {"--replicate-hot", "100", "--hot-replicas", "2"};
+  spec.extra_args = {"--replicate-hot", "100", "--hot-replicas", "2", "--gpu-placement", "first"};
   Cluster cluster(3, spec);
   auto client = cluster.NewClient(std::chrono::seconds(2));
   ASSERT_TRUE(client);

@@ -69,6 +69,27 @@ TEST(TieredCacheTest, PutLandsInHighestTierWithRoom) {
   EXPECT_EQ(out, huge);
 }
 
+// gpu_behind_host (a node whose UCX cannot move device memory): host memory first, the GPU
+// tier takes what it spills, reads promote back to host memory.
+TEST(TieredCacheTest, AGpuTierBehindHostTakesWhatHostSpills) {
+  testing::TempDir dir;
+  auto o = SmallOptions(dir.path(), 64 * kKiB, 64 * kKiB, 4 << 20);
+  o.gpu_behind_host = true;
+  auto c = MustOpen(o);
+  ASSERT_TRUE(c);
+  std::string v(16 * kKiB, 'a');
+  for (int i = 0; i < 6; ++i) {
+    ASSERT_TRUE(c->Put("k" + std::to_string(i), v.data(), v.size()).ok());
+  }
+  EXPECT_EQ(TierOf(*c, "k5"), Tier::kHost);
+  EXPECT_EQ(TierOf(*c, "k0"), Tier::kGpu);  // spilled host -> GPU, not to disk
+  std::string out;
+  ASSERT_TRUE(c->Get("k0", &out).ok());
+  ASSERT_TRUE(c->Get("k0", &out).ok());  // a second read within the window promotes
+  EXPECT_EQ(TierOf(*c, "k0"), Tier::kHost);
+  EXPECT_EQ(out, v);
+}
+
 TEST(TieredCacheTest, EvictionOrderIsLeastRecentlyUsed) {
   testing::TempDir dir;
   // Four 16 KiB objects fill the GPU tier exactly.

@@ -279,11 +279,12 @@ struct TieredCache::Impl {
     // keep it alive across the unlocked copy below even if it is replaced or deleted meanwhile.
     std::shared_ptr<Entry> keep = e->shared_from_this();
     const Tier from = e->tier;
-    // GPU -> host.
-    if (from == Tier::kGpu && tiers[1].enabled && e->size <= tiers[1].capacity) {
+    // Fast memory tier -> slow one.
+    const TierState& slow = tiers[static_cast<int>(slow_tier)];
+    if (from == fast_tier && slow.enabled && e->size <= slow.capacity) {
       e->pins++;  // keeps the victim in place while the lock is released
       MemoryArena* dst_arena = nullptr;
-      std::byte* dst = AllocateIn(Tier::kHost, e->size, &dst_arena, lock);
+      std::byte* dst = AllocateIn(slow_tier, e->size, &dst_arena, lock);
       if (dst) {
         MemoryArena* src_arena = e->arena;
         std::byte* src = e->data;
@@ -293,12 +294,15 @@ struct TieredCache::Impl {
         // Readers that pinned the entry meanwhile hold pointers into the old block: then the
         // move is abandoned and the entry stays where it is.
         if (s.ok() && e->live && e->pins == 1) {
-          Relocate(e, Tier::kHost, dst_arena, dst);
+          Relocate(e, slow_tier, dst_arena, dst);
           Unpin(e);
           return;
         }
         dst_arena->Free(dst);
-        if (!s.ok()) GKV_LOG_WARN("spill gpu -> host of '{}' failed: {}", e->key, s.ToString());
+        if (!s.ok()) {
+          GKV_LOG_WARN("spill {} -> {} of '{}' failed: {}", TierName(from), TierName(slow_tier),
+                       e->key, s.ToString());
+        }
       }
       Unpin(e);
       if (!e->live || e->tier != from) return;
@@ -524,7 +528,8 @@ struct TieredCache::Impl {
 
   bool WouldPromote(const Entry* e, Clock::time_point now) const {
     return options.promote_on_read && e->reads_in_tier >= 1 &&
-           now - e->last_read <= options.promotion_window && TopMemoryTierFor(e->size) < e->tier;
+           now - e->last_read <= options.promotion_window &&
+           Rank(TopMemoryTierFor(e->size)) < Rank(e->tier);
   }
 
   bool Admit(Entry* e, Clock::time_point now) {
@@ -535,8 +540,15 @@ struct TieredCache::Impl {
     return promote;
   }
 
+  // The memory tiers in placement order: new objects and promotions go to `fast_tier` first,
+  // and it spills to `slow_tier` (GPU then host, or host then GPU with gpu_behind_host).
+  Tier fast_tier = Tier::kGpu;
+  Tier slow_tier = Tier::kHost;
+  // Placement rank: 0 fast memory tier, 1 slow memory tier, 2 disk.
+  int Rank(Tier t) const { return t == fast_tier ? 0 : t == slow_tier ? 1 : 2; }
+
   Tier TopMemoryTierFor(uint64_t size) const {
-    for (Tier t : {Tier::kGpu, Tier::kHost}) {
+    for (Tier t : {fast_tier, slow_tier}) {
       const TierState& ts = tiers[static_cast<int>(t)];
       if (ts.enabled && size <= ts.capacity) return t;
     }
@@ -626,6 +638,10 @@ TieredCache::~TieredCache() {
 Result<std::unique_ptr<TieredCache>> TieredCache::Open(const CacheOptions& options) {
   auto impl = std::make_unique<Impl>();
   impl->options = options;
+  if (options.gpu_behind_host) {
+    impl->fast_tier = Tier::kHost;
+    impl->slow_tier = Tier::kGpu;
+  }
   const int nshards = std::max(1, options.index_shards);
   for (int i = 0; i < nshards; ++i) impl->shards.push_back(std::make_unique<Shard>());
 
@@ -648,8 +664,9 @@ Result<std::unique_ptr<TieredCache>> TieredCache::Open(const CacheOptions& optio
         t.arenas.push_back(std::move(arena));
       }
       GKV_ASSIGN_OR_RETURN(impl->copier, DeviceCopier::Create(options.gpu_devices.front()));
-      GKV_LOG_INFO("GPU tier on: {} on {} device(s)", FormatSize(options.gpu_capacity),
-                   options.gpu_devices.size());
+      GKV_LOG_INFO("GPU tier on: {} on {} device(s){}", FormatSize(options.gpu_capacity),
+                   options.gpu_devices.size(),
+                   options.gpu_behind_host ? ", behind the host tier (takes what it spills)" : "");
     }
     t.enabled = !t.arenas.empty();
     t.capacity = t.enabled ? t.arenas.front()->capacity() : 0;
@@ -742,7 +759,7 @@ Result<WriteHandle> TieredCache::Reserve(std::string_view key, uint64_t size,
   h.size_ = size;
   {
     std::unique_lock<std::mutex> lock(I.mu);
-    for (Tier t : {Tier::kGpu, Tier::kHost}) {
+    for (Tier t : {I.fast_tier, I.slow_tier}) {
       MemoryArena* arena = nullptr;
       if (std::byte* p = I.AllocateIn(t, size, &arena, lock)) {
         h.tier_ = t;
@@ -921,7 +938,7 @@ TieredCache::FastPath TieredCache::TryReserveInMemory(std::string_view key, uint
   // Released before the placement lock is taken: releasing a reservation takes that lock.
   *out = WriteHandle();
   std::lock_guard<std::mutex> lock(I.mu);
-  for (Tier t : {Tier::kGpu, Tier::kHost}) {
+  for (Tier t : {I.fast_tier, I.slow_tier}) {
     const TierState& ts = I.tiers[static_cast<int>(t)];
     if (!ts.enabled || size > ts.capacity) continue;
     MemoryArena* arena = nullptr;
@@ -1017,22 +1034,22 @@ Result<ReadHandle> TieredCache::Acquire(std::string_view key) {
       continue;
     }
     const auto now = Clock::now();
-    const bool promote = I.Admit(e, now) && I.TopMemoryTierFor(e->size) < e->tier;
+    const bool promote = I.Admit(e, now) && I.Rank(I.TopMemoryTierFor(e->size)) < I.Rank(e->tier);
 
     if (e->tier != Tier::kDisk) {
       if (promote && e->pins == 0) {
-        // Host -> GPU. The entry is pinned while its new home is prepared.
+        // Slow memory tier -> fast one. The entry is pinned while its new home is prepared.
         e->pins++;
         MemoryArena* arena = nullptr;
-        std::byte* dst = I.AllocateIn(Tier::kGpu, e->size, &arena, lock);
+        std::byte* dst = I.AllocateIn(I.fast_tier, e->size, &arena, lock);
         if (dst) {
           std::byte* src = e->data;
           MemoryKind sk = e->arena->kind();
           lock.unlock();
           Status s = I.Copy(dst, arena->kind(), src, sk, e->size);
           lock.lock();
-          if (s.ok() && e->live && e->pins == 1 && e->tier == Tier::kHost) {
-            I.Relocate(e, Tier::kGpu, arena, dst);
+          if (s.ok() && e->live && e->pins == 1 && e->tier == I.slow_tier) {
+            I.Relocate(e, I.fast_tier, arena, dst);
           } else {
             arena->Free(dst);
           }

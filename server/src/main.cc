@@ -47,6 +47,12 @@ int main(int argc, char** argv) {
   app.add_option("--node", node_id, "this node's id in the cluster file")->required();
   app.add_option("--gpu-mem", gpu_mem, "GPU tier size per device, e.g. 8GiB (0: off)");
   app.add_option("--gpus", gpus, "CUDA devices for the GPU tier")->delimiter(',');
+  std::string gpu_placement = "auto";
+  app.add_option("--gpu-placement", gpu_placement,
+                 "the GPU tier first (new objects land there), behind-host (it takes what the "
+                 "host tier spills), or auto: behind the host tier when this UCX cannot move "
+                 "device memory")
+      ->check(CLI::IsMember({"auto", "first", "behind-host"}));
   bool gpu_in_host_memory = false;
   app.add_flag("--gpu-tier-in-host-memory", gpu_in_host_memory,
                "tests and CPU-only machines: back the GPU tier with host memory, so its tier "
@@ -194,6 +200,10 @@ int main(int argc, char** argv) {
   options.send_timeout = std::chrono::milliseconds(send_timeout_ms);
   options.cache.gpu_devices = gpus;
   options.cache.gpu_tier_in_host_memory = gpu_in_host_memory;
+  options.gpu_placement = gpu_placement == "first" ? gkv::ServerOptions::GpuPlacement::kFirst
+                          : gpu_placement == "behind-host"
+                              ? gkv::ServerOptions::GpuPlacement::kBehindHost
+                              : gkv::ServerOptions::GpuPlacement::kAuto;
   options.cache.disk_path = disk_dir;
   options.cache.disk_durable_share = durable_share;
   options.cache.promotion_window = std::chrono::milliseconds(promotion_window_ms);

@@ -462,6 +462,12 @@ Result<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
   impl->peer_conn.assign(table, 0);
   impl->peer_down_until.assign(table, {});
   CacheOptions own = options.cache;
+  if (own.gpu_capacity > 0 && !own.gpu_tier_in_host_memory) {
+    using P = ServerOptions::GpuPlacement;
+    own.gpu_behind_host = options.gpu_placement == P::kBehindHost ||
+                          (options.gpu_placement == P::kAuto && ProbeCuda().usable &&
+                           !UcxTransport::CanMoveDeviceMemory());
+  }
   impl->ring_shares = impl->ring->SharesByIndex();
   impl->copy_tokens = options.replication.max_copy_starts_per_s;
   impl->peer_load.resize(table);
@@ -477,7 +483,7 @@ Result<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
       return Status::InvalidArgument("replica share must be in (0, 1) and hot replicas >= 1");
     }
     // Copies held for other primaries get their own share of each memory tier and no disk.
-    CacheOptions rep = options.cache;
+    CacheOptions rep = own;  // (same placement)
     rep.gpu_capacity = static_cast<uint64_t>(options.cache.gpu_capacity * options.replica_share);
     rep.host_capacity = static_cast<uint64_t>(options.cache.host_capacity * options.replica_share);
     rep.disk_path.clear();

@@ -37,6 +37,11 @@ struct ServerOptions {
   ClusterConfig cluster;
   std::string node_id;
   CacheOptions cache;
+  // Where the GPU tier goes in placement order (cache.gpu_behind_host): first (new objects land
+  // there), behind the host tier, or auto: behind it when this node's UCX cannot move device
+  // memory (every read of a GPU-tier object would need a copy to host memory first).
+  enum class GpuPlacement { kAuto, kFirst, kBehindHost };
+  GpuPlacement gpu_placement = GpuPlacement::kAuto;
   int executor_threads = 4;
   std::string listen_host;   // default: the node's host from the cluster file
   uint16_t listen_port = 0;  // default: the node's port from the cluster file

@@ -643,6 +643,25 @@ void UcxTransport::Post(std::function<void()> task) {
 
 std::string UcxTransport::ucx_version() { return ucp_get_version_string(); }
 
+bool UcxTransport::CanMoveDeviceMemory() {
+  if (FakeDeviceKind() == FakeDevice::kMovedByUcx) return true;
+  ucp_config_t* config = nullptr;
+  if (ucp_config_read(nullptr, nullptr, &config) != UCS_OK) return false;
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES;
+  params.features = UCP_FEATURE_AM;
+  ucp_context_h context = nullptr;
+  const ucs_status_t st = ucp_init(&params, config, &context);
+  ucp_config_release(config);
+  if (st != UCS_OK) return false;
+  ucp_context_attr_t attr{};
+  attr.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
+  const bool cuda = ucp_context_query(context, &attr) == UCS_OK &&
+                    (attr.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
+  ucp_cleanup(context);
+  return cuda;
+}
+
 std::string UcxTransport::Describe() const {
   return "UCX " + ucx_version() +
          ", moves CUDA memory: " + (device_memory_supported() ? "yes" : "no");

@@ -63,6 +63,11 @@ struct CacheOptions {
   // Tests and CPU-only benchmarks: back the GPU tier with ordinary host memory so the tier logic
   // runs without a GPU.
   bool gpu_tier_in_host_memory = false;
+  // The GPU tier sits behind the host tier: new objects and promotions go to host memory
+  // first, and the GPU tier takes what the host tier spills (before the disk does). For a node
+  // whose UCX cannot move device memory, where every read of a GPU-tier object needs a copy
+  // to host memory first: the hot objects stay where a read is served straight away.
+  bool gpu_behind_host = false;
 
   // Host tier: 0 disables it.
   uint64_t host_capacity = 0;

@@ -105,6 +105,9 @@ class UcxTransport {
   bool device_memory_supported() const;
   // The UCX library's version string ("1.22.0"), as loaded at run time.
   static std::string ucx_version();
+  // Whether a transport created now could move CUDA device memory (a UCX context is made,
+  // asked and dropped): what a node decides its GPU tier's placement by before it has one.
+  static bool CanMoveDeviceMemory();
   // One phrase for start lines: "UCX 1.22.0, moves CUDA memory: yes".
   std::string Describe() const;
   uint16_t listen_port() const;
