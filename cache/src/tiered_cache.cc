@@ -1142,7 +1142,8 @@ void TieredCache::PinForRead(const std::shared_ptr<void>& entry, ReadHandle* out
   out->entry_ = entry;
 }
 
-TieredCache::FastPath TieredCache::TryAcquireFromMemory(std::string_view key, ReadHandle* out) {
+TieredCache::FastPath TieredCache::TryAcquireFromMemory(std::string_view key, ReadHandle* out,
+                                                        bool device_ok) {
   Impl& I = *impl_;
   // Released before the placement lock is taken: releasing a pin takes that lock.
   *out = ReadHandle();
@@ -1155,6 +1156,9 @@ TieredCache::FastPath TieredCache::TryAcquireFromMemory(std::string_view key, Re
   Entry* e = sp.get();
   const auto now = Clock::now();
   if (!e->live || e->tier == Tier::kDisk || I.WouldPromote(e, now)) return FastPath::kNeedsSlowPath;
+  // Not counted here when the slow path will serve it: a second Admit there would count one
+  // read twice (and promote on the first read).
+  if (!device_ok && e->arena->kind() == MemoryKind::kDevice) return FastPath::kNeedsSlowPath;
   I.Admit(e, now);
   PinForRead(sp, out);
   return FastPath::kServed;

@@ -201,7 +201,7 @@ void Server::Impl::HandleGet(const Req& r, std::string_view body) {
   // here on the I/O thread; anything that may block goes to an executor.
   {
     ReadHandle fast;
-    auto fp = cache->TryAcquireFromMemory(key, &fast);
+    auto fp = cache->TryAcquireFromMemory(key, &fast, transport->device_memory_supported());
     if (fp == TieredCache::FastPath::kMiss) {
       Status nf = Status::NotFound("key not found");
       return Reply(r, nf, w::EncodeObjectReply(nf, {}), nullptr, 0, MemoryKind::kHost, nullptr);

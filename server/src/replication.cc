@@ -491,7 +491,8 @@ void Server::Impl::HandleReplicaGet(const Req& r, std::string_view body) {
           [handle, staging] {});
   };
   ReadHandle h;
-  const auto fp = replica_cache->TryAcquireFromMemory(rk, &h);
+  const auto fp =
+      replica_cache->TryAcquireFromMemory(rk, &h, transport->device_memory_supported());
   if (fp == TieredCache::FastPath::kMiss) {
     return Reply(r, miss, w::EncodeObjectReply(miss, {}), nullptr, 0, MemoryKind::kHost, nullptr);
   }

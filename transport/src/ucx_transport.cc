@@ -501,12 +501,24 @@ struct UcxTransport::Impl {
     std::vector<ConnId> ids;
     for (auto& [id, c] : conns) ids.push_back(id);
     for (ConnId id : ids) CloseInternal(id, false);
+    // Flushing closes get 2 s; ones still flushing then (a slow peer taking a large reply)
+    // get up to 5 s more before they are abandoned: the worker goes right after.
     auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
-    while (!closing.empty() && std::chrono::steady_clock::now() < deadline) {
-      ucp_worker_progress(worker);
-      ReapClosed();
-      RunDeferred();
-      RunPosted();
+    for (int phase = 0; phase < 2 && !closing.empty(); ++phase) {
+      while (!closing.empty() && std::chrono::steady_clock::now() < deadline) {
+        ucp_worker_progress(worker);
+        ReapClosed();
+        RunDeferred();
+        RunPosted();
+      }
+      if (phase == 0 && !closing.empty()) {
+        GKV_LOG_WARN("{} connection(s) still flushing at shutdown; waiting up to 5 s more",
+                     closing.size());
+        deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+      }
+    }
+    if (!closing.empty()) {
+      GKV_LOG_WARN("{} connection(s) still flushing at shutdown; abandoned", closing.size());
     }
     for (Closing& c : closing) {
       ucp_request_cancel(worker, c.request);
@@ -674,6 +686,11 @@ bool UcxTransport::OnWorkerThread() const { return std::this_thread::get_id() ==
 
 Result<ConnId> UcxTransport::Connect(const std::string& host, uint16_t port) {
   Impl& I = *impl_;
+  // Stopping: Shutdown closes the connections it found; one opened now (a peer call posted
+  // meanwhile) would still be wiring up when the worker goes.
+  if (I.stopping.load(std::memory_order_acquire)) {
+    return Status::Unavailable("the transport is stopping");
+  }
   sockaddr_storage addr{};
   socklen_t len = 0;
   GKV_RETURN_IF_ERROR(ResolveAddress(host, port, &addr, &len));

@@ -243,7 +243,9 @@ class TieredCache {
   // The non-blocking subset of Acquire, for I/O threads that must not wait on disk or on
   // eviction: kServed (and *out set) when the object is in a memory tier and this read would not
   // promote it; kMiss when the key is absent; kNeedsSlowPath otherwise (call Acquire).
-  FastPath TryAcquireFromMemory(std::string_view key, ReadHandle* out);
+  // `device_ok`: the caller can serve device memory as it is; when false, an object in device
+  // memory is kNeedsSlowPath before it is counted as a read (the slow path counts it once).
+  FastPath TryAcquireFromMemory(std::string_view key, ReadHandle* out, bool device_ok = true);
 
   // Copies the object into `dst` (host or device memory). InvalidArgument if dst_size is
   // smaller than the object.
