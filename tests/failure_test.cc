@@ -112,6 +112,12 @@ std::unique_ptr<Client> RepairingClient(const Cluster& cluster) {
   return client.ok() ? std::move(*client) : nullptr;
 }
 
+PutOptions Durable() {
+  PutOptions o;
+  o.durable = true;
+  return o;
+}
+
 // Reads `key` (each read must return `expect`, when given) until node `pusher` counts a read
 // repair, for at most 100 reads 50 ms apart; returns its count.
 uint64_t ReadUntilRepaired(Client& c, const std::string& key, int pusher, const char* expect) {
@@ -138,8 +144,7 @@ TEST(FailureTest, ReadRepairBringsALaggingReplicaUpToDate) {
   ASSERT_TRUE(client);
   Client& c = *client;
   const std::string k = KeyOn(c, 0);
-  PutOptions durable;
-  durable.durable = true;
+  const PutOptions durable = Durable();
   ASSERT_TRUE(c.Put(k, "old", 3, durable).ok());
   cluster.StopNode(1, SIGKILL);
   auto put = c.Put(k, "new", 3, durable);  // acknowledged by the key's first node, n0
@@ -162,8 +167,7 @@ TEST(FailureTest, ReadRepairBringsTheFirstNodeUpToAReplicasNewerWrite) {
   ASSERT_TRUE(client);
   Client& c = *client;
   const std::string k = KeyOn(c, 0);
-  PutOptions durable;
-  durable.durable = true;
+  const PutOptions durable = Durable();
   ASSERT_TRUE(c.Put(k, "old", 3, durable).ok());
   cluster.StopNode(0, SIGKILL);
   EXPECT_FALSE(c.Put(k, "new", 3, durable).ok());  // the first node is down: not acknowledged

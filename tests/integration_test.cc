@@ -92,6 +92,35 @@ TEST(IntegrationTest, ValuesFromZeroBytesTo64MiBRoundTripByteIdentical) {
   }
 }
 
+// A node registers its arenas with UCX once (the host pool; a GPU arena when UCX moves device
+// memory), and its gets and puts then pass that registration instead of UCX registering (or
+// detecting the memory type of) each buffer.
+TEST(IntegrationTest, NodesRegisterTheirArenasWithUcxAndServeThroughThem) {
+  Cluster cluster(1);
+  auto client = cluster.NewClient(std::chrono::seconds(30));
+  ASSERT_TRUE(client);
+  const std::string within = "\"ucx_registration\":{";
+  // 256 MiB of host pool, and the 8 MiB GPU tier when UCX moves the fake device's memory.
+  const bool gpu_registered = FakeDeviceKind() == FakeDevice::kMovedByUcx;
+  EXPECT_EQ(testing::StatsCounter(*client, 0, "regions", within), gpu_registered ? 2u : 1u);
+  EXPECT_EQ(testing::StatsCounter(*client, 0, "bytes", within),
+            (256u << 20) + (gpu_registered ? 8u << 20 : 0u));
+  const uint64_t before = testing::StatsCounter(*client, 0, "ops", within);
+  Random rng(testing::TestSeed());
+  const int rounds = 4;
+  for (int i = 0; i < rounds; ++i) {
+    const std::string key = "reg/" + std::to_string(i);
+    const std::string value = RandomValue(rng, 1 << 20);
+    ASSERT_TRUE(client->Put(key, value.data(), value.size()).ok());
+    auto got = client->Get(key);
+    ASSERT_TRUE(got.ok()) << got.status().ToString();
+    EXPECT_TRUE(got->view() == value) << key;
+  }
+  // Each get's reply went from the arena (and each rendezvous put was received into it).
+  EXPECT_GE(testing::StatsCounter(*client, 0, "ops", within) - before, uint64_t{rounds})
+      << *client->NodeStats(0);
+}
+
 TEST(IntegrationTest, GetIntoASmallerBufferIsRefused) {
   Cluster cluster(1);
   auto client = cluster.NewClient();

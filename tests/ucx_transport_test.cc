@@ -18,6 +18,9 @@ struct Echo {
   std::unique_ptr<UcxTransport> t;
   std::atomic<int> received{0};
   std::atomic<bool> refuse_payloads{false};
+  // When set (before the first message): payloads are received into, and echoed from, this
+  // buffer (two halves, alternating by message), as a node does with its registered arenas.
+  std::string* region = nullptr;
 
   // The transport goes first: its thread calls back into the members below.
   ~Echo() { t.reset(); }
@@ -28,12 +31,22 @@ struct Echo {
     o.listen_host = "127.0.0.1";
     UcxTransport::Handlers h;
     h.on_message = [this](std::unique_ptr<Incoming> m) {
-      received++;
+      const int n = received++;
       if (refuse_payloads) return;  // dropping releases the payload; the sender is cancelled
       const ConnId conn = m->conn();
       std::string header = m->header();
-      auto buf = std::make_shared<std::string>(m->payload_size(), '\0');
       UcxTransport* tr = t.get();
+      const size_t size = m->payload_size();
+      if (region) {
+        char* dst = region->data() + (n % 2) * (region->size() / 2);
+        if (size > region->size() / 2) return;
+        tr->Receive(std::move(m), dst, MemoryKind::kHost, [tr, conn, header, dst, size](Status s) {
+          if (!s.ok()) return;
+          tr->Send(conn, wire::kAmReply, header, dst, size, MemoryKind::kHost, [](Status) {});
+        });
+        return;
+      }
+      auto buf = std::make_shared<std::string>(size, '\0');
       tr->Receive(std::move(m), buf->data(), MemoryKind::kHost, [tr, conn, header, buf](Status s) {
         if (!s.ok()) return;
         tr->Send(conn, wire::kAmReply, header, buf->data(), buf->size(), MemoryKind::kHost,
@@ -116,6 +129,52 @@ TEST(UcxTransportTest, EagerAndRendezvousPayloadsArriveIntact) {
     std::string header = "h" + std::to_string(i++);
     EXPECT_TRUE(client.RoundTrip(conn, header, payload) == payload) << "size " << size;
   }
+}
+
+// Memory registered once (ucp_mem_map) is what a node's arenas are: sends from it and
+// rendezvous receives into it pass its registration, and the bytes arrive intact either way.
+TEST(UcxTransportTest, SendsAndReceivesInRegisteredMemoryPassItsRegistration) {
+  std::string region(32 << 20, '\0');
+  Echo server;
+  ASSERT_TRUE(server.t);
+  server.region = &region;
+  ASSERT_TRUE(server.t->RegisterMemory(region.data(), region.size(), MemoryKind::kHost).ok());
+  const auto reg = server.t->registration_stats();
+  EXPECT_EQ(reg.regions, 1u);
+  EXPECT_EQ(reg.bytes, region.size());
+  EXPECT_NE(server.t->Describe().find("registered: 1 region"), std::string::npos)
+      << server.t->Describe();
+  // Refused: a region overlapping the first, an empty one, device memory this UCX cannot move.
+  EXPECT_EQ(server.t->RegisterMemory(region.data() + 4096, 4096, MemoryKind::kHost).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(server.t->RegisterMemory(region.data(), 0, MemoryKind::kHost).code(),
+            StatusCode::kInvalidArgument);
+  if (!server.t->device_memory_supported()) {
+    std::string other(4096, '\0');
+    EXPECT_EQ(server.t->RegisterMemory(other.data(), other.size(), MemoryKind::kDevice).code(),
+              StatusCode::kNotSupported);
+  }
+  EXPECT_EQ(server.t->registration_stats().regions, 1u);
+
+  Caller client;
+  ASSERT_TRUE(client.t);
+  ConnId conn = client.Connect(server.t->listen_port());
+  ASSERT_NE(conn, 0u);
+  ASSERT_EQ(client.RoundTrip(conn, "warm", "up"), "up");  // later large ones go rendezvous
+  Random rng(testing::TestSeed());
+  int i = 0;
+  const uint64_t ops_before = server.t->registration_stats().registered_ops;
+  for (size_t size : {size_t{1}, size_t{8000}, size_t{64 << 10}, size_t{1 << 20}, size_t{9 << 20},
+                      size_t{16 << 20}}) {
+    std::string payload(size, '\0');
+    rng.Fill(payload.data(), size);
+    const std::string header = "r" + std::to_string(i++);
+    EXPECT_TRUE(client.RoundTrip(conn, header, payload) == payload) << "size " << size;
+  }
+  // Every echo was sent from the region (6), and the rendezvous ones received into it.
+  const uint64_t ops = server.t->registration_stats().registered_ops - ops_before;
+  EXPECT_GE(ops, 6u + 2u) << "sends and receives in the region did not pass its registration";
+  EXPECT_EQ(client.t->registration_stats().registered_ops, 0u);  // nothing registered there
 }
 
 TEST(UcxTransportTest, ConcurrentPostsFromManyThreads) {

@@ -1367,4 +1367,16 @@ std::string TieredCache::host_tier_note() const {
   return t.enabled ? t.arenas.front()->backing_note() : std::string();
 }
 
+std::vector<MemoryRegion> TieredCache::memory_regions() const {
+  std::vector<MemoryRegion> regions;
+  for (Tier tier : {Tier::kGpu, Tier::kHost}) {
+    const TierState& t = impl_->tiers[static_cast<int>(tier)];
+    if (!t.enabled) continue;
+    for (const auto& arena : t.arenas) {
+      regions.push_back({arena->base(), arena->capacity(), arena->kind(), arena->device(), tier});
+    }
+  }
+  return regions;
+}
+
 }  // namespace gkv

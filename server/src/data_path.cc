@@ -29,7 +29,7 @@ void Server::Impl::HandlePut(const Req& r, std::string_view body, std::unique_pt
   // publish. Anything that would evict or touch the disk goes through the executors.
   if (cache->TryReserveInMemory(op->put.key, op->put.size, op->put.tensor, &op->handle) ==
           TieredCache::FastPath::kServed &&
-      (op->handle.memory_kind() == MemoryKind::kHost || transport->device_memory_supported())) {
+      (op->handle.memory_kind() == MemoryKind::kHost || device_zero_copy())) {
     if (op->client_version != 0) op->handle.RequestVersion(op->client_version);
     void* dst = op->handle.data();
     MemoryKind kind = op->handle.memory_kind();
@@ -77,7 +77,7 @@ void Server::Impl::HandlePut(const Req& r, std::string_view body, std::unique_pt
     PostReply([this, op] {
       void* dst = op->handle.data();
       MemoryKind kind = op->handle.memory_kind();
-      if (kind == MemoryKind::kDevice && !transport->device_memory_supported()) {
+      if (kind == MemoryKind::kDevice && !device_zero_copy()) {
         op->staging.resize(op->put.size);
         dst = op->staging.data();
         kind = MemoryKind::kHost;
@@ -175,7 +175,7 @@ Status Server::Impl::StageForSend(TieredCache& from, const ReadHandle& h, const 
                                   MemoryKind* kind, std::shared_ptr<std::string>* staging) {
   *data = h.data();
   *kind = h.memory_kind();
-  if (*kind != MemoryKind::kDevice || transport->device_memory_supported()) return Status::OK();
+  if (*kind != MemoryKind::kDevice || device_zero_copy()) return Status::OK();
   *staging = std::make_shared<std::string>(h.size(), '\0');
   GKV_RETURN_IF_ERROR(
       from.CopyBytes((*staging)->data(), MemoryKind::kHost, h.data(), *kind, h.size()));
@@ -201,13 +201,13 @@ void Server::Impl::HandleGet(const Req& r, std::string_view body) {
   // here on the I/O thread; anything that may block goes to an executor.
   {
     ReadHandle fast;
-    auto fp = cache->TryAcquireFromMemory(key, &fast, transport->device_memory_supported());
+    auto fp = cache->TryAcquireFromMemory(key, &fast, device_zero_copy());
     if (fp == TieredCache::FastPath::kMiss) {
       Status nf = Status::NotFound("key not found");
       return Reply(r, nf, w::EncodeObjectReply(nf, {}), nullptr, 0, MemoryKind::kHost, nullptr);
     }
     if (fp == TieredCache::FastPath::kServed &&
-        (fast.memory_kind() == MemoryKind::kHost || transport->device_memory_supported())) {
+        (fast.memory_kind() == MemoryKind::kHost || device_zero_copy())) {
       auto handle = std::make_shared<ReadHandle>(std::move(fast));
       return SendObject(r, key, handle, handle->data(), handle->memory_kind(), nullptr);
     }
@@ -458,6 +458,7 @@ void Server::Impl::HandleMultiPut(const Req& r, std::unique_ptr<Incoming> msg) {
 
 void Server::Impl::HandleStats(const Req& r) {
   SubmitRequestWork(r, [this, r] {
+    RefreshTransportCounters();
     auto payload = std::make_shared<std::string>(
         RenderStatsJson(self.id, cache->GetStats(), counters,
                         replica_cache ? replica_cache->GetStats() : CacheStats{}));

@@ -491,13 +491,12 @@ void Server::Impl::HandleReplicaGet(const Req& r, std::string_view body) {
           [handle, staging] {});
   };
   ReadHandle h;
-  const auto fp =
-      replica_cache->TryAcquireFromMemory(rk, &h, transport->device_memory_supported());
+  const auto fp = replica_cache->TryAcquireFromMemory(rk, &h, device_zero_copy());
   if (fp == TieredCache::FastPath::kMiss) {
     return Reply(r, miss, w::EncodeObjectReply(miss, {}), nullptr, 0, MemoryKind::kHost, nullptr);
   }
   if (fp == TieredCache::FastPath::kServed &&
-      (h.memory_kind() == MemoryKind::kHost || transport->device_memory_supported())) {
+      (h.memory_kind() == MemoryKind::kHost || device_zero_copy())) {
     auto handle = std::make_shared<ReadHandle>(std::move(h));
     return send(handle, handle->data(), handle->memory_kind(), nullptr);
   }

@@ -399,9 +399,45 @@ void Server::Impl::OnTick() {
   });
 }
 
+void Server::Impl::RegisterArenas() {
+  bool zero_copy = transport->device_memory_supported();
+  gpu_zero_copy.store(zero_copy, std::memory_order_relaxed);
+  for (TieredCache* c : {cache.get(), replica_cache.get()}) {
+    if (!c) continue;
+    const char* which = c == cache.get() ? "" : "replica ";
+    for (const MemoryRegion& r : c->memory_regions()) {
+      // Device memory this UCX cannot move is staged through host memory: UCX never sees it.
+      if (r.kind == MemoryKind::kDevice && !transport->device_memory_supported()) continue;
+      const Status s = transport->RegisterMemory(r.base, r.size, r.kind);
+      if (s.ok()) continue;
+      if (r.kind == MemoryKind::kDevice) {
+        zero_copy = false;
+        GKV_LOG_WARN(
+            "registering the {}GPU tier's arena on device {} ({}) with UCX failed: {}; its "
+            "objects are staged through host memory",
+            which, r.device, FormatSize(r.size), s.ToString());
+      } else {
+        GKV_LOG_WARN(
+            "registering the {}{} tier's memory ({}) with UCX failed: {}; UCX registers it per "
+            "operation instead",
+            which, TierName(r.tier), FormatSize(r.size), s.ToString());
+      }
+    }
+  }
+  gpu_zero_copy.store(zero_copy, std::memory_order_relaxed);
+}
+
+void Server::Impl::RefreshTransportCounters() {
+  const UcxTransport::RegistrationStats r = transport->registration_stats();
+  counters.ucx_registered_regions.store(r.regions, std::memory_order_relaxed);
+  counters.ucx_registered_bytes.store(r.bytes, std::memory_order_relaxed);
+  counters.ucx_registered_ops.store(r.registered_ops, std::memory_order_relaxed);
+}
+
 Status Server::Impl::StartMetrics() {
   metrics_http = std::make_unique<httplib::Server>();
   metrics_http->Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
+    RefreshTransportCounters();
     res.set_content(RenderPrometheus(self.id, cache->GetStats(), counters,
                                      replica_cache ? replica_cache->GetStats() : CacheStats{}),
                     "text/plain; version=0.0.4");
@@ -533,6 +569,7 @@ Result<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
   if (bind_gpu && caller_device >= 0) (void)CudaBindThread(caller_device);
   if (!transport.ok()) return transport.status();
   impl->transport = std::move(*transport);
+  impl->RegisterArenas();
   // The worker thread ticks from inside Create: its timers and peer calls start only now that
   // `transport` is set.
   impl->ticking.store(true, std::memory_order_release);

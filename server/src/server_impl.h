@@ -103,6 +103,19 @@ struct Server::Impl {
   ServerCounters counters;
   std::once_flag stop_once;
 
+  // Whether GPU-tier bytes go to and from UCX as they are (no staging through host memory):
+  // the transport can move device memory and every GPU arena registered with it. Set at start
+  // (RegisterArenas), read on the I/O thread.
+  std::atomic<bool> gpu_zero_copy{false};
+  bool device_zero_copy() const { return gpu_zero_copy.load(std::memory_order_relaxed); }
+  // Registers every memory arena of both caches with the transport once (the host pool, each
+  // GPU arena UCX can move), so their sends and receives skip per-operation registration. A GPU
+  // arena that fails turns gpu_zero_copy off with one log line; a host pool that fails is used
+  // unregistered (UCX registers per operation), also with one line.
+  void RegisterArenas();
+  // Copies the transport's registration figures into `counters` (before rendering stats).
+  void RefreshTransportCounters();
+
   // --- adaptive replication (replication.cc; the rule is in hotness.h) ---
   std::unique_ptr<TieredCache> replica_cache;  // copies held for other primaries (memory only)
   std::vector<double> ring_shares;  // of each node (table index), for the load comparison

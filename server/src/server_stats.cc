@@ -65,6 +65,10 @@ std::string RenderStatsJson(const std::string& node_id, const CacheStats& st,
   j += ",\"auth_failures\":" + std::to_string(counters.auth_failures.load());
   j += ",\"stuck_connections_closed\":" + std::to_string(counters.stuck_connections_closed.load());
   j += ",\"connections_accepted\":" + std::to_string(counters.connections_accepted.load());
+  j += ",\"ucx_registration\":{\"regions\":" +
+       std::to_string(counters.ucx_registered_regions.load()) +
+       ",\"bytes\":" + std::to_string(counters.ucx_registered_bytes.load()) +
+       ",\"ops\":" + std::to_string(counters.ucx_registered_ops.load()) + "}";
   j += ",\"ops\":{";
   for (int op = kFirstOp; op <= kLastOp; ++op) {
     if (op != kFirstOp) j += ",";
@@ -202,6 +206,12 @@ std::string RenderPrometheus(const std::string& node_id, const CacheStats& st,
   sample("gkv_stuck_connections_closed_total", "", counters.stuck_connections_closed.load());
   family("gkv_connections_accepted_total", "counter", "Connections accepted.");
   sample("gkv_connections_accepted_total", "", counters.connections_accepted.load());
+  family("gkv_ucx_registered_bytes", "gauge",
+         "Memory registered with UCX once (the tiers' arenas), in bytes.");
+  sample("gkv_ucx_registered_bytes", "", counters.ucx_registered_bytes.load());
+  family("gkv_ucx_registered_ops_total", "counter",
+         "Sends and receives whose buffer lay in registered memory (passed its handle).");
+  sample("gkv_ucx_registered_ops_total", "", counters.ucx_registered_ops.load());
   family("gkv_replicas_created_total", "counter",
          "Copies of this node's hot keys made on other nodes.");
   sample("gkv_replicas_created_total", "", counters.replicas_created.load());

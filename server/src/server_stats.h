@@ -45,6 +45,10 @@ struct ServerCounters {
   std::atomic<uint64_t> handoff_keys_in{0}, handoff_bytes_in{0};
   std::atomic<uint64_t> handoffs_running{0}, repairs{0};
   std::atomic<uint64_t> read_repairs{0};  // copies pushed to lagging replicas (REPAIR)
+  // Memory registered with UCX once (the arenas: regions, bytes; gauges) and the sends and
+  // receives that passed that registration: copied from the transport before rendering.
+  std::atomic<uint64_t> ucx_registered_regions{0}, ucx_registered_bytes{0};
+  std::atomic<uint64_t> ucx_registered_ops{0};
 
   void RecordLatency(wire::Opcode op, uint64_t ns) {
     std::lock_guard<std::mutex> lock(latency_mu);

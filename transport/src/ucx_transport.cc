@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "gkv/log.h"
+#include "gkv/size.h"
 #include "gkv/transport/protocol.h"
 
 namespace gkv {
@@ -134,6 +135,65 @@ struct UcxTransport::Impl {
   std::vector<Closing> closing;
   std::vector<std::unique_ptr<ErrorArg>> retired_at_shutdown;  // freed after the worker
 
+  // Memory registered once with ucp_mem_map (RegisterMemory): few regions (the node's arenas),
+  // so a linear scan finds the one holding a buffer. Appended on the worker thread only, read
+  // there; unmapped after the worker is destroyed.
+  struct Region {
+    uintptr_t begin;
+    uintptr_t end;
+    ucp_mem_h memh;
+    ucs_memory_type_t type;
+  };
+  std::vector<Region> regions;
+  std::atomic<uint64_t> registered_regions{0}, registered_bytes{0}, registered_ops{0};
+
+  // The region holding all of [p, p + n), or null. Worker thread.
+  const Region* FindRegion(const void* p, size_t n) const {
+    const auto b = reinterpret_cast<uintptr_t>(p);
+    for (const Region& r : regions) {
+      if (b >= r.begin && b < r.end && n <= r.end - b) return &r;
+    }
+    return nullptr;
+  }
+  // Passes the registration of the region holding [p, p + n), if any, to an operation.
+  void AttachRegistration(const void* p, size_t n, ucp_request_param_t* param) {
+    if (n == 0) return;
+    const Region* r = FindRegion(p, n);
+    if (!r) return;
+    param->op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH | UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+    param->memh = r->memh;
+    param->memory_type = r->type;
+    registered_ops.fetch_add(1, std::memory_order_relaxed);
+  }
+  Status Register(void* base, size_t size, MemoryKind kind) {
+    if (size == 0 || base == nullptr) return Status::InvalidArgument("empty memory region");
+    if (kind == MemoryKind::kDevice && !cuda_supported) {
+      return Status::NotSupported("this UCX cannot move device memory");
+    }
+    const auto b = reinterpret_cast<uintptr_t>(base);
+    for (const Region& r : regions) {
+      if (b < r.end && r.begin < b + size) {
+        return Status::InvalidArgument("memory region overlaps one already registered");
+      }
+    }
+    // Fake-device "device" memory is host memory: registered as what it is.
+    const ucs_memory_type_t type = kind == MemoryKind::kDevice && !fake_device_memory
+                                       ? UCS_MEMORY_TYPE_CUDA
+                                       : UCS_MEMORY_TYPE_HOST;
+    ucp_mem_map_params_t mp{};
+    mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                    UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
+    mp.address = base;
+    mp.length = size;
+    mp.memory_type = type;
+    ucp_mem_h memh = nullptr;
+    GKV_RETURN_IF_ERROR(FromUcs(ucp_mem_map(context, &mp, &memh), "ucp_mem_map"));
+    regions.push_back({b, b + size, memh, type});
+    registered_regions.fetch_add(1, std::memory_order_relaxed);
+    registered_bytes.fetch_add(size, std::memory_order_relaxed);
+    return Status::OK();
+  }
+
   // Device copies that must not run on the worker thread (an eager payload into device
   // memory): a synchronous CUDA copy there would stall every request of this transport behind
   // the GPU's queue. One thread, started on first use with the worker's CUDA device bound;
@@ -212,6 +272,7 @@ struct UcxTransport::Impl {
     if (listener) ucp_listener_destroy(listener);
     if (worker) ucp_worker_destroy(worker);
     retired_at_shutdown.clear();
+    for (const Region& r : regions) ucp_mem_unmap(context, r.memh);
     if (context) ucp_cleanup(context);
     if (epoll_fd >= 0) close(epoll_fd);
     if (event_fd >= 0) close(event_fd);
@@ -675,8 +736,56 @@ bool UcxTransport::CanMoveDeviceMemory() {
 }
 
 std::string UcxTransport::Describe() const {
-  return "UCX " + ucx_version() +
-         ", moves CUDA memory: " + (device_memory_supported() ? "yes" : "no");
+  std::string d =
+      "UCX " + ucx_version() + ", moves CUDA memory: " + (device_memory_supported() ? "yes" : "no");
+  const RegistrationStats r = registration_stats();
+  if (r.regions > 0) {
+    d += "; registered: " + std::to_string(r.regions) +
+         (r.regions == 1 ? " region, " : " regions, ") + FormatSize(r.bytes);
+  }
+  return d;
+}
+
+Status UcxTransport::RegisterMemory(void* base, size_t size, MemoryKind kind) {
+  Impl& I = *impl_;
+  if (OnWorkerThread()) return I.Register(base, size, kind);
+  // Wait for the worker. The task may be dropped unrun (the transport stopping): the guard it
+  // owns answers then, when the task is destroyed.
+  struct Waiter {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+    Status status;
+    void Finish(Status s) {
+      std::lock_guard<std::mutex> lock(mu);
+      if (done) return;
+      done = true;
+      status = std::move(s);
+      cv.notify_all();
+    }
+  };
+  struct Guard {
+    std::shared_ptr<Waiter> waiter;
+    ~Guard() {
+      if (waiter) waiter->Finish(Status::Unavailable("the transport is stopping"));
+    }
+  };
+  auto waiter = std::make_shared<Waiter>();
+  auto guard = std::make_shared<Guard>();
+  guard->waiter = waiter;
+  Post([&I, guard, base, size, kind] { guard->waiter->Finish(I.Register(base, size, kind)); });
+  guard.reset();
+  std::unique_lock<std::mutex> lock(waiter->mu);
+  waiter->cv.wait(lock, [&] { return waiter->done; });
+  return waiter->status;
+}
+
+UcxTransport::RegistrationStats UcxTransport::registration_stats() const {
+  RegistrationStats r;
+  r.regions = impl_->registered_regions.load(std::memory_order_relaxed);
+  r.bytes = impl_->registered_bytes.load(std::memory_order_relaxed);
+  r.registered_ops = impl_->registered_ops.load(std::memory_order_relaxed);
+  return r;
 }
 
 bool UcxTransport::device_memory_supported() const { return impl_->cuda_supported; }
@@ -753,6 +862,7 @@ void UcxTransport::Send(ConnId conn, unsigned am_id, std::string header, const v
     p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMORY_TYPE;
     p.memory_type = UCS_MEMORY_TYPE_CUDA;
   }
+  I.AttachRegistration(payload, size, &p);
   void* req = ucp_am_send_nbx(it->second.ep, am_id, op->header.data(), op->header.size(),
                               size ? payload : nullptr, size, &p);
   if (req == nullptr) {
@@ -806,6 +916,7 @@ void UcxTransport::Receive(std::unique_ptr<Incoming> msg, void* dst, MemoryKind 
     p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMORY_TYPE;
     p.memory_type = UCS_MEMORY_TYPE_CUDA;
   }
+  I.AttachRegistration(dst, msg->length_, &p);
   void* req = ucp_am_recv_data_nbx(I.worker, desc, dst, msg->length_, &p);
   if (req == nullptr) {
     op->done(Status::OK());

@@ -190,6 +190,17 @@ class WriteHandle {
   uint64_t expected_current_ = 0;
 };
 
+// One memory tier arena as TieredCache::memory_regions lists it: where its bytes live, for
+// registering them with the transport once (every ReadHandle::data() and WriteHandle::data() of
+// that tier points inside it).
+struct MemoryRegion {
+  std::byte* base = nullptr;
+  uint64_t size = 0;
+  MemoryKind kind = MemoryKind::kHost;  // kDevice: a GPU arena (device memory)
+  int device = -1;                      // the CUDA device of a GPU arena
+  Tier tier = Tier::kHost;
+};
+
 // One key as ListKeys saw it.
 struct KeyListing {
   std::string key;
@@ -296,6 +307,9 @@ class TieredCache {
   // host_tier_note() says why (the start log says it too).
   bool host_pinned() const;
   std::string host_tier_note() const;
+  // Every memory tier arena (GPU ones first), allocated at Open and valid until the cache is
+  // destroyed.
+  std::vector<MemoryRegion> memory_regions() const;
 
  private:
   struct Impl;

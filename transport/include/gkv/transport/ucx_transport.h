@@ -108,8 +108,28 @@ class UcxTransport {
   // Whether a transport created now could move CUDA device memory (a UCX context is made,
   // asked and dropped): what a node decides its GPU tier's placement by before it has one.
   static bool CanMoveDeviceMemory();
-  // One phrase for start lines: "UCX 1.22.0, moves CUDA memory: yes".
+  // One phrase for start lines: "UCX 1.22.0, moves CUDA memory: yes" (and, once memory is
+  // registered, "; registered: 2 regions, 72.0MiB").
   std::string Describe() const;
+
+  // Registers [base, base + size) with UCX once (ucp_mem_map with its memory type), so that
+  // every send from and receive into it passes the registration handle and memory type: UCX
+  // then neither detects the memory type nor registers per operation (on InfiniBand, the
+  // pinning and key exchange of rendezvous). For regions allocated at start and kept: the
+  // memory must stay allocated until the transport is destroyed (it is unmapped after the
+  // worker goes). Device memory needs device_memory_supported() (NotSupported otherwise); a
+  // region overlapping one already registered is InvalidArgument; UCX's refusal is returned
+  // as an error and nothing is registered (operations on that memory work as before, and the
+  // caller decides what else that turns off). Runs on the worker thread; from another thread it
+  // waits for it. Not after Stop().
+  Status RegisterMemory(void* base, size_t size, MemoryKind kind);
+  struct RegistrationStats {
+    uint64_t regions = 0;
+    uint64_t bytes = 0;
+    // Sends and receives that passed a registration handle (their buffer lay in a region).
+    uint64_t registered_ops = 0;
+  };
+  RegistrationStats registration_stats() const;
   uint16_t listen_port() const;
   size_t max_header_size() const;
   bool OnWorkerThread() const;
@@ -121,7 +141,8 @@ class UcxTransport {
   bool IsOpen(ConnId conn) const;
   // Sends an active message. `done` runs on the worker thread when UCX no longer needs
   // `payload` (or on failure). The header is owned by the operation until then. A device payload
-  // requires device_memory_supported().
+  // requires device_memory_supported(). A payload inside a registered region goes with its
+  // registration (see RegisterMemory); so does a Receive destination.
   void Send(ConnId conn, unsigned am_id, std::string header, const void* payload, size_t size,
             MemoryKind kind, std::function<void(Status)> done);
   // Receives the payload of `msg` into `dst` (at least payload_size() bytes). `done` runs on the
