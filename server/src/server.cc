@@ -649,6 +649,9 @@ void Server::Stop() {
     // executors finish what is queued (replies they post now are dropped: the connections are
     // gone); (4) the worker and context go; (5) memory is written back to the disk tier.
     I->transport->Stop();
+    // Join before reset: reset() nulls `executors` before the pool's destructor runs what is
+    // queued, so a queued task reaching `executors` would dereference null.
+    I->executors->Join();
     I->executors.reset();
     I->transport.reset();
     Status fs = I->cache->Flush();

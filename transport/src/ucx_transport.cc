@@ -134,6 +134,7 @@ struct UcxTransport::Impl {
   };
   std::vector<Closing> closing;
   std::vector<std::unique_ptr<ErrorArg>> retired_at_shutdown;  // freed after the worker
+  std::chrono::steady_clock::time_point last_conn_request{};   // worker thread: a refused one
 
   // Memory registered once with ucp_mem_map (RegisterMemory): few regions (the node's arenas),
   // so a linear scan finds the one holding a buffer. Appended on the worker thread only, read
@@ -371,6 +372,7 @@ struct UcxTransport::Impl {
   static void OnConnRequest(ucp_conn_request_h request, void* arg) {
     auto* self = static_cast<Impl*>(arg);
     if (self->stopping.load(std::memory_order_acquire)) {
+      self->last_conn_request = std::chrono::steady_clock::now();
       ucp_listener_reject(self->listener, request);
       return;
     }
@@ -546,10 +548,23 @@ struct UcxTransport::Impl {
     // set) while progress runs, then the listener goes. UCX 1.13's async thread has crashed
     // handling a request that was still in flight when its listener or worker was destroyed.
     if (listener) {
-      auto grace = std::chrono::steady_clock::now() + std::chrono::milliseconds(50);
-      while (std::chrono::steady_clock::now() < grace) {
+      // UCX 1.22 (tcp sockcm) still has the race: a connection accepted whose request has not
+      // been read yet keeps a pointer to the listener, and UCX's async thread then runs the
+      // request callback on the freed listener (SIGSEGV in ucp_cm_server_conn_request_cb, seen
+      // under SIGTERM with clients redialling; reported upstream for 1.19 as openucx/ucx#11087,
+      // open). Narrow it: reject for at least 50 ms and until no request has come for 100 ms (a
+      // refused client backs off before it dials again), at most 2 s.
+      const auto start = std::chrono::steady_clock::now();
+      last_conn_request = start;
+      for (;;) {
         ProgressAll();
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        const auto now = std::chrono::steady_clock::now();
+        if (now - start >= std::chrono::seconds(2)) break;
+        if (now - start >= std::chrono::milliseconds(50) &&
+            now - last_conn_request >= std::chrono::milliseconds(100)) {
+          break;
+        }
       }
       ucp_listener_destroy(listener);
       listener = nullptr;
