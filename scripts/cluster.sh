@@ -4,6 +4,7 @@
 #   scripts/cluster.sh start DIR N --etcd [gkv-server options...]   membership in etcd
 #   scripts/cluster.sh stop DIR          SIGTERM by process id (nodes, then etcd), then waits
 # Writes DIR/cluster.yaml and DIR/pids (the nodes). Ports are free ones picked by the kernel.
+# GKV_SERVER_BIN: the gkv-server to start (default build/bin/gkv-server).
 # Logs: DIR/nodeI.log. Disk tiers: DIR/diskI.
 # With --etcd it first starts an etcd of its own (data in DIR/etcd, log DIR/etcd.log, process id
 # in DIR/etcd.pid), writes a cluster file with `membership: etcd` and its endpoint (cluster name
@@ -91,7 +92,7 @@ case "$cmd" in
     for i in $(seq 0 $((n - 1))); do
       node_args=(--cluster "$dir/cluster.yaml" --node "n$i" --disk "$dir/disk$i")
       if [ "$etcd_mode" = 1 ]; then node_args+=(--listen "${listen[$i]}"); fi
-      "$ROOT/build/bin/gkv-server" "${node_args[@]}" "$@" > "$dir/node$i.log" 2>&1 &
+      "${GKV_SERVER_BIN:-$ROOT/build/bin/gkv-server}" "${node_args[@]}" "$@" > "$dir/node$i.log" 2>&1 &
       echo $! >> "$dir/pids"
     done
     # Ready when every node logged that it is up (or fail with its log).

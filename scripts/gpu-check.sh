@@ -5,9 +5,23 @@
 #                                  and every shared library they need (from the installed Debian
 #                                  packages, found with ldd) into gpu-bundle/ (ignored by git).
 #   scripts/gpu-check.sh run       there: run the gpu-labelled tests, the whole unit suite, the
-#                                  Python CUDA tests (when that machine has a CUDA torch), and
-#                                  the storage benchmarks (GPU tier next to cudaMemcpy), writing
-#                                  everything under $OUT (or ./gpu-results).
+#                                  Python CUDA tests (when that machine has a CUDA torch), the
+#                                  storage benchmarks (GPU tier next to cudaMemcpy) and the
+#                                  cluster check (below), writing everything under $OUT (or
+#                                  ./gpu-results). A missing GPU fails it.
+#   scripts/gpu-check.sh cpu [BINDIR]
+#                                  here and in CI (a ctest entry): the same cluster check on
+#                                  the binaries in BINDIR (default build/bin) in both fake-device
+#                                  flavours (host memory standing in for the GPU), small sizes,
+#                                  and the gpu tests (which skip without a GPU), so the script
+#                                  cannot rot. Its figures measure memcpy, not a GPU.
+#
+# The cluster check: a 2-node cluster on this machine's one GPU (nodes with --gpu-mem, a host
+# tier and a disk tier, started by scripts/cluster.sh), and gkv-gpu-check as its client:
+# puts from and gets into cudaMalloc buffers of 4 KiB .. 256 MiB with every byte checked,
+# values written past both memory tiers that spill GPU -> host -> disk and are promoted back
+# (bytes checked on every read), and the table: GPU-tier put and get (GB/s, p50) next to
+# cudaMemcpy device to device and pinned host <-> device of the same sizes, same run.
 #
 # With the device tool: prepare here, then run with carry=["gpu-bundle"] and the command
 # `scripts/gpu-check.sh run`.
@@ -49,6 +63,51 @@ prepare() {
   du -sh "$BUNDLE"
 }
 
+# cluster_check BINDIR OUT NAME GKV_GPU_CHECK_ARGS... -- GKV_SERVER_ARGS...
+cluster_check() {
+  local bindir=$1 out=$2 name=$3
+  shift 3
+  local check_args=()
+  while [ $# -gt 0 ] && [ "$1" != "--" ]; do check_args+=("$1"); shift; done
+  shift
+  local dir rc=0
+  dir=$(mktemp -d /tmp/gkv-gpu-check.XXXXXX)
+  if GKV_SERVER_BIN="$bindir/gkv-server" scripts/cluster.sh start "$dir" 2 "$@"; then
+    "$bindir/gkv-gpu-check" --cluster "$dir/cluster.yaml" "${check_args[@]}" 2>&1 |
+      tee "$out/$name.txt" || rc=1
+  else
+    echo "gpu-check: the 2-node cluster did not start" | tee "$out/$name.txt"
+    rc=1
+  fi
+  scripts/cluster.sh stop "$dir" || true
+  if [ "$rc" -ne 0 ]; then
+    for log in "$dir"/node*.log; do echo "== $log"; tail -n 20 "$log"; done
+  fi
+  cp "$dir"/node*.log "$out/" 2>/dev/null || true
+  rm -rf "$dir"
+  return $rc
+}
+
+cpu() {
+  local bindir=${1:-build/bin}
+  local out=${OUT:-} made_out=0
+  if [ -z "$out" ]; then
+    out=$(mktemp -d /tmp/gkv-gpu-check-cpu.XXXXXX)
+    made_out=1
+  fi
+  mkdir -p "$out"
+  local rc=0
+  "$bindir/gpu_test" 2>&1 | tail -n 3 || rc=1
+  for flavour in ucx 1; do
+    echo "== cluster check, GKV_FAKE_DEVICE=$flavour"
+    GKV_FAKE_DEVICE=$flavour cluster_check "$bindir" "$out" "cluster_check_fake_$flavour" \
+      --sizes 4KiB,64KiB,1MiB,4MiB --reps 5 --spill-values 64 --spill-value-size 2MiB -- \
+      --gpu-mem 16MiB --host-mem 32MiB --disk-capacity 1GiB --threads 2 || rc=1
+  done
+  if [ "$made_out" = 1 ]; then rm -rf "$out"; fi
+  return $rc
+}
+
 run() {
   local out=${OUT:-$PWD/gpu-results}
   mkdir -p "$out"
@@ -80,11 +139,18 @@ run() {
   "$BUNDLE/bin/gkv-storage-bench" --benchmark_min_time=0.2 \
     --benchmark_out="$out/storage_bench.json" --benchmark_out_format=json 2>&1 |
     tee "$out/storage_bench.txt" || rc=1
+  # Last, so that its table ends the output. 512 MiB GPU tiers hold the 256 MiB values; 160
+  # values of 16 MiB are more than both nodes' GPU and host tiers hold.
+  echo "== cluster check (2 nodes on GPU 0)"
+  cluster_check "$BUNDLE/bin" "$out" cluster_check \
+    --spill-values 160 --spill-value-size 16MiB -- \
+    --gpu-mem 512MiB --host-mem 512MiB --disk-capacity 8GiB --threads 4 || rc=1
   return $rc
 }
 
 case "${1:-}" in
   prepare) prepare ;;
   run) run ;;
-  *) echo "usage: scripts/gpu-check.sh prepare|run" >&2; exit 2 ;;
+  cpu) cpu "${2:-build/bin}" ;;
+  *) echo "usage: scripts/gpu-check.sh prepare|run|cpu [BINDIR]" >&2; exit 2 ;;
 esac
