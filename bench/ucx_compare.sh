@@ -3,13 +3,16 @@
 #   - get and put bandwidth for 1 MiB and 16 MiB values (one client thread, one node)
 #     vs ucx_perftest ucp_am_bw at the same size
 #   - get latency p50/p99 for 4 KiB values vs ucx_perftest ucp_am_lat round trip (2 x one-way)
-# Both sides run with UCX_TLS=tcp by default (set UCX_TLS to compare another transport set).
+# Two transport sets, each a table: UCX_TLS=tcp (what two hosts use without RDMA), and "same
+# host", UCX's own choice with every transport on (gkv's connections go over sysv shared memory
+# once wireup completes, with PEER error handling; ucx_perftest picks its own, posix/cma). A
+# UCX_TLS in the environment replaces both with one table on that set.
 # ucx_perftest is the one of the UCX gkv links (scripts/ucx.sh). Needs build/ (scripts/build.sh).
 #   bench/ucx_compare.sh [SECONDS_PER_POINT]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SECS=${1:-5}
-export UCX_TLS=${UCX_TLS:-tcp}
+if [ -n "${UCX_TLS:-}" ]; then SETS=("$UCX_TLS"); else SETS=(tcp same-host); fi
 DIR=$(mktemp -d /tmp/gkv-ucxcmp-XXXXXX)
 PERF_SERVER_PID=""
 trap 'scripts/cluster.sh stop "$DIR" >/dev/null 2>&1 || true; [ -n "$PERF_SERVER_PID" ] && kill "$PERF_SERVER_PID" 2>/dev/null; rm -rf "$DIR"' EXIT
@@ -28,7 +31,6 @@ perf_bw() { perftest ucp_am_bw "$1" "$2" | awk '{print $7}'; }          # MB/s
 perf_tag_bw() { perftest tag_bw "$1" "$2" | awk '{print $7}'; }         # MB/s
 perf_lat() { perftest ucp_am_lat "$1" "$2" | awk '{print $3}'; }        # one-way us, median
 
-scripts/cluster.sh start "$DIR" 1 --host-mem 2GiB --disk-capacity 8GiB --threads 2 > /dev/null
 bench() {  # size ratio keys -> json file
   local out="$DIR/b-$1-$2.json"
   build/bin/gkv-bench --cluster "$DIR/cluster.yaml" --threads 1 --keys "$3" --value-size "$1" \
@@ -37,6 +39,7 @@ bench() {  # size ratio keys -> json file
 }
 json() { python3 -c "import json,sys; d=json.load(open('$1')); print($2)"; }
 
+table() {
 printf '%-26s %14s %18s %8s %18s %8s\n' "metric" "gkv" "perftest ucp_am" "ratio" "perftest tag_bw" "ratio"
 for size in 1MiB 16MiB; do
   bytes=$(python3 -c "print({'1MiB':1<<20,'16MiB':16<<20}['$size'])")
@@ -65,3 +68,13 @@ print(f"{'get latency 4KiB p50':26s} {d['p50']:9.1f} us   {rtt:13.1f} us   {d['p
 print(f"{'get latency 4KiB p99':26s} {d['p99']:9.1f} us   {rtt:13.1f} us   {d['p99']/rtt:8.2f}")
 PY
 echo "(reference latency: ucx_perftest ucp_am_lat 4 KiB, median one-way x 2 = round trip)"
+}
+
+for set in "${SETS[@]}"; do
+  if [ "$set" = same-host ]; then unset UCX_TLS; else export UCX_TLS=$set; fi
+  echo "== transports: $set"
+  scripts/cluster.sh start "$DIR" 1 --host-mem 2GiB --disk-capacity 8GiB --threads 2 > /dev/null
+  table
+  scripts/cluster.sh stop "$DIR" > /dev/null
+  rm -rf "$DIR"/disk0
+done

@@ -59,6 +59,37 @@ TEST(FailureTest, FailOpenTurnsADeadNodeIntoAMiss) {
   EXPECT_LT(Clock::now() - t1, std::chrono::milliseconds(100));
 }
 
+// A client and a node on one host talk over shared memory (NodeTransports), and a SIGKILL of
+// the node still fails the client's calls as Unavailable (the connection manager's socket
+// reports the dead peer), not by waiting out the deadline.
+TEST(FailureTest, ASameHostNodeOnSharedMemoryIsSeenDeadAtOnce) {
+  Cluster cluster(1);
+  auto client = cluster.NewClient(std::chrono::seconds(5));
+  ASSERT_TRUE(client);
+  ASSERT_TRUE(client->Put("k", "v", 1).ok());
+  std::string over;
+  for (int i = 0; i < 100; ++i) {
+    ASSERT_TRUE(client->Get("k").ok());
+    auto t = client->NodeTransports(0);
+    ASSERT_TRUE(t.ok()) << t.status().ToString();
+    over = *t;
+    if (over.find("/memory") != std::string::npos) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  const char* mm = std::getenv("UCX_MM_ERROR_HANDLING");
+  if (!mm || std::string(mm) != "n") {
+    EXPECT_NE(over.find("/memory"), std::string::npos) << "not on shared memory: " << over;
+  }
+  cluster.StopNode(0, SIGKILL);
+  const auto t0 = Clock::now();
+  auto got = client->Get("k");
+  const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0);
+  EXPECT_EQ(got.status().code(), StatusCode::kUnavailable)
+      << got.status().ToString() << " after " << waited.count() << " ms (over " << over << ")";
+  std::printf("a SIGKILLed node (over %s) failed the next get in %lld ms\n", over.c_str(),
+              static_cast<long long>(waited.count()));
+}
+
 TEST(FailureTest, ReplicatedKeysStayReadableWhenTheirPrimaryDies) {
   Cluster cluster(3);
   ClientOptions o;

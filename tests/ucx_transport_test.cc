@@ -29,6 +29,7 @@ struct Echo {
     UcxTransport::Options o;
     o.listen = true;
     o.listen_host = "127.0.0.1";
+    o.loopback_only = true;
     UcxTransport::Handlers h;
     h.on_message = [this](std::unique_ptr<Incoming> m) {
       const int n = received++;
@@ -175,6 +176,41 @@ TEST(UcxTransportTest, SendsAndReceivesInRegisteredMemoryPassItsRegistration) {
   const uint64_t ops = server.t->registration_stats().registered_ops - ops_before;
   EXPECT_GE(ops, 6u + 2u) << "sends and receives in the region did not pass its registration";
   EXPECT_EQ(client.t->registration_stats().registered_ops, 0u);  // nothing registered there
+}
+
+// Two ends on one host talk over shared memory, with PEER error handling on (UCX 1.22 offers
+// it for sysv and posix only when asked, which the transport does), and a loopback-only end
+// offers no network device but lo.
+TEST(UcxTransportTest, ConnectionsOnOneHostRunOverSharedMemory) {
+  Echo server;
+  ASSERT_TRUE(server.t);
+  Caller client;
+  ASSERT_TRUE(client.t);
+  ConnId conn = client.Connect(server.t->listen_port());
+  ASSERT_NE(conn, 0u);
+  for (int i = 0; i < 3; ++i) {  // wireup completes; the endpoint moves to its final lanes
+    ASSERT_EQ(client.RoundTrip(conn, "w" + std::to_string(i), "x"), "x");
+  }
+  std::string transports;
+  for (int i = 0; i < 100; ++i) {
+    std::promise<std::string> p;
+    client.t->Post([&] { p.set_value(client.t->Transports(conn)); });
+    transports = p.get_future().get();
+    if (transports.find("/memory") != std::string::npos) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  const char* mm = std::getenv("UCX_MM_ERROR_HANDLING");
+  if (!mm || std::string(mm) != "n") {
+    EXPECT_NE(transports.find("/memory"), std::string::npos)
+        << "not on shared memory: " << transports;
+  }
+  // The server's only network device is lo, so the client has no other tcp lane to it.
+  for (size_t at = transports.find("tcp/"); at != std::string::npos;
+       at = transports.find("tcp/", at + 1)) {
+    const std::string device = transports.substr(at + 4, transports.find(' ', at) - at - 4);
+    EXPECT_TRUE(device.empty() || device == "lo") << transports;  // empty: the CM's own
+  }
+  EXPECT_EQ(client.RoundTrip(conn, "after", "still works"), "still works");
 }
 
 TEST(UcxTransportTest, ConcurrentPostsFromManyThreads) {

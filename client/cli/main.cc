@@ -258,7 +258,9 @@ int main(int argc, char** argv) {
       }
       const auto& n = nodes[i];
       if (r.ok()) {
-        std::printf("%-10s %-24s ok %.0f us\n", n.id.c_str(), n.address().c_str(), us);
+        auto over = c.NodeTransports(static_cast<int>(i));
+        std::printf("%-10s %-24s ok %.0f us (%s)\n", n.id.c_str(), n.address().c_str(), us,
+                    over.ok() ? over->c_str() : "transports unknown");
       } else {
         std::printf("%-10s %-24s %s\n", n.id.c_str(), n.address().c_str(),
                     r.status().ToString().c_str());

@@ -1108,6 +1108,11 @@ Result<std::unique_ptr<Client>> Client::Open(const ClientOptions& options) {
   handlers.on_tick = [raw] { raw->OnTick(); };
   UcxTransport::Options topts;
   topts.poll_interval = std::chrono::milliseconds(1);
+  // A static cluster all on this host: no UCX interface of this client listens elsewhere.
+  topts.loopback_only = !elastic && !impl->nodes.empty() &&
+                        std::all_of(impl->nodes.begin(), impl->nodes.end(), [](const NodeInfo& n) {
+                          return UcxTransport::IsLoopbackHost(n.host);
+                        });
   {
     auto t = UcxTransport::Create(topts, std::move(handlers));
     if (!t.ok()) return t.status();
@@ -1620,6 +1625,25 @@ Result<std::string> Client::Ping(int node, std::chrono::milliseconds timeout) {
     };
     I->Issue(node, w::Opcode::kPing, 0, "", nullptr, 0, MemoryKind::kHost, deadline, on_reply,
              [&promise](Status s) { promise.set_value(s); });
+  });
+  return future.get();
+}
+
+Result<std::string> Client::NodeTransports(int node) {
+  Impl* I = impl_.get();
+  if (node < 0 || node >= static_cast<int>(I->NodeCount())) {
+    return Status::InvalidArgument("no such node");
+  }
+  std::promise<Result<std::string>> promise;
+  auto future = promise.get_future();
+  I->transport->Post([&] {
+    const ConnId conn = static_cast<size_t>(node) < I->node_conn.size() ? I->node_conn[node] : 0;
+    std::string t = conn ? I->transport->Transports(conn) : "";
+    if (t.empty()) {
+      promise.set_value(Status::Unavailable("not connected to that node"));
+    } else {
+      promise.set_value(std::move(t));
+    }
   });
   return future.get();
 }

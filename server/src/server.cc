@@ -542,6 +542,8 @@ Result<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
   topts.listen = true;
   topts.listen_host = options.listen_host.empty() ? impl->self.host : options.listen_host;
   topts.listen_port = options.listen_port ? options.listen_port : impl->self.port;
+  // A node listening on loopback serves (and is a peer of) this host only.
+  topts.loopback_only = UcxTransport::IsLoopbackHost(topts.listen_host);
   Impl* raw = impl.get();
   UcxTransport::Handlers handlers;
   handlers.on_message = [raw](std::unique_ptr<Incoming> m) { raw->OnMessage(std::move(m)); };

@@ -287,6 +287,25 @@ struct UcxTransport::Impl {
     // explicit UCX_TCP_CM_REUSEADDR wins.
     if (options.listen) setenv("UCX_TCP_CM_REUSEADDR", "y", /*overwrite=*/0);
     GKV_RETURN_IF_ERROR(FromUcs(ucp_config_read(nullptr, nullptr, &config), "ucp_config_read"));
+    // Same host: shared memory (sysv, posix) claims peer-failure support only when asked
+    // (UCX_MM_ERROR_HANDLING; off by default), and every endpoint here uses PEER error handling,
+    // so without it a client and a node on one machine talk over tcp/lo. With it, UCX 1.22
+    // moves them onto sysv once wireup completes and keeps the connection manager's socket,
+    // which still reports a dead peer at once. An explicit UCX setting wins.
+    if (!std::getenv("UCX_MM_ERROR_HANDLING") && !std::getenv("UCX_SYSV_ERROR_HANDLING") &&
+        !std::getenv("UCX_POSIX_ERROR_HANDLING")) {
+      const ucs_status_t ms = ucp_config_modify(config, "MM_ERROR_HANDLING", "y");
+      if (ms != UCS_OK) {
+        GKV_LOG_DEBUG("UCX: cannot turn on shared-memory error handling: {}",
+                      ucs_status_string(ms));
+      }
+    }
+    if (options.loopback_only && !std::getenv("UCX_NET_DEVICES")) {
+      const ucs_status_t ns = ucp_config_modify(config, "NET_DEVICES", "lo");
+      if (ns != UCS_OK) {
+        GKV_LOG_DEBUG("UCX: cannot limit network devices to lo: {}", ucs_status_string(ns));
+      }
+    }
     ucp_params_t params{};
     params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
     params.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
@@ -729,6 +748,10 @@ void UcxTransport::Post(std::function<void()> task) {
   (void)!write(impl_->event_fd, &one, sizeof one);
 }
 
+bool UcxTransport::IsLoopbackHost(const std::string& host) {
+  return host == "localhost" || host == "::1" || host == "[::1]" || host.rfind("127.", 0) == 0;
+}
+
 std::string UcxTransport::ucx_version() { return ucp_get_version_string(); }
 
 bool UcxTransport::CanMoveDeviceMemory() {
@@ -842,6 +865,28 @@ Result<ConnId> UcxTransport::Connect(const std::string& host, uint16_t port) {
 bool UcxTransport::IsOpen(ConnId conn) const {
   auto it = impl_->conns.find(conn);
   return it != impl_->conns.end() && !it->second.failed;
+}
+
+std::string UcxTransport::Transports(ConnId conn) const {
+  auto it = impl_->conns.find(conn);
+  if (it == impl_->conns.end() || it->second.failed) return "";
+  ucp_transport_entry_t entries[16];
+  ucp_ep_attr_t attr{};
+  attr.field_mask = UCP_EP_ATTR_FIELD_TRANSPORTS;
+  attr.transports.entries = entries;
+  attr.transports.num_entries = 16;
+  attr.transports.entry_size = sizeof(ucp_transport_entry_t);
+  if (ucp_ep_query(it->second.ep, &attr) != UCS_OK) return "";
+  std::string out;
+  for (unsigned i = 0; i < attr.transports.num_entries; ++i) {
+    const std::string one =
+        std::string(entries[i].transport_name ? entries[i].transport_name : "?") + "/" +
+        (entries[i].device_name ? entries[i].device_name : "?");
+    if (out.find(one) != std::string::npos) continue;  // one lane per entry: names repeat
+    if (!out.empty()) out += ' ';
+    out += one;
+  }
+  return out;
 }
 
 void UcxTransport::Send(ConnId conn, unsigned am_id, std::string header, const void* payload,

@@ -159,6 +159,10 @@ class Client {
   Result<std::string> Ping(int node, std::chrono::milliseconds timeout = {});
   // The node's statistics as JSON (docs/STATS.md).
   Result<std::string> NodeStats(int node, std::chrono::milliseconds timeout = {});
+  // What this client's connection to the node runs over now, as UCX reports it ("sysv/memory
+  // tcp/lo": shared memory on one host, once wireup completed). Unavailable when not connected
+  // (Ping connects).
+  Result<std::string> NodeTransports(int node);
 
   // The cluster as configured (under etcd, `nodes` is empty: see Nodes()).
   const ClusterConfig& cluster() const;

@@ -73,7 +73,14 @@ class UcxTransport {
     std::chrono::milliseconds poll_interval{2};
     // After any activity, keep polling without sleeping for this long (0: always sleep).
     std::chrono::microseconds busy_poll{50};
+    // Every peer is on this host (a node listening on a loopback address, a client whose
+    // nodes all are): UCX's network transports use the loopback device only (UCX_NET_DEVICES
+    // "lo", unless set), so no UCX interface listens on another address; shared memory is
+    // unaffected.
+    bool loopback_only = false;
   };
+  // Whether `host` names the loopback interface ("localhost", 127.0.0.0/8, "::1").
+  static bool IsLoopbackHost(const std::string& host);
   struct Handlers {
     // A message on AM id wire::kAmRequest or wire::kAmReply. Worker thread.
     std::function<void(std::unique_ptr<Incoming>)> on_message;
@@ -139,6 +146,9 @@ class UcxTransport {
   // on_disconnect.
   Result<ConnId> Connect(const std::string& host, uint16_t port);
   bool IsOpen(ConnId conn) const;
+  // The transports and devices the connection uses now ("sysv/memory tcp/lo"): on one host,
+  // shared memory once wireup has completed. Empty for an unknown connection.
+  std::string Transports(ConnId conn) const;
   // Sends an active message. `done` runs on the worker thread when UCX no longer needs
   // `payload` (or on failure). The header is owned by the operation until then. A device payload
   // requires device_memory_supported(). A payload inside a registered region goes with its
