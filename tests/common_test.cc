@@ -1,10 +1,12 @@
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <set>
 
 #include "gkv/bytes.h"
 #include "gkv/hash.h"
 #include "gkv/hybrid_clock.h"
+#include "gkv/pinned_pool.h"
 #include "gkv/size.h"
 #include "gkv/status.h"
 #include "gkv/tensor.h"
@@ -255,6 +257,48 @@ TEST(HashRingTest, NodesForGivesDistinctNodesOwnerFirst) {
   }
   auto shares = ring.Shares();
   EXPECT_NEAR(shares[0] + shares[1] + shares[2], 1.0, 1e-9);
+}
+
+TEST(PinnedBufferPoolTest, ReleasedBuffersAreHandedOutAgainWithinTheCap) {
+  PinnedBufferPool::Options o;
+  o.min_buffer = 4096;
+  o.max_cached_bytes = 64 << 10;
+  auto pool = PinnedBufferPool::Create(o);
+  std::byte* first = nullptr;
+  {
+    auto a = pool->Acquire(5000);  // rounded up to 8 KiB
+    ASSERT_TRUE(a.ok());
+    first = a->get();
+    std::memset(first, 1, 8192);  // the whole rounded-up capacity is usable
+  }
+  EXPECT_EQ(pool->stats().cached_bytes, 8192u);
+  {
+    auto b = pool->Acquire(8000);  // fits the released buffer: the same one comes back
+    ASSERT_TRUE(b.ok());
+    EXPECT_EQ(b->get(), first);
+    auto c = pool->Acquire(8000);  // the first is in use: a new one
+    ASSERT_TRUE(c.ok());
+    EXPECT_NE(c->get(), first);
+  }
+  auto s = pool->stats();
+  EXPECT_EQ(s.allocations, 2u);
+  EXPECT_EQ(s.reuses, 1u);
+  EXPECT_EQ(s.cached_bytes, 16384u);
+  {
+    // Past the cap: a 128 KiB buffer is freed when released, not kept.
+    auto big = pool->Acquire(100 << 10);
+    ASSERT_TRUE(big.ok());
+  }
+  EXPECT_EQ(pool->stats().cached_bytes, 16384u);
+  // A 1-byte request (4 KiB) takes a cached 8 KiB buffer: within 4x of its size.
+  auto small = pool->Acquire(1);
+  ASSERT_TRUE(small.ok());
+  EXPECT_EQ(pool->stats().reuses, 2u);
+  // A buffer may outlive its pool.
+  auto kept = pool->Acquire(4096);
+  ASSERT_TRUE(kept.ok());
+  pool.reset();
+  std::memset(kept->get(), 2, 4096);
 }
 
 }  // namespace

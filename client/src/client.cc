@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <queue>
 #include <random>
@@ -13,6 +14,7 @@
 #include "gkv/hybrid_clock.h"
 #include "gkv/log.h"
 #include "gkv/membership.h"
+#include "gkv/pinned_pool.h"
 #include "gkv/ring_view.h"
 #include "gkv/transport/protocol.h"
 #include "gkv/transport/ucx_transport.h"
@@ -152,6 +154,30 @@ struct Client::Impl {
     timers.emplace_back(at, std::move(fn));
     std::push_heap(timers.begin(), timers.end(), LaterTimer);
   }
+  // Staging of device bytes (a device buffer this UCX cannot move; batch rows): pinned host
+  // buffers reused from a pool, and copies on a stream of this client's own for the buffer's
+  // device (any thread; never the I/O thread, which must not wait on a GPU).
+  std::shared_ptr<PinnedBufferPool> staging_pool = PinnedBufferPool::Create({});
+  std::mutex copiers_mu;
+  std::map<int, std::unique_ptr<DeviceCopier>> copiers;  // by device; guarded by copiers_mu
+  // Copies `size` bytes between a device buffer (`device_ptr`, one of dst and src) and host
+  // memory on the copy stream of that buffer's device (cudaMemcpy when none can be made).
+  Status DeviceCopy(void* dst, const void* src, size_t size, const void* device_ptr) {
+    if (size == 0) return Status::OK();
+    const int device = CudaPointerDevice(device_ptr);
+    DeviceCopier* copier = nullptr;
+    if (device >= 0) {
+      std::lock_guard<std::mutex> lock(copiers_mu);
+      auto& slot = copiers[device];
+      if (!slot) {
+        auto made = DeviceCopier::Create(device);
+        if (made.ok()) slot = std::move(*made);
+      }
+      copier = slot.get();
+    }
+    return copier ? copier->Copy(dst, src, size) : CudaCopySync(dst, src, size);
+  }
+
   std::vector<ConnId> node_conn;
   std::unordered_map<ConnId, int> node_of_conn;
   std::unordered_map<uint64_t, PendingPtr> pending;
@@ -630,9 +656,15 @@ struct Client::Impl {
       // value's own host buffer. For a device buffer the caller's thread copies them over
       // (GetInto), never this I/O thread: a synchronous CUDA copy here would stall every
       // request of this client behind the GPU's queue.
-      if (!user_dst || (kind == MemoryKind::kDevice && !transport->device_memory_supported())) {
+      if (!user_dst) {
         value->bytes_.reset(new std::byte[meta.size ? meta.size : 1]);
         dst = value->bytes_.get();
+        kind = MemoryKind::kHost;
+      } else if (kind == MemoryKind::kDevice && !transport->device_memory_supported()) {
+        auto staged = staging_pool->Acquire(meta.size);
+        if (!staged.ok()) return Fail(p, staged.status());
+        value->staged_ = std::move(*staged);
+        dst = value->staged_.get();
         kind = MemoryKind::kHost;
       }
       ReceivePayload(p, std::move(msg), dst, kind, [this, p, value, shared_done](Status rs2) {
@@ -1174,6 +1206,8 @@ Result<ValueInfo> Client::GetInto(std::string_view key, void* dst, size_t capaci
     dst = &no_buffer;
   }
   const MemoryKind kind = Resolve(o.memory, dst);
+  // Nothing still reading the destination when the bytes land (see PutOptions).
+  if (kind == MemoryKind::kDevice) GKV_RETURN_IF_ERROR(CudaSyncStream(o.cuda_stream));
   auto deadline = I->DeadlineFrom(o.timeout);
   std::promise<Result<Value>> promise;
   auto future = promise.get_future();
@@ -1184,10 +1218,10 @@ Result<ValueInfo> Client::GetInto(std::string_view key, void* dst, size_t capaci
   });
   Result<Value> r = future.get();
   if (!r.ok()) return r.status();
-  // Staged through host memory (a device buffer this UCX cannot receive into): the copy to
-  // the device runs here, on the caller's thread.
+  // Staged through a pinned buffer (a device buffer this UCX cannot receive into): the copy to
+  // the device runs here, on the caller's thread, on this client's stream for that device.
   if (r->data() != nullptr && r->size() > 0) {
-    GKV_RETURN_IF_ERROR(CudaCopySync(dst, r->data(), r->size()));
+    GKV_RETURN_IF_ERROR(I->DeviceCopy(dst, r->data(), r->size(), dst));
   }
   return r->info();
 }
@@ -1199,10 +1233,16 @@ void Client::PutAsync(std::string_view key, const void* data, size_t size, const
   if (Status vs = o.tensor.Validate(size); !vs.ok()) return callback(vs);
   MemoryKind kind = Resolve(o.memory, data);
   std::shared_ptr<std::byte[]> staging;
+  if (kind == MemoryKind::kDevice) {
+    // The producer's work on the buffer is done before anything reads it (see PutOptions).
+    if (Status ss = CudaSyncStream(o.cuda_stream); !ss.ok()) return callback(ss);
+  }
   if (kind == MemoryKind::kDevice && !I->transport->device_memory_supported()) {
-    // Stage device bytes through host memory (this UCX can't read device memory).
-    staging.reset(new std::byte[size ? size : 1]);
-    Status s = CudaCopySync(staging.get(), data, size);
+    // Stage device bytes through a pinned buffer (this UCX can't read device memory).
+    auto staged = I->staging_pool->Acquire(size);
+    if (!staged.ok()) return callback(staged.status());
+    staging = std::move(*staged);
+    Status s = I->DeviceCopy(staging.get(), data, size, data);
     if (!s.ok()) return callback(s);
     data = staging.get();
     kind = MemoryKind::kHost;
@@ -1438,13 +1478,25 @@ std::vector<Result<uint64_t>> Client::MultiPut(const std::vector<PutItem>& items
   }
   // Device items are staged once, before grouping: an item whose copy fails is not sent to any
   // node (a zero-filled stand-in must never be stored, and no node's success may hide the error).
-  std::vector<std::unique_ptr<std::byte[]>> staged(items.size());
+  std::vector<std::shared_ptr<std::byte[]>> staged(items.size());
+  bool synced = false;
   for (size_t i = 0; i < items.size(); ++i) {
     if (batch->failed_here[i] || items[i].size == 0 ||
         Resolve(o.memory, items[i].data) != MemoryKind::kDevice)
       continue;
-    staged[i].reset(new std::byte[items[i].size]);
-    Status s = CudaCopySync(staged[i].get(), items[i].data, items[i].size);
+    Status s;
+    if (!synced) {  // the producer's work is done before anything reads (see PutOptions)
+      s = CudaSyncStream(o.cuda_stream);
+      synced = s.ok();
+    }
+    auto buffer =
+        s.ok() ? I->staging_pool->Acquire(items[i].size) : Result<std::shared_ptr<std::byte[]>>(s);
+    if (buffer.ok()) {
+      staged[i] = std::move(*buffer);
+      s = I->DeviceCopy(staged[i].get(), items[i].data, items[i].size, items[i].data);
+    } else {
+      s = buffer.status();
+    }
     if (!s.ok()) {
       batch->results[i] = s;
       batch->failed_here[i] = true;
@@ -1540,10 +1592,14 @@ std::vector<Status> Client::MultiGetInto(const std::vector<std::string>& keys, v
   const MemoryKind kind = Resolve(o.memory, dst);
   // Device rows without a UCX that moves device memory (the reply block lands in host memory
   // anyway): rows are assembled in host memory, then copied in runs of consecutive hits.
-  std::unique_ptr<std::byte[]> staging;
+  std::shared_ptr<std::byte[]> staging;
   std::byte* rows = static_cast<std::byte*>(dst);
   if (kind == MemoryKind::kDevice) {
-    staging.reset(new std::byte[keys.size() * row_stride]);
+    Status ss = CudaSyncStream(o.cuda_stream);  // nothing still reads the rows (PutOptions)
+    auto buffer = ss.ok() ? I->staging_pool->Acquire(keys.size() * row_stride)
+                          : Result<std::shared_ptr<std::byte[]>>(ss);
+    if (!buffer.ok()) return std::vector<Status>(keys.size(), buffer.status());
+    staging = std::move(*buffer);
     rows = staging.get();
   }
   // One NotFound shared by every miss: a miss costs no allocation.
@@ -1580,8 +1636,8 @@ std::vector<Status> Client::MultiGetInto(const std::vector<std::string>& keys, v
       // Padded rows go one by one so the caller's padding is never overwritten.
       while (row_stride == row_bytes && end < keys.size() && results[end].ok()) ++end;
       const size_t bytes = (end - i - 1) * row_stride + row_bytes;
-      Status s = CudaCopySync(static_cast<std::byte*>(dst) + i * row_stride,
-                              staging.get() + i * row_stride, bytes);
+      Status s = I->DeviceCopy(static_cast<std::byte*>(dst) + i * row_stride,
+                               staging.get() + i * row_stride, bytes, dst);
       for (size_t k = i; !s.ok() && k < end; ++k) results[k] = s;
       i = end;
     }

@@ -218,6 +218,24 @@ bool IsDevicePointer(const void* ptr) {
   return attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged;
 }
 
+int CudaPointerDevice(const void* ptr) {
+  if (FakeDeviceMode()) return FakeIsDevice(ptr) ? 0 : -1;
+  if (!ProbeCuda().usable || ptr == nullptr) return -1;
+  cudaPointerAttributes attr{};
+  if (cudaPointerGetAttributes(&attr, ptr) != cudaSuccess) {
+    cudaGetLastError();
+    return -1;
+  }
+  return attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged ? attr.device : -1;
+}
+
+Status CudaSyncStream(void* stream) {
+  if (FakeDeviceMode() || !ProbeCuda().usable) return Status::OK();
+  return FromCuda(
+      cudaStreamSynchronize(stream ? static_cast<cudaStream_t>(stream) : cudaStreamLegacy),
+      "cudaStreamSynchronize");
+}
+
 int CudaCurrentDevice() {
   if (FakeDeviceMode() || !ProbeCuda().usable) return -1;
   // Only a thread that has a context says which device it works on: cudaGetDevice answers 0
@@ -323,6 +341,8 @@ void CudaFreePinnedHost(void* ptr) {
   if (FakeDeviceMode()) std::free(ptr);
 }
 bool IsDevicePointer(const void* ptr) { return FakeDeviceMode() && FakeIsDevice(ptr); }
+int CudaPointerDevice(const void* ptr) { return IsDevicePointer(ptr) ? 0 : -1; }
+Status CudaSyncStream(void*) { return Status::OK(); }
 int CudaCurrentDevice() { return -1; }
 Status CudaBindThread(int) { return Status::OK(); }
 Status CudaCopySync(void* dst, const void* src, size_t size) {

@@ -67,16 +67,24 @@ struct ValueInfo {
 // Where a buffer lives. kAuto asks the CUDA runtime (host when no GPU is usable).
 enum class BufferMemory : uint8_t { kAuto, kHost, kDevice };
 
+// Device buffers and the work that produces or consumes them: before the client reads a device
+// buffer (Put, MultiPut) or writes one (GetInto, MultiGetInto) it waits for `cuda_stream` (a
+// cudaStream_t the caller's kernels use on that buffer), or, when none is given, for the
+// legacy default stream (which also covers work queued before it on every blocking stream).
+// So a value is never taken from a buffer a kernel is still writing, nor written under one
+// still reading it. Work on other non-blocking streams is the caller's to finish first.
 struct PutOptions {
   TensorMeta tensor;  // default: raw bytes
   bool durable = false;
   std::chrono::milliseconds timeout{0};  // 0: the client's default
   BufferMemory memory = BufferMemory::kAuto;
+  void* cuda_stream = nullptr;  // see above; device buffers only
 };
 
 struct GetOptions {
   std::chrono::milliseconds timeout{0};
   BufferMemory memory = BufferMemory::kAuto;  // of GetInto's destination
+  void* cuda_stream = nullptr;                // of GetInto's device destination: see PutOptions
   // Fail open: when no node holding the key answers (Unavailable or Timeout), report a miss
   // (NotFound) instead, so a training step falls back to its own loader.
   bool fail_open = false;
@@ -91,8 +99,8 @@ struct GetOptions {
 class Value {
  public:
   Value() = default;
-  const std::byte* data() const { return bytes_.get(); }
-  std::byte* mutable_data() { return bytes_.get(); }
+  const std::byte* data() const { return bytes_ ? bytes_.get() : staged_.get(); }
+  std::byte* mutable_data() { return bytes_ ? bytes_.get() : staged_.get(); }
   size_t size() const { return info_.size; }
   std::string_view view() const { return {reinterpret_cast<const char*>(data()), size()}; }
   const ValueInfo& info() const { return info_; }
@@ -100,6 +108,7 @@ class Value {
  private:
   friend class Client;
   std::unique_ptr<std::byte[]> bytes_;
+  std::shared_ptr<std::byte[]> staged_;  // GetInto's staging buffer (a pooled one)
   ValueInfo info_;
 };
 

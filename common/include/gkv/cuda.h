@@ -64,6 +64,14 @@ void CudaFreePinnedHost(void* ptr);
 // memory, and always false without a usable GPU.
 bool IsDevicePointer(const void* ptr);
 
+// The CUDA device that `ptr` (device or managed memory) belongs to, from its pointer
+// attributes; -1 for host memory or without a usable GPU (0 for fake-device memory).
+int CudaPointerDevice(const void* ptr);
+// Waits until the work queued on `stream` (a cudaStream_t; null: the legacy default stream,
+// whose work also waits for what was queued before it on every blocking stream) is done. OK
+// without a usable GPU and in fake-device mode.
+Status CudaSyncStream(void* stream);
+
 // cudaMemcpy (default stream, synchronous) between any two memories; for occasional copies
 // outside the cache (staging in the transport and the client).
 Status CudaCopySync(void* dst, const void* src, size_t size);

@@ -1,0 +1,58 @@
+// PinnedBufferPool: reusable pinned host buffers for staging device bytes (a device buffer this
+// UCX cannot send from or receive into goes through one). cudaHostAlloc costs milliseconds and
+// pageable memory makes every device copy a two-step, synchronous one, so buffers are kept and
+// handed out again: Acquire returns one of at least the size asked for (sizes rounded up to a
+// power of two of at least min_buffer, so that later requests of similar sizes fit), and a
+// buffer goes back to the pool when its last reference is dropped; the pool keeps at most
+// max_cached_bytes of them and frees the rest. When pinning fails (no usable GPU) buffers are
+// ordinary memory, which still works. Thread-safe; buffers may outlive the pool.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+
+#include "gkv/status.h"
+
+namespace gkv {
+
+class PinnedBufferPool : public std::enable_shared_from_this<PinnedBufferPool> {
+ public:
+  struct Options {
+    uint64_t min_buffer = uint64_t{1} << 20;
+    uint64_t max_cached_bytes = uint64_t{256} << 20;
+  };
+  struct Stats {
+    uint64_t allocations = 0;         // buffers made (pinned or not)
+    uint64_t pinned_allocations = 0;  // of which pinned
+    uint64_t reuses = 0;              // Acquires answered from the pool
+    uint64_t cached_bytes = 0;        // held for reuse now
+  };
+
+  static std::shared_ptr<PinnedBufferPool> Create(Options options);
+  ~PinnedBufferPool();
+  PinnedBufferPool(const PinnedBufferPool&) = delete;
+  PinnedBufferPool& operator=(const PinnedBufferPool&) = delete;
+
+  // A buffer of at least `size` bytes (size 0 gets the smallest). NoSpace when no memory is left.
+  Result<std::shared_ptr<std::byte[]>> Acquire(uint64_t size);
+  Stats stats() const;
+
+ private:
+  struct Block {
+    std::byte* data;
+    bool pinned;
+  };
+  explicit PinnedBufferPool(Options options) : options_(options) {}
+  void Return(uint64_t capacity, Block block);
+  static void Free(const Block& block);
+
+  const Options options_;
+  mutable std::mutex mu_;
+  std::multimap<uint64_t, Block> free_;  // by capacity; guarded by mu_
+  Stats stats_;                          // guarded by mu_
+};
+
+}  // namespace gkv
