@@ -68,7 +68,8 @@ double Median(std::vector<double> v) {
 // Repetitions for a size: about 1 GiB moved per measurement, between 3 and `max_reps`.
 int RepsFor(size_t size, int max_reps) {
   const size_t by_bytes = (size_t{1} << 30) / std::max<size_t>(size, 1);
-  return static_cast<int>(std::clamp<size_t>(by_bytes, 3, static_cast<size_t>(max_reps)));
+  const size_t most = static_cast<size_t>(std::max(3, max_reps));
+  return static_cast<int>(std::clamp<size_t>(by_bytes, 3, most));
 }
 
 // Seconds of one call, median over `reps` (after one warm-up call). A failed call ends it.
@@ -127,6 +128,7 @@ uint64_t Moves(Client& c, const std::string& from_to) {
 struct Row {
   size_t size;
   double put_s, get_s, d2d_s, h2d_s, d2h_s;
+  std::string tier;  // where the node held the value when it answered the last get
 };
 
 double GBps(size_t size, double s) { return s > 0 ? size / s / 1e9 : 0; }
@@ -135,6 +137,7 @@ int Run(int argc, char** argv) {
   CLI::App app{"gkv-gpu-check: GPU-tier puts and gets from and into device buffers, checked"};
   std::string cluster_file, sizes_arg = "4KiB,16KiB,64KiB,256KiB,1MiB,4MiB,16MiB,64MiB,256MiB";
   std::string spill_value = "4MiB";
+  std::string expect_tier;
   int spill_values = 0, max_reps = 50;
   app.add_option("--cluster", cluster_file, "the nodes' cluster file")->required();
   app.add_option("--sizes", sizes_arg, "comma-separated value sizes");
@@ -143,6 +146,9 @@ int Run(int argc, char** argv) {
                  "values written for the spill and promotion check (0: skip it); choose more "
                  "than the nodes' GPU and host tiers hold together");
   app.add_option("--spill-value-size", spill_value, "size of each of those values");
+  app.add_option("--expect-tier", expect_tier,
+                 "gpu | host: the tier each timed value must be served from (a check fails "
+                 "when a get was answered from another one); empty: only reported");
   CLI11_PARSE(app, argc, argv);
 
   const CudaProbe& probe = ProbeCuda();
@@ -202,7 +208,7 @@ int Run(int argc, char** argv) {
   for (size_t size : sizes) {
     const std::string key = "gpu-check/" + std::to_string(size);
     const int reps = RepsFor(size, max_reps);
-    Row row{size, 0, 0, 0, 0, 0};
+    Row row{size, 0, 0, 0, 0, 0, ""};
     Status st = FillRandom(rng, src->get(), host->get(), size);
     PutOptions po;
     po.memory = BufferMemory::kDevice;
@@ -212,6 +218,10 @@ int Run(int argc, char** argv) {
     auto get = [&]() -> Status {
       auto r = client.GetInto(key, dst->get(), size, go);
       if (r.ok() && r->size != size) return Status::Internal("get returned a wrong size");
+      if (r.ok()) row.tier = r->tier;
+      if (r.ok() && !expect_tier.empty() && r->tier != expect_tier) {
+        return Status::Internal("served from the " + r->tier + " tier, not " + expect_tier);
+      }
       return r.status();
     };
     // Correctness first: the bytes that came back are the bytes that went.
@@ -332,11 +342,11 @@ int Run(int argc, char** argv) {
   }
 
   // The table: the cluster's GPU-tier paths next to the copies they are bounded by.
-  std::printf("\n%10s | %9s %9s | %9s %9s | %9s %11s %11s\n", "size", "put GB/s", "put p50",
-              "get GB/s", "get p50", "D2D GB/s", "H2D pinned", "D2H pinned");
+  std::printf("\n%10s %5s | %9s %9s | %9s %9s | %9s %11s %11s\n", "size", "tier", "put GB/s",
+              "put p50", "get GB/s", "get p50", "D2D GB/s", "H2D pinned", "D2H pinned");
   for (const Row& r : rows) {
-    std::printf("%10s | %9.2f %7.0fus | %9.2f %7.0fus | %9.2f %11.2f %11.2f\n",
-                FormatSize(r.size).c_str(), GBps(r.size, r.put_s), r.put_s * 1e6,
+    std::printf("%10s %5s | %9.2f %7.0fus | %9.2f %7.0fus | %9.2f %11.2f %11.2f\n",
+                FormatSize(r.size).c_str(), r.tier.c_str(), GBps(r.size, r.put_s), r.put_s * 1e6,
                 GBps(r.size, r.get_s), r.get_s * 1e6, GBps(r.size, r.d2d_s), GBps(r.size, r.h2d_s),
                 GBps(r.size, r.d2h_s));
   }

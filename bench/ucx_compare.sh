@@ -13,6 +13,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 SECS=${1:-5}
 if [ -n "${UCX_TLS:-}" ]; then SETS=("$UCX_TLS"); else SETS=(tcp same-host); fi
+# Both sides on the loopback device only (gkv nodes on loopback do so by themselves, unless
+# UCX_TLS is set): the same lanes for both, and no UCX listener on another address.
+export UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo}
 DIR=$(mktemp -d /tmp/gkv-ucxcmp-XXXXXX)
 PERF_SERVER_PID=""
 trap 'scripts/cluster.sh stop "$DIR" >/dev/null 2>&1 || true; [ -n "$PERF_SERVER_PID" ] && kill "$PERF_SERVER_PID" 2>/dev/null; rm -rf "$DIR"' EXIT

@@ -19,7 +19,19 @@ usage() { echo "usage: $0 start DIR N [--etcd] [opts] | stop DIR" >&2; exit 2; }
 if [ -z "$cmd" ] || [ -z "$dir" ]; then usage; fi
 
 free_port() {
-  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'
+  if command -v python3 > /dev/null; then
+    python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'
+    return
+  fi
+  # No Python (a bare GPU machine): a random port below the ephemeral range that nothing on
+  # this host listens on.
+  local port
+  for _ in $(seq 1 100); do
+    port=$((20000 + RANDOM % 12000))
+    if ! (exec 3<> "/dev/tcp/127.0.0.1/$port") 2> /dev/null; then echo "$port"; return; fi
+  done
+  echo "no free port found" >&2
+  return 1
 }
 
 # Sends SIGTERM to a process and waits up to 10 s for it to go, then SIGKILLs it.

@@ -72,6 +72,8 @@ cluster_check() {
   shift
   local dir rc=0
   dir=$(mktemp -d /tmp/gkv-gpu-check.XXXXXX)
+  # Killed midway (a ctest timeout): the nodes stop and the directory goes all the same.
+  trap 'scripts/cluster.sh stop "'"$dir"'" > /dev/null 2>&1 || true; rm -rf "'"$dir"'"' EXIT
   if GKV_SERVER_BIN="$bindir/gkv-server" scripts/cluster.sh start "$dir" 2 "$@"; then
     "$bindir/gkv-gpu-check" --cluster "$dir/cluster.yaml" "${check_args[@]}" 2>&1 |
       tee "$out/$name.txt" || rc=1
@@ -83,8 +85,9 @@ cluster_check() {
   if [ "$rc" -ne 0 ]; then
     for log in "$dir"/node*.log; do echo "== $log"; tail -n 20 "$log"; done
   fi
-  cp "$dir"/node*.log "$out/" 2>/dev/null || true
+  for log in "$dir"/node*.log; do cp "$log" "$out/$name-$(basename "$log")" 2> /dev/null || true; done
   rm -rf "$dir"
+  trap - EXIT
   return $rc
 }
 
@@ -100,8 +103,13 @@ cpu() {
   "$bindir/gpu_test" 2>&1 | tail -n 3 || rc=1
   for flavour in ucx 1; do
     echo "== cluster check, GKV_FAKE_DEVICE=$flavour"
+    # With UCX moving the stand-in memory the values live in the GPU tier; without, that tier
+    # sits behind host memory and new values go to host memory.
+    local tier=gpu
+    [ "$flavour" = 1 ] && tier=host
     GKV_FAKE_DEVICE=$flavour cluster_check "$bindir" "$out" "cluster_check_fake_$flavour" \
-      --sizes 4KiB,64KiB,1MiB,4MiB --reps 5 --spill-values 64 --spill-value-size 2MiB -- \
+      --sizes 4KiB,64KiB,1MiB,4MiB --reps 5 --expect-tier "$tier" \
+      --spill-values 64 --spill-value-size 2MiB -- \
       --gpu-mem 16MiB --host-mem 32MiB --disk-capacity 1GiB --threads 2 || rc=1
   done
   if [ "$made_out" = 1 ]; then rm -rf "$out"; fi
@@ -139,12 +147,13 @@ run() {
   "$BUNDLE/bin/gkv-storage-bench" --benchmark_min_time=0.2 \
     --benchmark_out="$out/storage_bench.json" --benchmark_out_format=json 2>&1 |
     tee "$out/storage_bench.txt" || rc=1
-  # Last, so that its table ends the output. 512 MiB GPU tiers hold the 256 MiB values; 160
-  # values of 16 MiB are more than both nodes' GPU and host tiers hold.
+  # Last, so that its table ends the output. 1 GiB GPU tiers hold the 256 MiB values (and an
+  # overwrite's new copy beside the old); 320 values of 16 MiB (5 GiB) are more than both
+  # nodes' GPU and host tiers hold (4 GiB).
   echo "== cluster check (2 nodes on GPU 0)"
-  cluster_check "$BUNDLE/bin" "$out" cluster_check \
-    --spill-values 160 --spill-value-size 16MiB -- \
-    --gpu-mem 512MiB --host-mem 512MiB --disk-capacity 8GiB --threads 4 || rc=1
+  cluster_check "$BUNDLE/bin" "$out" cluster_check --expect-tier gpu \
+    --spill-values 320 --spill-value-size 16MiB -- \
+    --gpu-mem 1GiB --host-mem 1GiB --disk-capacity 16GiB --threads 4 || rc=1
   return $rc
 }
 

@@ -140,14 +140,15 @@ class Cluster {
     if (metrics_ports_[i]) {
       args.insert(args.end(), {"--metrics-port", std::to_string(metrics_ports_[i])});
     }
+    std::vector<std::pair<std::string, std::string>> env;
 #if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
     // A node that crashes prints the crashing thread's stack to its log (which a failing test
     // prints): the wheel's UCX defaults to UCX_HANDLE_ERRORS=none (a silent SIGSEGV, no core on
     // most machines). Not under sanitizers, whose own handlers report better. An explicit
-    // setting wins.
-    setenv("UCX_HANDLE_ERRORS", "bt", /*overwrite=*/0);
+    // setting wins. The node's environment only: this process's UCX has read its own already.
+    env.emplace_back("UCX_HANDLE_ERRORS", "bt");
 #endif
-    pid_t pid = SpawnLogged(std::move(args), log_file(i));
+    pid_t pid = SpawnLogged(std::move(args), log_file(i), env);
     ASSERT_GT(pid, 0) << "fork failed";
     pids_[i] = pid;
   }

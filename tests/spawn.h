@@ -11,15 +11,19 @@
 #include <cstdio>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace gkv::testing {
 
 // args[0] is the program (looked up in PATH). Returns the child's pid, or -1 if fork failed.
-inline pid_t SpawnLogged(std::vector<std::string> args, const std::string& log) {
+// `child_env`: NAME=VALUE pairs set in the child only, unless its environment has NAME.
+inline pid_t SpawnLogged(std::vector<std::string> args, const std::string& log,
+                         const std::vector<std::pair<std::string, std::string>>& child_env = {}) {
   pid_t pid = fork();
   if (pid == 0) {
     prctl(PR_SET_PDEATHSIG, SIGKILL);
+    for (const auto& [name, value] : child_env) setenv(name.c_str(), value.c_str(), 0);
     FILE* out = freopen(log.c_str(), "a", stderr);
     out = freopen(log.c_str(), "a", stdout);
     (void)out;

@@ -399,29 +399,48 @@ void Server::Impl::OnTick() {
   });
 }
 
-void Server::Impl::RegisterArenas() {
-  bool zero_copy = transport->device_memory_supported();
-  gpu_zero_copy.store(zero_copy, std::memory_order_relaxed);
+std::vector<UcxTransport::Options::Region> Server::Impl::ArenaRegions() {
+  arena_regions.clear();
+  std::vector<UcxTransport::Options::Region> out;
   for (TieredCache* c : {cache.get(), replica_cache.get()}) {
     if (!c) continue;
-    const char* which = c == cache.get() ? "" : "replica ";
     for (const MemoryRegion& r : c->memory_regions()) {
-      // Device memory this UCX cannot move is staged through host memory: UCX never sees it.
-      if (r.kind == MemoryKind::kDevice && !transport->device_memory_supported()) continue;
-      const Status s = transport->RegisterMemory(r.base, r.size, r.kind);
-      if (s.ok()) continue;
-      if (r.kind == MemoryKind::kDevice) {
-        zero_copy = false;
-        GKV_LOG_WARN(
-            "registering the {}GPU tier's arena on device {} ({}) with UCX failed: {}; its "
-            "objects are staged through host memory",
-            which, r.device, FormatSize(r.size), s.ToString());
-      } else {
-        GKV_LOG_WARN(
-            "registering the {}{} tier's memory ({}) with UCX failed: {}; UCX registers it per "
-            "operation instead",
-            which, TierName(r.tier), FormatSize(r.size), s.ToString());
-      }
+      arena_regions.push_back({r, c == replica_cache.get()});
+      out.push_back({r.base, r.size, r.kind});
+    }
+  }
+  return out;
+}
+
+Server::Impl::~Impl() {
+  if (transport) transport->Stop();
+  if (executors) executors->Join();
+  executors.reset();
+  transport.reset();
+}
+
+void Server::Impl::CheckArenaRegistrations() {
+  bool zero_copy = transport->device_memory_supported();
+  const std::vector<Status>& results = transport->initial_registrations();
+  for (size_t i = 0; i < arena_regions.size() && i < results.size(); ++i) {
+    const MemoryRegion& r = arena_regions[i].region;
+    const Status& s = results[i];
+    const char* which = arena_regions[i].replica ? "replica " : "";
+    // Device memory this UCX cannot move is staged through host memory: never registered.
+    if (s.ok() || (r.kind == MemoryKind::kDevice && !transport->device_memory_supported())) {
+      continue;
+    }
+    if (r.kind == MemoryKind::kDevice) {
+      zero_copy = false;
+      GKV_LOG_WARN(
+          "registering the {}GPU tier's arena on device {} ({}) with UCX failed: {}; its "
+          "objects are staged through host memory",
+          which, r.device, FormatSize(r.size), s.ToString());
+    } else {
+      GKV_LOG_WARN(
+          "registering the {}{} tier's memory ({}) with UCX failed: {}; UCX registers it per "
+          "operation instead",
+          which, TierName(r.tier), FormatSize(r.size), s.ToString());
     }
   }
   gpu_zero_copy.store(zero_copy, std::memory_order_relaxed);
@@ -544,6 +563,7 @@ Result<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
   topts.listen_port = options.listen_port ? options.listen_port : impl->self.port;
   // A node listening on loopback serves (and is a peer of) this host only.
   topts.loopback_only = UcxTransport::IsLoopbackHost(topts.listen_host);
+  topts.register_regions = impl->ArenaRegions();
   Impl* raw = impl.get();
   UcxTransport::Handlers handlers;
   handlers.on_message = [raw](std::unique_ptr<Incoming> m) { raw->OnMessage(std::move(m)); };
@@ -571,7 +591,7 @@ Result<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
   if (bind_gpu && caller_device >= 0) (void)CudaBindThread(caller_device);
   if (!transport.ok()) return transport.status();
   impl->transport = std::move(*transport);
-  impl->RegisterArenas();
+  impl->CheckArenaRegistrations();
   // The worker thread ticks from inside Create: its timers and peer calls start only now that
   // `transport` is set.
   impl->ticking.store(true, std::memory_order_release);

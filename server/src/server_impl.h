@@ -89,6 +89,10 @@ struct BatchRow {
 };
 
 struct Server::Impl {
+  // A Start that failed after the transport came up lands here with it still set: it goes
+  // first, the executors joined in between (as in Server::Stop), because its worker thread calls
+  // into the members below and the caches' arenas must outlive its memory registrations.
+  ~Impl();
   ServerOptions options;
   NodeInfo self;
   std::unique_ptr<TieredCache> cache;
@@ -105,14 +109,22 @@ struct Server::Impl {
 
   // Whether GPU-tier bytes go to and from UCX as they are (no staging through host memory):
   // the transport can move device memory and every GPU arena registered with it. Set at start
-  // (RegisterArenas), read on the I/O thread.
+  // (CheckArenaRegistrations, before requests are served), read on the I/O thread.
   std::atomic<bool> gpu_zero_copy{false};
   bool device_zero_copy() const { return gpu_zero_copy.load(std::memory_order_relaxed); }
-  // Registers every memory arena of both caches with the transport once (the host pool, each
-  // GPU arena UCX can move), so their sends and receives skip per-operation registration. A GPU
-  // arena that fails turns gpu_zero_copy off with one log line; a host pool that fails is used
-  // unregistered (UCX registers per operation), also with one line.
-  void RegisterArenas();
+  // Every memory arena of both caches, for the transport to register once before its listener
+  // opens (the host pool, each GPU arena UCX can move), so their sends and receives skip
+  // per-operation registration. Remembered in arena_regions for the check below.
+  struct ArenaRegion {
+    MemoryRegion region;
+    bool replica;
+  };
+  std::vector<ArenaRegion> arena_regions;
+  std::vector<UcxTransport::Options::Region> ArenaRegions();
+  // After the transport started: a GPU arena whose registration failed turns gpu_zero_copy off
+  // with one log line; a host pool that failed is used unregistered (UCX registers per
+  // operation), also with one line.
+  void CheckArenaRegistrations();
   // Copies the transport's registration figures into `counters` (before rendering stats).
   void RefreshTransportCounters();
 

@@ -146,6 +146,7 @@ struct UcxTransport::Impl {
     ucs_memory_type_t type;
   };
   std::vector<Region> regions;
+  std::vector<Status> initial_registrations;  // of Options::register_regions (set in Init)
   std::atomic<uint64_t> registered_regions{0}, registered_bytes{0}, registered_ops{0};
 
   // The region holding all of [p, p + n), or null. Worker thread.
@@ -300,7 +301,9 @@ struct UcxTransport::Impl {
                       ucs_status_string(ms));
       }
     }
-    if (options.loopback_only && !std::getenv("UCX_NET_DEVICES")) {
+    // (Not when UCX_NET_DEVICES or UCX_TLS names what to use: a one-box RDMA test picks its
+    // devices. A setting in ucx.conf is not seen here and is overridden.)
+    if (options.loopback_only && !std::getenv("UCX_NET_DEVICES") && !std::getenv("UCX_TLS")) {
       const ucs_status_t ns = ucp_config_modify(config, "NET_DEVICES", "lo");
       if (ns != UCS_OK) {
         GKV_LOG_DEBUG("UCX: cannot limit network devices to lo: {}", ucs_status_string(ns));
@@ -323,6 +326,8 @@ struct UcxTransport::Impl {
     // Fake-device mode "ucx" (tests): the "device" memory is host memory, which UCX moves.
     fake_device_memory = FakeDeviceKind() == FakeDevice::kMovedByUcx;
     cuda_supported |= fake_device_memory;
+    // Fake-device mode "1": UCX must not move the stand-in memory, even a CUDA-capable UCX.
+    if (FakeDeviceKind() == FakeDevice::kStaged) cuda_supported = false;
 
     ucp_worker_params_t wparams{};
     wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
@@ -346,6 +351,11 @@ struct UcxTransport::Impl {
       hp.cb = &Impl::OnAm;
       hp.arg = &am_args[i];
       GKV_RETURN_IF_ERROR(FromUcs(ucp_worker_set_am_recv_handler(worker, &hp), "am handler"));
+    }
+
+    // Before the listener: no request can reach a buffer of these regions unregistered.
+    for (const Options::Region& r : options.register_regions) {
+      initial_registrations.push_back(Register(r.base, r.size, r.kind));
     }
 
     if (options.listen) {
@@ -818,6 +828,10 @@ Status UcxTransport::RegisterMemory(void* base, size_t size, MemoryKind kind) {
   return waiter->status;
 }
 
+const std::vector<Status>& UcxTransport::initial_registrations() const {
+  return impl_->initial_registrations;
+}
+
 UcxTransport::RegistrationStats UcxTransport::registration_stats() const {
   RegistrationStats r;
   r.regions = impl_->registered_regions.load(std::memory_order_relaxed);
@@ -882,7 +896,8 @@ std::string UcxTransport::Transports(ConnId conn) const {
     const std::string one =
         std::string(entries[i].transport_name ? entries[i].transport_name : "?") + "/" +
         (entries[i].device_name ? entries[i].device_name : "?");
-    if (out.find(one) != std::string::npos) continue;  // one lane per entry: names repeat
+    // One entry per lane: names repeat. Whole names compared ("tcp/eth1" is not "tcp/eth10").
+    if ((" " + out + " ").find(" " + one + " ") != std::string::npos) continue;
     if (!out.empty()) out += ' ';
     out += one;
   }

@@ -23,6 +23,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "gkv/cuda.h"
 #include "gkv/status.h"
@@ -75,9 +76,18 @@ class UcxTransport {
     std::chrono::microseconds busy_poll{50};
     // Every peer is on this host (a node listening on a loopback address, a client whose
     // nodes all are): UCX's network transports use the loopback device only (UCX_NET_DEVICES
-    // "lo", unless set), so no UCX interface listens on another address; shared memory is
-    // unaffected.
+    // "lo", unless UCX_NET_DEVICES or UCX_TLS is set), so no UCX interface listens on another
+    // address; shared memory is unaffected.
     bool loopback_only = false;
+    // Memory registered (RegisterMemory) before the listener opens, so no request is served
+    // before its buffers carry their registration: a node's arenas. Their outcomes, in order,
+    // are initial_registrations().
+    struct Region {
+      void* base = nullptr;
+      size_t size = 0;
+      MemoryKind kind = MemoryKind::kHost;
+    };
+    std::vector<Region> register_regions;
   };
   // Whether `host` names the loopback interface ("localhost", 127.0.0.0/8, "::1").
   static bool IsLoopbackHost(const std::string& host);
@@ -137,6 +147,9 @@ class UcxTransport {
     uint64_t registered_ops = 0;
   };
   RegistrationStats registration_stats() const;
+  // One status per Options::register_regions entry (NotSupported for device memory this UCX
+  // cannot move: not registered, it is staged anyway).
+  const std::vector<Status>& initial_registrations() const;
   uint16_t listen_port() const;
   size_t max_header_size() const;
   bool OnWorkerThread() const;
