@@ -4,6 +4,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <list>
+#include <map>
 #include <mutex>
 #include <unordered_map>
 
@@ -85,7 +86,35 @@ struct TieredCache::Impl {
   CacheOptions options;
   std::vector<std::unique_ptr<Shard>> shards;
   std::unique_ptr<DiskTier> disk;
-  std::unique_ptr<DeviceCopier> copier;  // null unless the GPU tier is real device memory
+  // Device copies: one stream per GPU, each copy on the stream of the device whose memory it
+  // touches (a GPU arena's device, or a caller's buffer's from its pointer attributes), so a
+  // copy for GPU 1 neither runs on GPU 0's queue nor waits behind it. Made at Open for the GPU
+  // tier's devices (and device 0 for a GPU machine without a GPU tier), others on first use.
+  std::mutex copiers_mu;
+  std::map<int, std::unique_ptr<DeviceCopier>> copiers;  // guarded by copiers_mu
+  bool device_copies = false;  // a usable GPU (or the fake device): copiers can be made
+
+  // The copier for the device that `device_ptr` belongs to; null when none can be made.
+  DeviceCopier* CopierFor(const void* device_ptr) {
+    if (!device_copies) return nullptr;
+    int device = -1;
+    for (const auto& arena : tiers[0].arenas) {
+      if (arena->kind() == MemoryKind::kDevice && arena->Contains(device_ptr)) {
+        device = arena->device();
+        break;
+      }
+    }
+    if (device < 0) device = CudaPointerDevice(device_ptr);
+    if (device < 0) device = 0;
+    std::lock_guard<std::mutex> lock(copiers_mu);
+    auto& slot = copiers[device];
+    if (!slot) {
+      auto made = DeviceCopier::Create(device);
+      if (!made.ok()) return nullptr;
+      slot = std::move(*made);
+    }
+    return slot.get();
+  }
   std::string gpu_note;
   std::atomic<uint64_t> next_version{1};
   // Versions below version_limit are covered by the high-water mark persisted in the disk tier,
@@ -456,6 +485,7 @@ struct TieredCache::Impl {
       std::memcpy(dst, src, size);
       return Status::OK();
     }
+    DeviceCopier* copier = CopierFor(dk == MemoryKind::kDevice ? dst : src);
     if (!copier) return Status::NotSupported("device memory copy without a usable GPU");
     return copier->Copy(dst, src, size);
   }
@@ -663,7 +693,10 @@ Result<std::unique_ptr<TieredCache>> TieredCache::Open(const CacheOptions& optio
         GKV_ASSIGN_OR_RETURN(auto arena, MemoryArena::CreateDevice(dev, options.gpu_capacity));
         t.arenas.push_back(std::move(arena));
       }
-      GKV_ASSIGN_OR_RETURN(impl->copier, DeviceCopier::Create(options.gpu_devices.front()));
+      for (int dev : options.gpu_devices) {
+        GKV_ASSIGN_OR_RETURN(impl->copiers[dev], DeviceCopier::Create(dev));
+      }
+      impl->device_copies = true;
       GKV_LOG_INFO("GPU tier on: {} on {} device(s){}", FormatSize(options.gpu_capacity),
                    options.gpu_devices.size(),
                    options.gpu_behind_host ? ", behind the host tier (takes what it spills)" : "");
@@ -688,9 +721,12 @@ Result<std::unique_ptr<TieredCache>> TieredCache::Open(const CacheOptions& optio
     t.arenas.push_back(std::move(arena));
     t.enabled = true;
     // A usable GPU without a GPU tier (or with one) still gets device copies for GetInto.
-    if (!impl->copier && ProbeCuda().usable) {
+    if (!impl->device_copies && ProbeCuda().usable) {
       auto c = DeviceCopier::Create(0);
-      if (c.ok()) impl->copier = std::move(*c);
+      if (c.ok()) {
+        impl->copiers[0] = std::move(*c);
+        impl->device_copies = true;
+      }
     }
   }
   // Disk tier, with warm restart.
