@@ -1,8 +1,11 @@
 #include "gkv/transport/ucx_transport.h"
 
+#include <dirent.h>
+#include <linux/filter.h>
 #include <netdb.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
+#include <sys/socket.h>
 #include <ucp/api/ucp.h>
 #include <unistd.h>
 
@@ -572,17 +575,70 @@ struct UcxTransport::Impl {
     Shutdown();
   }
 
+  // Makes the kernel take no new connection for the listener: its own socket, found among this
+  // process's sockets as the listening one bound to the listener's address, gets a filter that
+  // drops every packet. See Shutdown for why. Returns whether it found the socket.
+  bool StopAcceptingConnections() {
+    ucp_listener_attr_t la{};
+    la.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
+    if (ucp_listener_query(listener, &la) != UCS_OK) return false;
+    const auto* want = reinterpret_cast<const sockaddr*>(&la.sockaddr);
+    auto port_of = [](const sockaddr* sa) {
+      return sa->sa_family == AF_INET6 ? reinterpret_cast<const sockaddr_in6*>(sa)->sin6_port
+                                       : reinterpret_cast<const sockaddr_in*>(sa)->sin_port;
+    };
+    DIR* dir = opendir("/proc/self/fd");
+    if (!dir) return false;
+    bool found = false;
+    while (dirent* e = readdir(dir)) {
+      char* end = nullptr;
+      const long fd = std::strtol(e->d_name, &end, 10);
+      if (end == e->d_name || *end != '\0' || fd == dirfd(dir)) continue;
+      int accepting = 0;
+      socklen_t alen = sizeof accepting;
+      if (getsockopt(static_cast<int>(fd), SOL_SOCKET, SO_ACCEPTCONN, &accepting, &alen) != 0 ||
+          !accepting) {
+        continue;
+      }
+      sockaddr_storage have{};
+      socklen_t hlen = sizeof have;
+      if (getsockname(static_cast<int>(fd), reinterpret_cast<sockaddr*>(&have), &hlen) != 0) {
+        continue;
+      }
+      const auto* sa = reinterpret_cast<const sockaddr*>(&have);
+      if (sa->sa_family != want->sa_family || port_of(sa) != port_of(want)) continue;
+      // A socket filter that drops every packet: the listener completes no new handshake (SYNs
+      // and handshake ACKs are dropped; a client dialling now times out or is refused once the
+      // node is gone), and nothing is made readable, so UCX's accept handler is not woken. (A
+      // shutdown() would make accept fail, and UCX's level-triggered handler spin on it.)
+      sock_filter drop_all[] = {BPF_STMT(BPF_RET | BPF_K, 0)};
+      sock_fprog prog{1, drop_all};
+      found =
+          setsockopt(static_cast<int>(fd), SOL_SOCKET, SO_ATTACH_FILTER, &prog, sizeof prog) == 0;
+      break;
+    }
+    closedir(dir);
+    return found;
+  }
+
   void Shutdown() {
-    // Stop accepting first: for a grace period, connection requests are rejected (stopping is
-    // set) while progress runs, then the listener goes. UCX 1.13's async thread has crashed
-    // handling a request that was still in flight when its listener or worker was destroyed.
+    // Stop accepting first, then let the connections already accepted be rejected, then the
+    // listener goes. UCX 1.22 (tcp sockcm) has a race here (openucx/ucx#11087, open; UCX 1.13
+    // had it too): a connection accepted whose request data has not been read yet keeps a
+    // pointer to the listener, and when the data arrives after ucp_listener_destroy, UCX's
+    // async thread runs the request callback on the freed listener (SIGSEGV in
+    // ucp_cm_server_conn_request_cb; seen at SIGTERM with clients redialling, about 1 stop in
+    // 30 on a loaded machine under ASan, and no amount of waiting for a quiet moment helped).
+    // So the listening socket itself stops taking connections first (a drop-all socket filter):
+    // the kernel completes no new handshake for it, and what it accepted before sends its request
+    // within milliseconds (the client sends it right after connecting). Those are rejected
+    // (stopping is set) while progress runs for a grace period: at least 50 ms, and until none came
+    // for 50 ms, at most 2 s.
     if (listener) {
-      // UCX 1.22 (tcp sockcm) still has the race: a connection accepted whose request has not
-      // been read yet keeps a pointer to the listener, and UCX's async thread then runs the
-      // request callback on the freed listener (SIGSEGV in ucp_cm_server_conn_request_cb, seen
-      // under SIGTERM with clients redialling; reported upstream for 1.19 as openucx/ucx#11087,
-      // open). Narrow it: reject for at least 50 ms and until no request has come for 100 ms (a
-      // refused client backs off before it dials again), at most 2 s.
+      const bool stopped_accepting = StopAcceptingConnections();
+      if (!stopped_accepting) {
+        GKV_LOG_DEBUG("listener socket not found; rejecting connections until the listener goes");
+      }
       const auto start = std::chrono::steady_clock::now();
       last_conn_request = start;
       for (;;) {
@@ -590,8 +646,7 @@ struct UcxTransport::Impl {
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
         const auto now = std::chrono::steady_clock::now();
         if (now - start >= std::chrono::seconds(2)) break;
-        if (now - start >= std::chrono::milliseconds(50) &&
-            now - last_conn_request >= std::chrono::milliseconds(100)) {
+        if (now - last_conn_request >= std::chrono::milliseconds(stopped_accepting ? 50 : 100)) {
           break;
         }
       }
