@@ -224,14 +224,16 @@ int Run(int argc, char** argv) {
       }
       return r.status();
     };
+    // A get into a poisoned device buffer brings back exactly the bytes put.
+    auto verified_get = [&](const std::string& when) -> Status {
+      GKV_RETURN_IF_ERROR(Poison(dst->get(), scratch->get(), size));
+      GKV_RETURN_IF_ERROR(get());
+      return CheckBytes(dst->get(), host->get(), scratch->get(), size,
+                        "get of " + FormatSize(size) + " " + when);
+    };
     // Correctness first: the bytes that came back are the bytes that went.
     if (st.ok()) st = put();
-    if (st.ok()) st = Poison(dst->get(), scratch->get(), size);
-    if (st.ok()) st = get();
-    if (st.ok()) {
-      st = CheckBytes(dst->get(), host->get(), scratch->get(), size,
-                      "get of " + FormatSize(size) + " into a device buffer");
-    }
+    if (st.ok()) st = verified_get("into a device buffer");
     if (!st.ok()) {
       fail(st.WithContext(FormatSize(size)));
       continue;
@@ -245,12 +247,7 @@ int Run(int argc, char** argv) {
       if (!s.ok()) st = s;
     }
     // And once more after the timed calls (the value was rewritten by each timed put).
-    if (st.ok()) st = Poison(dst->get(), scratch->get(), size);
-    if (st.ok()) st = get();
-    if (st.ok()) {
-      st = CheckBytes(dst->get(), host->get(), scratch->get(), size,
-                      "get of " + FormatSize(size) + " after the timed calls");
-    }
+    if (st.ok()) st = verified_get("after the timed calls");
     if (!st.ok()) {
       fail(st.WithContext(FormatSize(size)));
       continue;
