@@ -294,6 +294,14 @@ TEST(PinnedBufferPoolTest, ReleasedBuffersAreHandedOutAgainWithinTheCap) {
   auto small = pool->Acquire(1);
   ASSERT_TRUE(small.ok());
   EXPECT_EQ(pool->stats().reuses, 2u);
+  // TryAcquireCached never allocates: a cached buffer or nothing.
+  {
+    auto cached = pool->TryAcquireCached(4096);
+    ASSERT_NE(cached, nullptr);
+    auto none = pool->TryAcquireCached(32 << 10);  // nothing that large is cached
+    EXPECT_EQ(none, nullptr);
+  }
+  EXPECT_EQ(pool->stats().allocations, 3u);  // the two above and the 128 KiB one
   // A buffer may outlive its pool.
   auto kept = pool->Acquire(4096);
   ASSERT_TRUE(kept.ok());

@@ -661,10 +661,12 @@ struct Client::Impl {
         dst = value->bytes_.get();
         kind = MemoryKind::kHost;
       } else if (kind == MemoryKind::kDevice && !transport->device_memory_supported()) {
-        auto staged = staging_pool->Acquire(meta.size);
-        if (!staged.ok()) return Fail(p, staged.status());
-        value->staged_ = std::move(*staged);
-        dst = value->staged_.get();
+        // A pinned buffer when the pool has one cached; allocating one here would be a
+        // synchronous CUDA call on this thread, so otherwise ordinary memory, and GetInto puts
+        // a pinned buffer of this size in the pool for next time (on the caller's thread).
+        value->staged_ = staging_pool->TryAcquireCached(meta.size);
+        if (!value->staged_) value->bytes_.reset(new std::byte[meta.size ? meta.size : 1]);
+        dst = value->mutable_data();
         kind = MemoryKind::kHost;
       }
       ReceivePayload(p, std::move(msg), dst, kind, [this, p, value, shared_done](Status rs2) {
@@ -1222,6 +1224,9 @@ Result<ValueInfo> Client::GetInto(std::string_view key, void* dst, size_t capaci
   // the device runs here, on the caller's thread, on this client's stream for that device.
   if (r->data() != nullptr && r->size() > 0) {
     GKV_RETURN_IF_ERROR(I->DeviceCopy(dst, r->data(), r->size(), dst));
+    // Staged through ordinary memory (the pool had no buffer to spare on the I/O thread): one
+    // for this size goes into the pool now, off that thread.
+    if (!r->staged_) (void)I->staging_pool->Acquire(r->size());
   }
   return r->info();
 }

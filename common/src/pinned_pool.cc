@@ -22,23 +22,44 @@ void PinnedBufferPool::Free(const Block& block) {
   }
 }
 
+bool PinnedBufferPool::TakeCached(uint64_t* capacity, Block* block) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = free_.lower_bound(*capacity);
+  // A cached buffer much larger than needed stays for a request of its own size.
+  if (it == free_.end() || it->first > 4 * *capacity) return false;
+  *capacity = it->first;
+  *block = it->second;
+  free_.erase(it);
+  stats_.cached_bytes -= *capacity;
+  ++stats_.reuses;
+  return true;
+}
+
+std::shared_ptr<std::byte[]> PinnedBufferPool::Wrap(uint64_t capacity, Block block) {
+  // The deleter gives the buffer back (or frees it, once the pool is gone).
+  std::weak_ptr<PinnedBufferPool> owner = weak_from_this();
+  return std::shared_ptr<std::byte[]>(block.data, [owner, capacity, block](std::byte*) {
+    if (auto pool = owner.lock()) {
+      pool->Return(capacity, block);
+    } else {
+      Free(block);
+    }
+  });
+}
+
+std::shared_ptr<std::byte[]> PinnedBufferPool::TryAcquireCached(uint64_t size) {
+  uint64_t capacity = options_.min_buffer;
+  while (capacity < size) capacity <<= 1;
+  Block block{nullptr, false};
+  if (!TakeCached(&capacity, &block)) return nullptr;
+  return Wrap(capacity, block);
+}
+
 Result<std::shared_ptr<std::byte[]>> PinnedBufferPool::Acquire(uint64_t size) {
   uint64_t capacity = options_.min_buffer;
   while (capacity < size) capacity <<= 1;
   Block block{nullptr, false};
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = free_.lower_bound(capacity);
-    // A cached buffer much larger than needed stays for a request of its own size.
-    if (it != free_.end() && it->first <= 4 * capacity) {
-      capacity = it->first;
-      block = it->second;
-      free_.erase(it);
-      stats_.cached_bytes -= capacity;
-      ++stats_.reuses;
-    }
-  }
-  if (!block.data) {
+  if (!TakeCached(&capacity, &block)) {
     auto pinned = CudaMallocPinnedHost(capacity);
     if (pinned.ok()) {
       block = {static_cast<std::byte*>(*pinned), true};
@@ -52,15 +73,7 @@ Result<std::shared_ptr<std::byte[]>> PinnedBufferPool::Acquire(uint64_t size) {
     ++stats_.allocations;
     if (block.pinned) ++stats_.pinned_allocations;
   }
-  // The deleter gives the buffer back (or frees it, once the pool is gone).
-  std::weak_ptr<PinnedBufferPool> owner = weak_from_this();
-  return std::shared_ptr<std::byte[]>(block.data, [owner, capacity, block](std::byte*) {
-    if (auto pool = owner.lock()) {
-      pool->Return(capacity, block);
-    } else {
-      Free(block);
-    }
-  });
+  return Wrap(capacity, block);
 }
 
 void PinnedBufferPool::Return(uint64_t capacity, Block block) {

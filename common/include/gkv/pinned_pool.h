@@ -37,7 +37,11 @@ class PinnedBufferPool : public std::enable_shared_from_this<PinnedBufferPool> {
   PinnedBufferPool& operator=(const PinnedBufferPool&) = delete;
 
   // A buffer of at least `size` bytes (size 0 gets the smallest). NoSpace when no memory is left.
+  // May allocate (cudaHostAlloc: milliseconds, synchronous): not on a UCX progress thread.
   Result<std::shared_ptr<std::byte[]>> Acquire(uint64_t size);
+  // A cached buffer of at least `size` bytes, or null when none is: never allocates, so any
+  // thread may call it. (Acquire and drop a buffer to put one in the cache for later.)
+  std::shared_ptr<std::byte[]> TryAcquireCached(uint64_t size);
   Stats stats() const;
 
  private:
@@ -46,6 +50,9 @@ class PinnedBufferPool : public std::enable_shared_from_this<PinnedBufferPool> {
     bool pinned;
   };
   explicit PinnedBufferPool(Options options) : options_(options) {}
+  // Takes a cached block of at least *capacity bytes (within 4x); sets *capacity to its size.
+  bool TakeCached(uint64_t* capacity, Block* block);
+  std::shared_ptr<std::byte[]> Wrap(uint64_t capacity, Block block);
   void Return(uint64_t capacity, Block block);
   static void Free(const Block& block);
 
