@@ -1209,7 +1209,7 @@ Result<ValueInfo> Client::GetInto(std::string_view key, void* dst, size_t capaci
   }
   const MemoryKind kind = Resolve(o.memory, dst);
   // Nothing still reading the destination when the bytes land (see PutOptions).
-  if (kind == MemoryKind::kDevice) GKV_RETURN_IF_ERROR(CudaSyncStream(o.cuda_stream));
+  if (kind == MemoryKind::kDevice) GKV_RETURN_IF_ERROR(CudaSyncStream(o.cuda_stream, dst));
   auto deadline = I->DeadlineFrom(o.timeout);
   std::promise<Result<Value>> promise;
   auto future = promise.get_future();
@@ -1226,7 +1226,7 @@ Result<ValueInfo> Client::GetInto(std::string_view key, void* dst, size_t capaci
     GKV_RETURN_IF_ERROR(I->DeviceCopy(dst, r->data(), r->size(), dst));
     // Staged through ordinary memory (the pool had no buffer to spare on the I/O thread): one
     // for this size goes into the pool now, off that thread.
-    if (!r->staged_) (void)I->staging_pool->Acquire(r->size());
+    if (!r->staged_) I->staging_pool->Warm(r->size());
   }
   return r->info();
 }
@@ -1240,7 +1240,7 @@ void Client::PutAsync(std::string_view key, const void* data, size_t size, const
   std::shared_ptr<std::byte[]> staging;
   if (kind == MemoryKind::kDevice) {
     // The producer's work on the buffer is done before anything reads it (see PutOptions).
-    if (Status ss = CudaSyncStream(o.cuda_stream); !ss.ok()) return callback(ss);
+    if (Status ss = CudaSyncStream(o.cuda_stream, data); !ss.ok()) return callback(ss);
   }
   if (kind == MemoryKind::kDevice && !I->transport->device_memory_supported()) {
     // Stage device bytes through a pinned buffer (this UCX can't read device memory).
@@ -1483,28 +1483,39 @@ std::vector<Result<uint64_t>> Client::MultiPut(const std::vector<PutItem>& items
   }
   // Device items are staged once, before grouping: an item whose copy fails is not sent to any
   // node (a zero-filled stand-in must never be stored, and no node's success may hide the error).
+  // All device items share one staging block (one pool buffer, not one per item).
   std::vector<std::shared_ptr<std::byte[]>> staged(items.size());
-  bool synced = false;
+  auto staged_here = [&](size_t i) {
+    return !batch->failed_here[i] && items[i].size > 0 &&
+           Resolve(o.memory, items[i].data) == MemoryKind::kDevice;
+  };
+  size_t device_bytes = 0;
   for (size_t i = 0; i < items.size(); ++i) {
-    if (batch->failed_here[i] || items[i].size == 0 ||
-        Resolve(o.memory, items[i].data) != MemoryKind::kDevice)
-      continue;
-    Status s;
-    if (!synced) {  // the producer's work is done before anything reads (see PutOptions)
-      s = CudaSyncStream(o.cuda_stream);
-      synced = s.ok();
-    }
-    auto buffer =
-        s.ok() ? I->staging_pool->Acquire(items[i].size) : Result<std::shared_ptr<std::byte[]>>(s);
-    if (buffer.ok()) {
-      staged[i] = std::move(*buffer);
-      s = I->DeviceCopy(staged[i].get(), items[i].data, items[i].size, items[i].data);
-    } else {
-      s = buffer.status();
-    }
-    if (!s.ok()) {
-      batch->results[i] = s;
-      batch->failed_here[i] = true;
+    if (staged_here(i)) device_bytes += items[i].size;
+  }
+  if (device_bytes > 0) {
+    auto block = I->staging_pool->Acquire(device_bytes);
+    std::vector<int> synced_devices;  // the producers' work is done before anything reads
+    size_t offset = 0;
+    for (size_t i = 0; i < items.size(); ++i) {
+      if (!staged_here(i)) continue;
+      Status s = block.status();
+      const int device = CudaPointerDevice(items[i].data);
+      if (s.ok() &&
+          std::find(synced_devices.begin(), synced_devices.end(), device) == synced_devices.end()) {
+        s = CudaSyncStream(o.cuda_stream, items[i].data);
+        if (s.ok()) synced_devices.push_back(device);
+      }
+      if (s.ok()) {
+        staged[i] = std::shared_ptr<std::byte[]>(*block, block->get() + offset);  // aliasing
+        offset += items[i].size;
+        s = I->DeviceCopy(staged[i].get(), items[i].data, items[i].size, items[i].data);
+      }
+      if (!s.ok()) {
+        staged[i].reset();
+        batch->results[i] = s;
+        batch->failed_here[i] = true;
+      }
     }
   }
   // Every replica of every item: one message per node.
@@ -1600,7 +1611,7 @@ std::vector<Status> Client::MultiGetInto(const std::vector<std::string>& keys, v
   std::shared_ptr<std::byte[]> staging;
   std::byte* rows = static_cast<std::byte*>(dst);
   if (kind == MemoryKind::kDevice) {
-    Status ss = CudaSyncStream(o.cuda_stream);  // nothing still reads the rows (PutOptions)
+    Status ss = CudaSyncStream(o.cuda_stream, dst);  // nothing still reads the rows (PutOptions)
     auto buffer = ss.ok() ? I->staging_pool->Acquire(keys.size() * row_stride)
                           : Result<std::shared_ptr<std::byte[]>>(ss);
     if (!buffer.ok()) return std::vector<Status>(keys.size(), buffer.status());

@@ -218,6 +218,28 @@ bool IsDevicePointer(const void* ptr) {
   return attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged;
 }
 
+namespace {
+// Makes `device` current on this thread for its scope and gives the thread its own device back
+// afterwards: the client copies on its caller's threads, whose current device is theirs. A
+// thread that had no context keeps the one made for `device` (nothing to go back to, and
+// choosing device 0 again would make a context there).
+class ScopedCudaDevice {
+ public:
+  explicit ScopedCudaDevice(int device) : device_(device), previous_(CudaCurrentDevice()) {
+    if (previous_ != device_) status_ = FromCuda(cudaSetDevice(device_), "cudaSetDevice");
+  }
+  ~ScopedCudaDevice() {
+    if (previous_ >= 0 && previous_ != device_) cudaSetDevice(previous_);
+  }
+  const Status& status() const { return status_; }
+
+ private:
+  const int device_;
+  const int previous_;
+  Status status_;
+};
+}  // namespace
+
 int CudaPointerDevice(const void* ptr) {
   if (FakeDeviceMode()) return FakeIsDevice(ptr) ? 0 : -1;
   if (!ProbeCuda().usable || ptr == nullptr) return -1;
@@ -229,11 +251,24 @@ int CudaPointerDevice(const void* ptr) {
   return attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged ? attr.device : -1;
 }
 
-Status CudaSyncStream(void* stream) {
+Status CudaSyncStream(void* stream, const void* device_ptr) {
   if (FakeDeviceMode() || !ProbeCuda().usable) return Status::OK();
-  return FromCuda(
-      cudaStreamSynchronize(stream ? static_cast<cudaStream_t>(stream) : cudaStreamLegacy),
-      "cudaStreamSynchronize");
+  if (stream) {
+    return FromCuda(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)),
+                    "cudaStreamSynchronize");
+  }
+  // The legacy default stream of the buffer's device. Synchronizing that stream would not wait
+  // for the blocking streams; an event recorded on it (an action queued there) does.
+  const int device = CudaPointerDevice(device_ptr);
+  ScopedCudaDevice on(device >= 0 ? device : 0);
+  GKV_RETURN_IF_ERROR(on.status());
+  cudaEvent_t event;
+  GKV_RETURN_IF_ERROR(
+      FromCuda(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "cudaEventCreate"));
+  Status s = FromCuda(cudaEventRecord(event, cudaStreamLegacy), "cudaEventRecord");
+  if (s.ok()) s = FromCuda(cudaEventSynchronize(event), "cudaEventSynchronize");
+  cudaEventDestroy(event);
+  return s;
 }
 
 int CudaCurrentDevice() {
@@ -281,7 +316,8 @@ Status CudaCopySync(void* dst, const void* src, size_t size) {
 Result<std::unique_ptr<DeviceCopier>> DeviceCopier::Create(int device) {
   if (FakeDeviceMode()) return std::unique_ptr<DeviceCopier>(new DeviceCopier(device, nullptr));
   if (!ProbeCuda().usable) return Status::Unavailable(ProbeCuda().reason);
-  GKV_RETURN_IF_ERROR(FromCuda(cudaSetDevice(device), "cudaSetDevice"));
+  ScopedCudaDevice on(device);
+  GKV_RETURN_IF_ERROR(on.status());
   cudaStream_t stream;
   GKV_RETURN_IF_ERROR(
       FromCuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate"));
@@ -290,7 +326,7 @@ Result<std::unique_ptr<DeviceCopier>> DeviceCopier::Create(int device) {
 
 DeviceCopier::~DeviceCopier() {
   if (stream_ == nullptr) return;  // fake device
-  cudaSetDevice(device_);
+  ScopedCudaDevice on(device_);
   cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
 }
 
@@ -298,8 +334,9 @@ Status DeviceCopier::Copy(void* dst, const void* src, size_t size) {
   if (size == 0) return Status::OK();
   if (stream_ == nullptr) return FakeCopy(dst, src, size);  // fake device
   auto stream = static_cast<cudaStream_t>(stream_);
-  // cudaSetDevice is per thread; every calling thread needs the right current device.
-  GKV_RETURN_IF_ERROR(FromCuda(cudaSetDevice(device_), "cudaSetDevice"));
+  // The stream's device current for the copy, and the caller's own given back after it.
+  ScopedCudaDevice on(device_);
+  GKV_RETURN_IF_ERROR(on.status());
   GKV_RETURN_IF_ERROR(
       FromCuda(cudaMemcpyAsync(dst, src, size, cudaMemcpyDefault, stream), "cudaMemcpyAsync"));
   return FromCuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
@@ -342,7 +379,7 @@ void CudaFreePinnedHost(void* ptr) {
 }
 bool IsDevicePointer(const void* ptr) { return FakeDeviceMode() && FakeIsDevice(ptr); }
 int CudaPointerDevice(const void* ptr) { return IsDevicePointer(ptr) ? 0 : -1; }
-Status CudaSyncStream(void*) { return Status::OK(); }
+Status CudaSyncStream(void*, const void*) { return Status::OK(); }
 int CudaCurrentDevice() { return -1; }
 Status CudaBindThread(int) { return Status::OK(); }
 Status CudaCopySync(void* dst, const void* src, size_t size) {

@@ -12,6 +12,28 @@ std::shared_ptr<PinnedBufferPool> PinnedBufferPool::Create(Options options) {
 
 PinnedBufferPool::~PinnedBufferPool() {
   for (auto& [capacity, block] : free_) Free(block);
+  for (const Block& block : to_free_) Free(block);
+}
+
+void PinnedBufferPool::FreeDeferred() {
+  std::vector<Block> blocks;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    blocks.swap(to_free_);
+  }
+  for (const Block& block : blocks) Free(block);
+}
+
+void PinnedBufferPool::Warm(uint64_t size) {
+  uint64_t capacity = options_.min_buffer;
+  while (capacity < size) capacity <<= 1;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stats_.cached_bytes + capacity > options_.max_cached_bytes) return;
+    auto it = free_.lower_bound(capacity);
+    if (it != free_.end() && it->first <= 4 * capacity) return;  // one fits already
+  }
+  (void)Acquire(size);  // dropped at once: it goes into the cache
 }
 
 void PinnedBufferPool::Free(const Block& block) {
@@ -56,8 +78,15 @@ std::shared_ptr<std::byte[]> PinnedBufferPool::TryAcquireCached(uint64_t size) {
 }
 
 Result<std::shared_ptr<std::byte[]>> PinnedBufferPool::Acquire(uint64_t size) {
+  FreeDeferred();
   uint64_t capacity = options_.min_buffer;
   while (capacity < size) capacity <<= 1;
+  if (capacity > options_.max_cached_bytes) {  // too large to keep: ordinary memory
+    auto* p = static_cast<std::byte*>(::operator new[](size, std::align_val_t{64}, std::nothrow));
+    if (!p) return Status::NoSpace("no memory for a staging buffer of " + std::to_string(size));
+    return std::shared_ptr<std::byte[]>(
+        p, [](std::byte* q) { ::operator delete[](q, std::align_val_t{64}); });
+  }
   Block block{nullptr, false};
   if (!TakeCached(&capacity, &block)) {
     auto pinned = CudaMallocPinnedHost(capacity);
@@ -82,6 +111,11 @@ void PinnedBufferPool::Return(uint64_t capacity, Block block) {
     if (stats_.cached_bytes + capacity <= options_.max_cached_bytes) {
       free_.emplace(capacity, block);
       stats_.cached_bytes += capacity;
+      return;
+    }
+    // cudaFreeHost is synchronous: never on a thread that progresses a UCX worker.
+    if (block.pinned && OnProgressThread()) {
+      to_free_.push_back(block);
       return;
     }
   }

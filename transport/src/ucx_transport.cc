@@ -578,6 +578,18 @@ struct UcxTransport::Impl {
   // Makes the kernel take no new connection for the listener: its own socket, found among this
   // process's sockets as the listening one bound to the listener's address, gets a filter that
   // drops every packet. See Shutdown for why. Returns whether it found the socket.
+  static bool SameOrWildcardAddress(const sockaddr* a, const sockaddr* b) {
+    if (a->sa_family == AF_INET6) {
+      const in6_addr& x = reinterpret_cast<const sockaddr_in6*>(a)->sin6_addr;
+      const in6_addr& y = reinterpret_cast<const sockaddr_in6*>(b)->sin6_addr;
+      return IN6_IS_ADDR_UNSPECIFIED(&x) || IN6_IS_ADDR_UNSPECIFIED(&y) ||
+             std::memcmp(&x, &y, sizeof x) == 0;
+    }
+    const in_addr_t x = reinterpret_cast<const sockaddr_in*>(a)->sin_addr.s_addr;
+    const in_addr_t y = reinterpret_cast<const sockaddr_in*>(b)->sin_addr.s_addr;
+    return x == INADDR_ANY || y == INADDR_ANY || x == y;
+  }
+
   bool StopAcceptingConnections() {
     ucp_listener_attr_t la{};
     la.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
@@ -607,6 +619,9 @@ struct UcxTransport::Impl {
       }
       const auto* sa = reinterpret_cast<const sockaddr*>(&have);
       if (sa->sa_family != want->sa_family || port_of(sa) != port_of(want)) continue;
+      // The same address too (a wildcard on either side matches): another socket of this
+      // process may listen on the same port number at another address.
+      if (!SameOrWildcardAddress(sa, want)) continue;
       // A socket filter that drops every packet: the listener completes no new handshake (SYNs
       // and handshake ACKs are dropped; a client dialling now times out or is refused once the
       // node is gone), and nothing is made readable, so UCX's accept handler is not woken. (A
@@ -632,8 +647,9 @@ struct UcxTransport::Impl {
     // So the listening socket itself stops taking connections first (a drop-all socket filter):
     // the kernel completes no new handshake for it, and what it accepted before sends its request
     // within milliseconds (the client sends it right after connecting). Those are rejected
-    // (stopping is set) while progress runs for a grace period: at least 50 ms, and until none came
-    // for 50 ms, at most 2 s.
+    // (stopping is set) while progress runs for a grace period: until none came for 200 ms (a
+    // client slowed by a loaded machine), at most 2 s. A request delayed longer than that can
+    // still meet the destroyed listener: this narrows the race to that, it cannot close it.
     if (listener) {
       const bool stopped_accepting = StopAcceptingConnections();
       if (!stopped_accepting) {
@@ -646,7 +662,7 @@ struct UcxTransport::Impl {
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
         const auto now = std::chrono::steady_clock::now();
         if (now - start >= std::chrono::seconds(2)) break;
-        if (now - last_conn_request >= std::chrono::milliseconds(stopped_accepting ? 50 : 100)) {
+        if (now - last_conn_request >= std::chrono::milliseconds(stopped_accepting ? 200 : 100)) {
           break;
         }
       }

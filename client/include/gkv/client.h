@@ -68,11 +68,13 @@ struct ValueInfo {
 enum class BufferMemory : uint8_t { kAuto, kHost, kDevice };
 
 // Device buffers and the work that produces or consumes them: before the client reads a device
-// buffer (Put, MultiPut) or writes one (GetInto, MultiGetInto) it waits for `cuda_stream` (a
-// cudaStream_t the caller's kernels use on that buffer), or, when none is given, for the
-// legacy default stream (which also covers work queued before it on every blocking stream).
-// So a value is never taken from a buffer a kernel is still writing, nor written under one
-// still reading it. Work on other non-blocking streams is the caller's to finish first.
+// buffer (Put, PutAsync, MultiPut) or writes one (GetInto, MultiGetInto) it waits, on the
+// calling thread, for `cuda_stream` (a cudaStream_t the caller's kernels use on that buffer),
+// or, when none is given, for the work queued so far on the legacy default stream of the
+// buffer's device and on that device's blocking streams. So a value is never taken from a
+// buffer a kernel is still writing, nor written under one still reading it. Work on other
+// non-blocking streams is the caller's to finish first. PutAsync waits too before it returns.
+// The calling thread's current CUDA device is left as it was.
 struct PutOptions {
   TensorMeta tensor;  // default: raw bytes
   bool durable = false;

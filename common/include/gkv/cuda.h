@@ -67,10 +67,11 @@ bool IsDevicePointer(const void* ptr);
 // The CUDA device that `ptr` (device or managed memory) belongs to, from its pointer
 // attributes; -1 for host memory or without a usable GPU (0 for fake-device memory).
 int CudaPointerDevice(const void* ptr);
-// Waits until the work queued on `stream` (a cudaStream_t; null: the legacy default stream,
-// whose work also waits for what was queued before it on every blocking stream) is done. OK
-// without a usable GPU and in fake-device mode.
-Status CudaSyncStream(void* stream);
+// Waits until the work queued on `stream` (a cudaStream_t) is done; with a null stream, the
+// work queued before now on the legacy default stream of `device_ptr`'s device and on every
+// blocking stream there (an event recorded on the legacy stream, then waited for). The thread's
+// current device is given back. OK without a usable GPU and in fake-device mode.
+Status CudaSyncStream(void* stream, const void* device_ptr = nullptr);
 
 // cudaMemcpy (default stream, synchronous) between any two memories; for occasional copies
 // outside the cache (staging in the transport and the client).

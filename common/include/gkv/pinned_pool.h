@@ -13,6 +13,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <vector>
 
 #include "gkv/status.h"
 
@@ -37,8 +38,13 @@ class PinnedBufferPool : public std::enable_shared_from_this<PinnedBufferPool> {
   PinnedBufferPool& operator=(const PinnedBufferPool&) = delete;
 
   // A buffer of at least `size` bytes (size 0 gets the smallest). NoSpace when no memory is left.
-  // May allocate (cudaHostAlloc: milliseconds, synchronous): not on a UCX progress thread.
+  // One larger than max_cached_bytes is ordinary memory, freed when dropped (pinning and
+  // unpinning it on every call would cost more than it saves). May allocate (cudaHostAlloc:
+  // milliseconds, synchronous): not on a UCX progress thread.
   Result<std::shared_ptr<std::byte[]>> Acquire(uint64_t size);
+  // Puts a buffer of at least `size` bytes in the cache for a later TryAcquireCached, when one
+  // would be kept (room under max_cached_bytes) and none is cached yet. Not on a progress thread.
+  void Warm(uint64_t size);
   // A cached buffer of at least `size` bytes, or null when none is: never allocates, so any
   // thread may call it. (Acquire and drop a buffer to put one in the cache for later.)
   std::shared_ptr<std::byte[]> TryAcquireCached(uint64_t size);
@@ -59,7 +65,11 @@ class PinnedBufferPool : public std::enable_shared_from_this<PinnedBufferPool> {
   const Options options_;
   mutable std::mutex mu_;
   std::multimap<uint64_t, Block> free_;  // by capacity; guarded by mu_
-  Stats stats_;                          // guarded by mu_
+  // Pinned blocks dropped on a UCX progress thread with no room in the cache: freed by the next
+  // Acquire or Warm (cudaFreeHost is synchronous), or by the destructor. Guarded by mu_.
+  std::vector<Block> to_free_;
+  void FreeDeferred();
+  Stats stats_;  // guarded by mu_
 };
 
 }  // namespace gkv
