@@ -137,7 +137,8 @@ Counts RunChecker(int replicas, std::chrono::milliseconds duration) {
   Random rng(testing::TestSeed() * 7919);
   const auto end = Clock::now() + duration;
   bool next_sigkill = rng.Uniform(0, 1) == 0;
-  while (Clock::now() < end) {
+  // At least one kill of each kind, however long a loaded machine takes to restart a node.
+  while (Clock::now() < end || kills.size() < 2) {
     std::this_thread::sleep_for(std::chrono::milliseconds(rng.Uniform(300, 900)));
     Kill kill;
     kill.node = replicas == 1 ? static_cast<int>(rng.Uniform(0, 2)) : 0;
