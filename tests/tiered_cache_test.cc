@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <fstream>
 
 #include <atomic>
 #include <map>
@@ -426,6 +427,41 @@ TEST(TieredCacheTest, OversizeObjectsAndKeysAreRefused) {
   EXPECT_EQ(c->Put("", "v", 1).status().code(), StatusCode::kInvalidArgument);
   std::string out;
   EXPECT_TRUE(c->Get("too-big", &out).status().IsNotFound());
+}
+
+// A disk-bound object is staged in host memory of its full size before it is written; a size
+// the machine cannot give (the disk tier is larger than memory) is NoSpace for that put, and
+// the cache goes on serving.
+TEST(TieredCacheTest, ADiskBoundObjectLargerThanMemoryIsNoSpaceNotACrash) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "sanitizer allocators abort on a failed allocation (allocator_may_return_null)";
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+  GTEST_SKIP() << "sanitizer allocators abort on a failed allocation (allocator_may_return_null)";
+#endif
+#endif
+  {
+    std::ifstream overcommit("/proc/sys/vm/overcommit_memory");
+    int mode = 0;
+    if (overcommit >> mode; mode == 1) {
+      GTEST_SKIP() << "vm.overcommit_memory=1: the kernel grants any allocation";
+    }
+  }
+  testing::TempDir dir;
+  constexpr uint64_t kTiB = 1ull << 40;
+  auto c = MustOpen(SmallOptions(dir.path(), 16 * kKiB, 32 * kKiB, 4 * kTiB));
+  ASSERT_TRUE(c);
+  // Far more than this machine's memory and swap, within the disk tier's capacity.
+  auto h = c->Reserve("huge", 2 * kTiB, TensorMeta{});
+  ASSERT_FALSE(h.ok());
+  EXPECT_EQ(h.status().code(), StatusCode::kNoSpace) << h.status().ToString();
+  EXPECT_NE(h.status().message().find("to stage an object bound for the disk tier"),
+            std::string_view::npos)
+      << h.status().ToString();
+  ASSERT_TRUE(c->Put("after", "ok", 2).ok());
+  std::string out;
+  ASSERT_TRUE(c->Get("after", &out).ok());
+  EXPECT_EQ(out, "ok");
 }
 
 TEST(TieredCacheTest, ZeroByteObjectsRoundTrip) {

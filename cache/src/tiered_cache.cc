@@ -6,6 +6,7 @@
 #include <list>
 #include <map>
 #include <mutex>
+#include <new>
 #include <unordered_map>
 
 #include "gkv/hash.h"
@@ -810,7 +811,14 @@ Result<WriteHandle> TieredCache::Reserve(std::string_view key, uint64_t size,
   if (h.data_) return h;
   if (I.disk && size + key.size() <= I.disk->capacity()) {
     h.tier_ = Tier::kDisk;
-    h.staging_.reset(new std::byte[size ? size : 1]);
+    // The staging buffer for a disk-bound value is as large as the value (bounded by the node's
+    // maximum value size and in-flight limits, not by its memory): a machine that cannot give
+    // it gets NoSpace for this put, never a bad_alloc that takes the node down.
+    h.staging_.reset(new (std::nothrow) std::byte[size ? size : 1]);
+    if (!h.staging_) {
+      return Status::NoSpace("cannot allocate " + FormatSize(size) +
+                             " of host memory to stage an object bound for the disk tier");
+    }
     h.data_ = h.staging_.get();
     h.kind_ = MemoryKind::kHost;
     return h;
