@@ -2,6 +2,10 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <condition_variable>
+#include <future>
+#include <iostream>
+#include <mutex>
 #include <thread>
 
 #include "cluster_harness.h"
@@ -322,6 +326,78 @@ TEST(IntegrationTest, SeveralClientThreadsAtOnce) {
   }
   for (auto& th : threads) th.join();
   EXPECT_EQ(errors.load(), 0);
+}
+
+// A synchronous call completes on the caller's own thread (it drives the client's transport
+// while it waits: GetInto's `accept` runs there), while async callbacks still run on the
+// client's I/O thread, never on a thread that sits in a synchronous call (it may hold locks).
+TEST(IntegrationTest, SyncCallsCompleteOnTheCallersThreadAndCallbacksOnTheIoThread) {
+  if (const char* e = getenv("GKV_CALLER_DRIVES"); e != nullptr && std::string_view(e) == "0") {
+    GTEST_SKIP() << "GKV_CALLER_DRIVES=0: every call hands off to the I/O thread";
+  }
+  Cluster cluster(1);
+  auto client = cluster.NewClient(std::chrono::seconds(20));
+  ASSERT_TRUE(client);
+  for (int i = 0; i < 8; ++i) {
+    const std::string v = "value-" + std::to_string(i);
+    ASSERT_TRUE(client->Put("k" + std::to_string(i), v.data(), v.size()).ok());
+  }
+  // Alone: at least some calls are completed by the caller itself.
+  const auto self = std::this_thread::get_id();
+  int accepted_here = 0;
+  GetOptions go;
+  go.accept = [&](const ValueInfo&) {
+    if (std::this_thread::get_id() == self) accepted_here++;
+    return Status::OK();
+  };
+  char buf[64];
+  for (int i = 0; i < 200; ++i) {
+    auto r = client->GetInto("k" + std::to_string(i % 8), buf, sizeof buf, go);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    ASSERT_EQ(std::string_view(buf, r->size), "value-" + std::to_string(i % 8));
+  }
+  std::cout << accepted_here << " of 200 synchronous calls completed on the caller's thread\n";
+  EXPECT_GT(accepted_here, 0) << "no synchronous call was completed on the caller's thread";
+
+  // A synchronous caller beside async callbacks: no callback runs on the synchronous thread.
+  std::atomic<bool> stop{false};
+  std::atomic<int> sync_errors{0};
+  std::promise<std::thread::id> sync_id;
+  std::thread sync_caller([&] {
+    sync_id.set_value(std::this_thread::get_id());
+    for (int i = 0; !stop.load(); ++i) {
+      auto r = client->Get("k" + std::to_string(i % 8));
+      if (!r.ok() || r->view() != "value-" + std::to_string(i % 8)) sync_errors++;
+    }
+  });
+  const std::thread::id sync_thread = sync_id.get_future().get();
+  std::mutex mu;
+  std::condition_variable cv;
+  int done = 0, on_sync_thread = 0, wrong = 0;
+  constexpr int kAsync = 300;
+  for (int i = 0; i < kAsync; ++i) {
+    const std::string want = "value-" + std::to_string(i % 8);
+    client->GetAsync("k" + std::to_string(i % 8), {}, [&, want](Result<Value> r) {
+      std::lock_guard<std::mutex> lock(mu);
+      if (std::this_thread::get_id() == sync_thread) on_sync_thread++;
+      if (!r.ok() || r->view() != want) wrong++;
+      done++;
+      cv.notify_all();
+    });
+    if (i % 16 == 15) std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  {
+    // EXPECT, not ASSERT: the synchronous caller is stopped and joined either way.
+    std::unique_lock<std::mutex> lock(mu);
+    EXPECT_TRUE(cv.wait_for(lock, std::chrono::seconds(30), [&] { return done == kAsync; }))
+        << done << " of " << kAsync << " callbacks ran";
+  }
+  stop = true;
+  sync_caller.join();
+  client.reset();  // any callback still due runs (or is dropped) while mu and cv live
+  EXPECT_EQ(on_sync_thread, 0);
+  EXPECT_EQ(wrong, 0);
+  EXPECT_EQ(sync_errors.load(), 0);
 }
 
 TEST(IntegrationTest, AValueThatFitsNoNodeIsRefusedClearly) {

@@ -3,6 +3,8 @@
 
 #include <atomic>
 #include <future>
+#include <map>
+#include <mutex>
 #include <thread>
 
 #include "gkv/random.h"
@@ -21,9 +23,18 @@ struct Echo {
   // When set (before the first message): payloads are received into, and echoed from, this
   // buffer (two halves, alternating by message), as a node does with its registered arenas.
   std::string* region = nullptr;
+  // Requests whose header starts with "late-" are answered this much later (from another
+  // thread, as an executor would), the others at once.
+  std::chrono::milliseconds late_by{5};
+  std::vector<std::thread> late_senders;
 
   // The transport goes first: its thread calls back into the members below.
-  ~Echo() { t.reset(); }
+  ~Echo() {
+    for (auto& th : late_senders) th.join();
+    // Stopped before the pointer is cleared: the worker thread reads `t` until it has stopped.
+    if (t) t->Stop();
+    t.reset();
+  }
 
   Echo() {
     UcxTransport::Options o;
@@ -48,11 +59,19 @@ struct Echo {
         return;
       }
       auto buf = std::make_shared<std::string>(size, '\0');
-      tr->Receive(std::move(m), buf->data(), MemoryKind::kHost, [tr, conn, header, buf](Status s) {
-        if (!s.ok()) return;
-        tr->Send(conn, wire::kAmReply, header, buf->data(), buf->size(), MemoryKind::kHost,
-                 [buf](Status) {});
-      });
+      tr->Receive(std::move(m), buf->data(), MemoryKind::kHost,
+                  [this, tr, conn, header, buf](Status s) {
+                    if (!s.ok()) return;
+                    auto reply = [tr, conn, header, buf] {
+                      tr->Send(conn, wire::kAmReply, header, buf->data(), buf->size(),
+                               MemoryKind::kHost, [buf](Status) {});
+                    };
+                    if (header.rfind("late-", 0) != 0) return reply();
+                    late_senders.emplace_back([this, tr, reply] {
+                      std::this_thread::sleep_for(late_by);
+                      tr->Post(reply);
+                    });
+                  });
     };
     auto r = UcxTransport::Create(o, std::move(h));
     EXPECT_TRUE(r.ok()) << r.status().ToString();
@@ -66,10 +85,20 @@ struct Caller {
   std::map<std::string, std::promise<std::string>> waiting;  // header -> payload
   std::atomic<int> disconnects{0};
 
-  ~Caller() { t.reset(); }
+  ~Caller() {
+    if (t) t->Stop();  // as ~Echo
+    t.reset();
+  }
 
-  Caller() {
+  // `poll_interval`: how long the loop may sleep with no event; a long one makes a missed
+  // wakeup a failure instead of a delay.
+  explicit Caller(std::chrono::milliseconds poll_interval = std::chrono::milliseconds(2)) {
     UcxTransport::Handlers h;
+    // Idle when no reply is awaited (what a client reports: no request pending).
+    h.idle = [this] {
+      std::lock_guard<std::mutex> lock(mu);
+      return waiting.empty();
+    };
     h.on_message = [this](std::unique_ptr<Incoming> m) {
       auto buf = std::make_shared<std::string>(m->payload_size(), '\0');
       std::string header = m->header();
@@ -83,7 +112,9 @@ struct Caller {
       });
     };
     h.on_disconnect = [this](ConnId, const Status&) { disconnects++; };
-    auto r = UcxTransport::Create({}, std::move(h));
+    UcxTransport::Options o;
+    o.poll_interval = poll_interval;
+    auto r = UcxTransport::Create(o, std::move(h));
     EXPECT_TRUE(r.ok()) << r.status().ToString();
     if (r.ok()) t = std::move(*r);
   }
@@ -98,7 +129,8 @@ struct Caller {
   }
 
   // Sends header+payload and waits for the echo.
-  std::string RoundTrip(ConnId conn, const std::string& header, const std::string& payload) {
+  std::string RoundTrip(ConnId conn, const std::string& header, const std::string& payload,
+                        std::chrono::milliseconds wait = std::chrono::seconds(20)) {
     std::future<std::string> f;
     {
       std::lock_guard<std::mutex> lock(mu);
@@ -109,7 +141,7 @@ struct Caller {
       t->Send(conn, wire::kAmRequest, header, keep->data(), keep->size(), MemoryKind::kHost,
               [keep](Status) {});
     });
-    if (f.wait_for(std::chrono::seconds(20)) != std::future_status::ready) return "timeout";
+    if (f.wait_for(wait) != std::future_status::ready) return "timeout";
     return f.get();
   }
 };
@@ -234,6 +266,165 @@ TEST(UcxTransportTest, ConcurrentPostsFromManyThreads) {
   for (auto& th : threads) th.join();
   EXPECT_EQ(bad.load(), 0);
   EXPECT_EQ(server.received.load(), 200);
+}
+
+// A caller that queues its send quietly and drives the worker itself gets its reply handled on
+// its own thread, as the worker thread; TryDrive refuses on the worker thread and after Stop.
+TEST(UcxTransportTest, ACallerDrivesTheWorkerForItsOwnReply) {
+  Echo server;
+  ASSERT_TRUE(server.t);
+  Caller client;
+  ASSERT_TRUE(client.t);
+  UcxTransport* t = client.t.get();
+  ConnId conn = client.Connect(server.t->listen_port());
+  ASSERT_NE(conn, 0u);
+  EXPECT_FALSE(t->OnWorkerThread());
+  EXPECT_FALSE(t->DrivenByCaller());
+
+  int drove = 0, on_this_thread = 0;
+  for (int i = 0; i < 50; ++i) {
+    const std::string header = "driven-" + std::to_string(i);
+    std::future<std::string> f;
+    {
+      std::lock_guard<std::mutex> lock(client.mu);
+      f = client.waiting[header].get_future();
+    }
+    auto sent_on = std::make_shared<std::thread::id>();
+    auto keep = std::make_shared<std::string>(static_cast<size_t>(i * 131), 'd');
+    t->PostQuietly([t, conn, header, keep, sent_on] {
+      *sent_on = std::this_thread::get_id();
+      EXPECT_TRUE(t->OnWorkerThread());
+      t->Send(conn, wire::kAmRequest, header, keep->data(), keep->size(), MemoryKind::kHost,
+              [keep](Status) {});
+    });
+    auto ready = [&f] { return f.wait_for(std::chrono::seconds(0)) == std::future_status::ready; };
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (!ready() && std::chrono::steady_clock::now() < deadline) {
+      if (t->TryDrive(ready, std::chrono::milliseconds(5))) {
+        drove++;
+      } else {
+        t->Wake();  // the transport's own thread runs the queued send instead
+        std::this_thread::yield();
+      }
+    }
+    ASSERT_TRUE(ready()) << "no reply for " << header;
+    EXPECT_EQ(f.get(), *keep);
+    if (*sent_on == std::this_thread::get_id()) on_this_thread++;
+  }
+  // The transport's own thread holds the worker only for its passes: most tries succeed.
+  EXPECT_GT(drove, 0);
+  EXPECT_GT(on_this_thread, 0);
+  EXPECT_FALSE(t->OnWorkerThread());  // only for the slice
+  EXPECT_FALSE(t->DrivenByCaller());
+
+  // On the worker thread itself (a task or callback), there is nothing to drive.
+  std::promise<bool> nested;
+  t->Post(
+      [&] { nested.set_value(t->TryDrive([] { return true; }, std::chrono::milliseconds(1))); });
+  EXPECT_FALSE(nested.get_future().get());
+
+  t->Stop();
+  EXPECT_FALSE(t->TryDrive([] { return true; }, std::chrono::milliseconds(1)));
+}
+
+// Threads that drive and threads that post, at once, on one worker: every reply arrives intact
+// and none is lost when a driver leaves (TSan runs this one).
+TEST(UcxTransportTest, ConcurrentDriversAndPostersKeepEveryReply) {
+  Echo server;
+  ASSERT_TRUE(server.t);
+  // The loop sleeps up to 10 s without an event: a reply left unprogressed after a driver
+  // leaves misses the 3 s wait below instead of arriving at the next poll.
+  Caller client(std::chrono::seconds(10));
+  ASSERT_TRUE(client.t);
+  UcxTransport* t = client.t.get();
+  ConnId conn = client.Connect(server.t->listen_port());
+  ASSERT_NE(conn, 0u);
+  std::atomic<int> bad{0};
+  std::vector<std::thread> threads;
+  for (int th = 0; th < 4; ++th) {
+    threads.emplace_back([&, th] {
+      for (int i = 0; i < 40; ++i) {
+        const std::string header = "c" + std::to_string(th) + "-" + std::to_string(i);
+        const std::string payload(static_cast<size_t>(i * 1499 % 30000),
+                                  static_cast<char>('k' + th));
+        if (th % 2 == 1) {  // posters
+          if (client.RoundTrip(conn, header, payload, std::chrono::seconds(3)) != payload) bad++;
+          continue;
+        }
+        std::future<std::string> f;
+        {
+          std::lock_guard<std::mutex> lock(client.mu);
+          f = client.waiting[header].get_future();
+        }
+        auto keep = std::make_shared<std::string>(payload);
+        t->PostQuietly([t, conn, header, keep] {
+          t->Send(conn, wire::kAmRequest, header, keep->data(), keep->size(), MemoryKind::kHost,
+                  [keep](Status) {});
+        });
+        auto ready = [&f] {
+          return f.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+        };
+        // One slice, then hand over, as the client does.
+        if (!t->TryDrive(ready, std::chrono::microseconds(200)) || !ready()) t->Wake();
+        if (f.wait_for(std::chrono::seconds(3)) != std::future_status::ready) {
+          bad++;
+          continue;
+        }
+        if (f.get() != payload) bad++;
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(bad.load(), 0);
+  EXPECT_EQ(server.received.load(), 160);
+}
+
+// A request handed to the loop (Post) whose reply comes late, while a caller drives the worker
+// for a quick one of its own: once the driver has left, the late reply is still progressed at
+// once (the loop keeps listening to the worker while anything is outstanding), not at the next
+// poll of a loop that sleeps 10 s without events.
+TEST(UcxTransportTest, AReplyTheDriverDoesNotWaitForIsNotLeftBehind) {
+  Echo server;
+  ASSERT_TRUE(server.t);
+  server.late_by = std::chrono::milliseconds(20);
+  Caller client(std::chrono::seconds(10));
+  ASSERT_TRUE(client.t);
+  UcxTransport* t = client.t.get();
+  ConnId conn = client.Connect(server.t->listen_port());
+  ASSERT_NE(conn, 0u);
+  ASSERT_EQ(client.RoundTrip(conn, "warm-up", "x", std::chrono::seconds(3)), "x");
+  for (int i = 0; i < 5; ++i) {
+    std::future<std::string> late, quick;
+    const std::string late_header = "late-" + std::to_string(i);
+    const std::string quick_header = "quick-" + std::to_string(i);
+    {
+      std::lock_guard<std::mutex> lock(client.mu);
+      late = client.waiting[late_header].get_future();
+      quick = client.waiting[quick_header].get_future();
+    }
+    auto keep = std::make_shared<std::string>("payload");
+    t->Post([t, conn, late_header, keep] {
+      t->Send(conn, wire::kAmRequest, late_header, keep->data(), keep->size(), MemoryKind::kHost,
+              [keep](Status) {});
+    });
+    t->PostQuietly([t, conn, quick_header, keep] {
+      t->Send(conn, wire::kAmRequest, quick_header, keep->data(), keep->size(), MemoryKind::kHost,
+              [keep](Status) {});
+    });
+    auto ready = [&quick] {
+      return quick.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+    };
+    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(3);
+    while (!ready() && std::chrono::steady_clock::now() < give_up) {
+      if (!t->TryDrive(ready, std::chrono::milliseconds(2))) t->Wake();
+    }
+    ASSERT_TRUE(ready()) << "no reply to " << quick_header;
+    EXPECT_EQ(quick.get(), "payload");
+    // The driver has left; nobody drives or posts now. The late reply must still come.
+    ASSERT_EQ(late.wait_for(std::chrono::seconds(3)), std::future_status::ready)
+        << "the reply to " << late_header << " was left unprogressed after the driver left";
+    EXPECT_EQ(late.get(), "payload");
+  }
 }
 
 TEST(UcxTransportTest, ARefusedPayloadCompletesTheSendAndKeepsTheConnection) {

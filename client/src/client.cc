@@ -1,7 +1,11 @@
 #include "gkv/client.h"
 
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <future>
 #include <map>
 #include <mutex>
 #include <queue>
@@ -135,6 +139,55 @@ struct Client::Impl {
   static bool Misrouted(const Status& s) { return s.code() == StatusCode::kWrongNode; }
   std::unique_ptr<UcxTransport> transport;
   std::atomic<uint64_t> next_id{1};
+
+  // Synchronous calls. The caller queues the task that issues its requests without waking the
+  // I/O thread, then waits in Await. When it is this client's only synchronous call in flight,
+  // it drives the transport itself (a slice of up to kDriveSlice, if no other thread drives):
+  // its own request goes out and its reply is handled on its own thread, with no hand-off to
+  // the I/O thread and back. With several in flight, or where it cannot drive (the I/O thread
+  // is busy, the transport's CUDA device is not the caller's), or when the slice ended first, it
+  // wakes the I/O thread and sleeps on its future: callers that each spin for their own reply
+  // would take the cores the servers need, where one I/O thread serves them all as they come.
+  static constexpr auto kDriveSlice = std::chrono::microseconds(200);
+  std::atomic<int> sync_calls{0};  // synchronous calls waiting in Await now
+  // GKV_CALLER_DRIVES=0 turns it off (every call hands off to the I/O thread): for comparing.
+  const bool caller_drives = [] {
+    const char* e = getenv("GKV_CALLER_DRIVES");
+    return e == nullptr || std::string_view(e) != "0";
+  }();
+  void Submit(std::function<void()> task) { transport->PostQuietly(std::move(task)); }
+  template <class T>
+  T Await(std::future<T>& f) {
+    auto ready = [&f] { return f.wait_for(std::chrono::seconds(0)) == std::future_status::ready; };
+    struct Count {
+      std::atomic<int>& n;
+      const bool alone = n.fetch_add(1, std::memory_order_acq_rel) == 0;
+      ~Count() { n.fetch_sub(1, std::memory_order_acq_rel); }
+    } count{sync_calls};
+    if (ready()) return f.get();  // failed before it was queued (validation, staging)
+    if (count.alone && caller_drives) {
+      const std::function<bool()> done = std::cref(ready);
+      if (transport->TryDrive(done, kDriveSlice) && ready()) return f.get();
+    }
+    // Whatever this caller queued runs on the I/O thread now, and its reply is handled there.
+    transport->Wake();
+    return f.get();
+  }
+  void QueueGet(std::string_view key, const GetOptions& o,
+                std::function<void(Result<Value>)> callback, bool synchronous);
+  void QueuePut(std::string_view key, const void* data, size_t size, const PutOptions& o,
+                std::function<void(Result<uint64_t>)> callback, bool synchronous);
+  // A caller's callback (the async forms) runs on the I/O thread itself, never on another
+  // caller's thread that drives the transport while it waits: that thread may hold locks the
+  // callback takes.
+  template <class R>
+  std::function<void(R)> OnIoThread(std::function<void(R)> cb) {
+    return [this, cb = std::move(cb)](R r) mutable {
+      if (!transport->DrivenByCaller()) return cb(std::move(r));
+      auto held = std::make_shared<R>(std::move(r));  // a Value is move-only; Post copies
+      transport->PostToOwnThread([cb = std::move(cb), held]() mutable { cb(std::move(*held)); });
+    };
+  }
 
   // Worker-thread state.
   struct NodeHealth {
@@ -963,13 +1016,14 @@ struct Client::Impl {
   // Caller's thread: reads every key of `b` and returns when every row has its outcome.
   void RunBatchRead(const std::shared_ptr<BatchRead>& b) {
     std::promise<void> all_done;
+    auto finished = all_done.get_future();
     b->done = [&all_done] { all_done.set_value(); };
-    transport->Post([this, b] {
+    Submit([this, b] {
       std::vector<size_t> all(b->keys->size());
       for (size_t i = 0; i < all.size(); ++i) all[i] = i;
       IssueBatchRead(b, all, /*use_copies=*/true);
     });
-    all_done.get_future().wait();
+    Await(finished);
   }
 
   void FinishBatchPart(const std::shared_ptr<BatchRead>& b) {
@@ -1140,6 +1194,9 @@ Result<std::unique_ptr<Client>> Client::Open(const ClientOptions& options) {
   handlers.on_message = [raw](std::unique_ptr<Incoming> m) { raw->OnMessage(std::move(m)); };
   handlers.on_disconnect = [raw](ConnId c, const Status& s) { raw->OnDisconnect(c, s); };
   handlers.on_tick = [raw] { raw->OnTick(); };
+  // With no request awaiting its reply, the loop may leave the worker's events to synchronous
+  // callers that drive it (see Impl::Await).
+  handlers.idle = [raw] { return raw->pending.empty(); };
   UcxTransport::Options topts;
   topts.poll_interval = std::chrono::milliseconds(1);
   // A static cluster all on this host: no UCX interface of this client listens elsewhere.
@@ -1175,26 +1232,42 @@ std::vector<NodeInfo> Client::Nodes() const {
 
 uint64_t Client::RingEpoch() const { return impl_->Route()->ring->epoch(); }
 
-void Client::GetAsync(std::string_view key, const GetOptions& o,
-                      std::function<void(Result<Value>)> callback) {
-  Impl* I = impl_.get();
+// Queues the get of `key` into a buffer of its own: for the I/O thread (Post), or for a
+// synchronous caller that drives the transport itself (Submit and Await).
+void Client::Impl::QueueGet(std::string_view key, const GetOptions& o,
+                            std::function<void(Result<Value>)> callback, bool synchronous) {
+  Impl* I = this;
   auto deadline = I->DeadlineFrom(o.timeout);
   const bool fail_open = o.fail_open;
-  I->transport->Post(
-      [I, key = std::string(key), deadline, fail_open, cb = std::move(callback)]() mutable {
-        I->DoGet(std::move(key), nullptr, 0, MemoryKind::kHost, deadline, fail_open, std::move(cb));
-      });
+  auto task = [I, key = std::string(key), deadline, fail_open, cb = std::move(callback)]() mutable {
+    I->DoGet(std::move(key), nullptr, 0, MemoryKind::kHost, deadline, fail_open, std::move(cb));
+  };
+  if (synchronous) {
+    I->Submit(std::move(task));
+  } else {
+    I->transport->Post(std::move(task));
+  }
+}
+
+void Client::GetAsync(std::string_view key, const GetOptions& o,
+                      std::function<void(Result<Value>)> callback) {
+  impl_->QueueGet(key, o, impl_->OnIoThread(std::move(callback)), false);
 }
 
 std::future<Result<Value>> Client::GetAsync(std::string_view key, const GetOptions& o) {
   auto promise = std::make_shared<std::promise<Result<Value>>>();
   auto future = promise->get_future();
-  GetAsync(key, o, [promise](Result<Value> r) { promise->set_value(std::move(r)); });
+  impl_->QueueGet(
+      key, o, [promise](Result<Value> r) { promise->set_value(std::move(r)); }, false);
   return future;
 }
 
 Result<Value> Client::Get(std::string_view key, const GetOptions& o) {
-  return GetAsync(key, o).get();
+  std::promise<Result<Value>> promise;
+  auto future = promise.get_future();
+  impl_->QueueGet(
+      key, o, [&promise](Result<Value> r) { promise.set_value(std::move(r)); }, true);
+  return impl_->Await(future);
 }
 
 Result<ValueInfo> Client::GetInto(std::string_view key, void* dst, size_t capacity,
@@ -1213,12 +1286,12 @@ Result<ValueInfo> Client::GetInto(std::string_view key, void* dst, size_t capaci
   auto deadline = I->DeadlineFrom(o.timeout);
   std::promise<Result<Value>> promise;
   auto future = promise.get_future();
-  I->transport->Post([&, key = std::string(key)]() mutable {
+  I->Submit([&, key = std::string(key)]() mutable {
     I->DoGet(
         std::move(key), dst, capacity, kind, deadline, o.fail_open,
         [&promise](Result<Value> r) { promise.set_value(std::move(r)); }, o.accept);
   });
-  Result<Value> r = future.get();
+  Result<Value> r = I->Await(future);
   if (!r.ok()) return r.status();
   // Staged through a pinned buffer (a device buffer this UCX cannot receive into): the copy to
   // the device runs here, on the caller's thread, on this client's stream for that device.
@@ -1231,9 +1304,12 @@ Result<ValueInfo> Client::GetInto(std::string_view key, void* dst, size_t capaci
   return r->info();
 }
 
-void Client::PutAsync(std::string_view key, const void* data, size_t size, const PutOptions& o,
-                      std::function<void(Result<uint64_t>)> callback) {
-  Impl* I = impl_.get();
+// Stages a device buffer where needed and queues the put: for the I/O thread, or for a
+// synchronous caller (see QueueGet). An error found here is the callback's, on this thread.
+void Client::Impl::QueuePut(std::string_view key, const void* data, size_t size,
+                            const PutOptions& o, std::function<void(Result<uint64_t>)> callback,
+                            bool synchronous) {
+  Impl* I = this;
   // Refused here, with the reason, rather than sent and answered protocol_error.
   if (Status vs = o.tensor.Validate(size); !vs.ok()) return callback(vs);
   MemoryKind kind = Resolve(o.memory, data);
@@ -1253,23 +1329,40 @@ void Client::PutAsync(std::string_view key, const void* data, size_t size, const
     kind = MemoryKind::kHost;
   }
   auto deadline = I->DeadlineFrom(o.timeout);
-  I->transport->Post([I, key = std::string(key), data, size, kind, staging, o, deadline,
-                      cb = std::move(callback)]() mutable {
+  auto task = [I, key = std::string(key), data, size, kind, staging, o, deadline,
+               cb = std::move(callback)]() mutable {
     I->DoPut(std::move(key), data, size, kind, staging, o, deadline, std::move(cb));
-  });
+  };
+  if (synchronous) {
+    I->Submit(std::move(task));
+  } else {
+    I->transport->Post(std::move(task));
+  }
+}
+
+void Client::PutAsync(std::string_view key, const void* data, size_t size, const PutOptions& o,
+                      std::function<void(Result<uint64_t>)> callback) {
+  impl_->QueuePut(key, data, size, o, impl_->OnIoThread(std::move(callback)), false);
 }
 
 std::future<Result<uint64_t>> Client::PutAsync(std::string_view key, const void* data, size_t size,
                                                const PutOptions& o) {
   auto promise = std::make_shared<std::promise<Result<uint64_t>>>();
   auto future = promise->get_future();
-  PutAsync(key, data, size, o, [promise](Result<uint64_t> r) { promise->set_value(std::move(r)); });
+  impl_->QueuePut(
+      key, data, size, o, [promise](Result<uint64_t> r) { promise->set_value(std::move(r)); },
+      false);
   return future;
 }
 
 Result<uint64_t> Client::Put(std::string_view key, const void* data, size_t size,
                              const PutOptions& o) {
-  return PutAsync(key, data, size, o).get();
+  std::promise<Result<uint64_t>> promise;
+  auto future = promise.get_future();
+  impl_->QueuePut(
+      key, data, size, o, [&promise](Result<uint64_t> r) { promise.set_value(std::move(r)); },
+      true);
+  return impl_->Await(future);
 }
 
 Status Client::Delete(std::string_view key, std::chrono::milliseconds timeout) {
@@ -1320,8 +1413,8 @@ Status Client::DeleteOnce(std::string_view key, std::chrono::milliseconds timeou
   std::string body = w::EncodeKeyRequest(key);
   if (version != 0) w::AppendVersion(&body, version);
   auto done = call->all.get_future();
-  I->transport->Post([I, call, first_previous, body = std::move(body), version,
-                      deadline = I->DeadlineFrom(timeout)] {
+  I->Submit([I, call, first_previous, body = std::move(body), version,
+             deadline = I->DeadlineFrom(timeout)] {
     const uint16_t versioned = version != 0 ? w::kFlagClientVersion : uint16_t{0};
     for (size_t i = 0; i < call->nodes.size(); ++i) {
       auto finish = [call, i](Status s) {
@@ -1339,7 +1432,7 @@ Status Client::DeleteOnce(std::string_view key, std::chrono::milliseconds timeou
                nullptr, 0, MemoryKind::kHost, deadline, on_reply, finish);
     }
   });
-  done.wait();
+  I->Await(done);
   // Sent to every replica; the primary's answer is the outcome (as for Put): a delete the
   // primary did not confirm is not acknowledged, since reads go to the primary first. A key
   // not yet handed to its new owner was deleted where it still was.
@@ -1394,7 +1487,7 @@ Result<ValueInfo> Client::StatOnce(std::string_view key, int node, uint16_t flag
   auto deadline = I->DeadlineFrom(timeout);
   std::promise<Result<ValueInfo>> promise;
   auto future = promise.get_future();
-  I->transport->Post([&, key = std::string(key)] {
+  I->Submit([&, key = std::string(key)] {
     auto on_reply = [I, &promise](const Impl::PendingPtr& p, std::unique_ptr<Incoming> msg) {
       w::ObjectMeta meta;
       Status s = ParseReply(*msg, [&](std::string_view body, w::ReplyStatus* rs) {
@@ -1406,7 +1499,7 @@ Result<ValueInfo> Client::StatOnce(std::string_view key, int node, uint16_t flag
     I->Issue(node, w::Opcode::kStat, flags, w::EncodeKeyRequest(key), nullptr, 0, MemoryKind::kHost,
              deadline, on_reply, [&promise](Status s) { promise.set_value(s); });
   });
-  return future.get();
+  return I->Await(future);
 }
 
 std::vector<Result<Value>> Client::MultiGet(const std::vector<std::string>& keys,
@@ -1552,9 +1645,9 @@ std::vector<Result<uint64_t>> Client::MultiPut(const std::vector<PutItem>& items
   }
   if (batch->remaining == 0) return std::move(batch->results);
   auto done = batch->all_done.get_future();
-  I->transport->Post([I, batch, deadline = I->DeadlineFrom(o.timeout),
-                      flags = static_cast<uint16_t>((o.durable ? w::kFlagDurable : 0) |
-                                                    (versioned ? w::kFlagClientVersion : 0))] {
+  I->Submit([I, batch, deadline = I->DeadlineFrom(o.timeout),
+             flags = static_cast<uint16_t>((o.durable ? w::kFlagDurable : 0) |
+                                           (versioned ? w::kFlagClientVersion : 0))] {
     for (size_t n = 0; n < batch->by_node.size(); ++n) {
       if (batch->by_node[n].empty()) continue;
       I->IssueWithPayloadReply(
@@ -1583,7 +1676,7 @@ std::vector<Result<uint64_t>> Client::MultiPut(const std::vector<PutItem>& items
           });
     }
   });
-  done.wait();
+  I->Await(done);
   // Items a node refused as misrouted (the rings differed): one by one through Put, which
   // waits for the rings to agree.
   for (size_t i = 0; i < items.size(); ++i) {
@@ -1686,7 +1779,7 @@ Result<std::string> Client::Ping(int node, std::chrono::milliseconds timeout) {
   auto deadline = I->DeadlineFrom(timeout);
   std::promise<Result<std::string>> promise;
   auto future = promise.get_future();
-  I->transport->Post([&] {
+  I->Submit([&] {
     auto on_reply = [I, &promise](const Impl::PendingPtr& p, std::unique_ptr<Incoming> msg) {
       std::string id;
       Status s = ParseReply(*msg, [&](std::string_view body, w::ReplyStatus* rs) {
@@ -1698,7 +1791,7 @@ Result<std::string> Client::Ping(int node, std::chrono::milliseconds timeout) {
     I->Issue(node, w::Opcode::kPing, 0, "", nullptr, 0, MemoryKind::kHost, deadline, on_reply,
              [&promise](Status s) { promise.set_value(s); });
   });
-  return future.get();
+  return I->Await(future);
 }
 
 Result<std::string> Client::NodeTransports(int node) {

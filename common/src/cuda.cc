@@ -37,6 +37,11 @@ thread_local bool progress_thread = false;
 
 void MarkProgressThread() { progress_thread = true; }
 bool OnProgressThread() { return progress_thread; }
+bool SetOnProgressThread(bool on) {
+  const bool was = progress_thread;
+  progress_thread = on;
+  return was;
+}
 
 namespace {
 

@@ -26,6 +26,12 @@
 namespace gkv {
 namespace {
 
+// The transport whose worker the calling thread drives now: its worker thread's own, for good;
+// a caller inside UcxTransport::TryDrive, for that call. What OnWorkerThread() asks.
+thread_local const void* tls_driving = nullptr;
+// The transport a caller drives now inside TryDrive (never set on a transport's own thread).
+thread_local const void* tls_caller_driving = nullptr;
+
 // The ucs_status_t boundary.
 Status FromUcs(ucs_status_t s, std::string_view what) {
   if (s == UCS_OK || s == UCS_INPROGRESS) return Status::OK();
@@ -115,12 +121,44 @@ struct UcxTransport::Impl {
   int event_fd = -1;
   int worker_fd = -1;
   std::thread thread;
-  std::thread::id thread_id;
   std::atomic<bool> stopping{false};
   AmArg am_args[2];
 
+  // Held by whichever thread drives the worker: the worker thread for each pass of its loop
+  // (never while it sleeps), or a caller in TryDrive. Every UCP call and all worker-thread state
+  // below is under it, so "the worker thread" in this file means "the holder of drive_mu".
+  std::timed_mutex drive_mu;
+  bool shut_down = false;  // guarded by drive_mu: Shutdown began, nothing more may drive
+  // The transport's own thread has waited kLoopPatience for drive_mu: callers let it in (a
+  // caller's slice ends, TryDrive refuses), so timers, deadlines and on_tick are never starved.
+  // Not at once: the loop is woken by the events a driving caller's own requests bring, and
+  // taking over then would hand that caller's reply to this thread after all.
+  static constexpr auto kLoopPatience = std::chrono::milliseconds(1);
+  std::atomic<bool> loop_wants_drive{false};
+  // Callers waiting in TryDrive for the loop to let go of drive_mu (at most kCallerPatience):
+  // the loop then does not busy-poll, which would hold drive_mu for most of its window and
+  // keep a caller that comes back within it handing its calls to this thread, call after call.
+  static constexpr auto kCallerPatience = std::chrono::microseconds(100);
+  std::atomic<int> callers_waiting{0};
+  // A caller drove since the loop's last pass, and nobody has Posted or woken the loop since:
+  // synchronous callers progress the worker for their own replies. The loop then neither
+  // busy-polls (it would only fight them for drive_mu) nor listens to the worker's fd (the
+  // events their requests bring would wake it for nothing, once per call): it takes the fd out
+  // of its epoll set (worker_fd_muted) and sleeps on the eventfd and its poll interval only.
+  // Post and Wake clear the flag, so work handed to the loop gets the fd back, armed.
+  // The loop mutes only while nothing else waits for the worker's events: no send, receive or
+  // device copy of this transport in flight (ops_in_flight) and the user idle (Handlers::idle,
+  // e.g. a client with no request awaiting its reply). Otherwise a reply to work the driving
+  // caller does not own would wait for the poll interval once that caller left.
+  std::atomic<bool> caller_drove{false};
+  bool worker_fd_muted = false;  // the loop's own
+  int64_t ops_in_flight = 0;     // worker-thread state
+  bool MayMute() const { return ops_in_flight == 0 && handlers.idle != nullptr && handlers.idle(); }
+
   std::mutex post_mu;
   std::vector<std::function<void()>> posted;  // guarded by post_mu
+  // PostToOwnThread's: run by the transport's own thread only, never by a driving caller.
+  std::vector<std::function<void()>> own_posted;  // guarded by post_mu
   bool post_closed = false;  // guarded by post_mu: the loop has ended, Post drops its task
 
   // Worker-thread state.
@@ -334,7 +372,9 @@ struct UcxTransport::Impl {
 
     ucp_worker_params_t wparams{};
     wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-    wparams.thread_mode = UCS_THREAD_MODE_SINGLE;
+    // Serialized: the worker is progressed by more than one thread, one at a time (the
+    // transport's own thread, or a caller in TryDrive, under drive_mu).
+    wparams.thread_mode = UCS_THREAD_MODE_SERIALIZED;
     GKV_RETURN_IF_ERROR(
         FromUcs(ucp_worker_create(context, &wparams, &worker), "ucp_worker_create"));
 
@@ -481,6 +521,7 @@ struct UcxTransport::Impl {
     auto* op = static_cast<SendOp*>(user_data);
     Status s = FromUcs(status, "send");
     op->impl->deferred.push_back([op, s] {
+      op->impl->ops_in_flight--;
       op->done(s);
       delete op;
     });
@@ -491,6 +532,7 @@ struct UcxTransport::Impl {
     auto* op = static_cast<RecvOp*>(user_data);
     Status s = FromUcs(status, "receive");
     op->impl->deferred.push_back([op, s] {
+      op->impl->ops_in_flight--;
       op->done(s);
       delete op;
     });
@@ -514,12 +556,17 @@ struct UcxTransport::Impl {
     }
   }
 
-  bool RunPosted() {
+  // `own_thread`: the transport's own thread, which runs PostToOwnThread's tasks too.
+  bool RunPosted(bool own_thread = true) {
     std::vector<std::function<void()>> batch = std::move(spare_posted);
     batch.clear();
     {
       std::lock_guard<std::mutex> lock(post_mu);
       batch.swap(posted);
+      if (own_thread && !own_posted.empty()) {
+        for (auto& fn : own_posted) batch.push_back(std::move(fn));
+        own_posted.clear();
+      }
     }
     for (auto& fn : batch) fn();
     const bool any = !batch.empty();
@@ -538,11 +585,24 @@ struct UcxTransport::Impl {
   }
 
   void Loop() {
-    thread_id = std::this_thread::get_id();
+    tls_driving = this;
     MarkProgressThread();
     epoll_event events[4];
     auto last_activity = std::chrono::steady_clock::now();
+    std::unique_lock<std::timed_mutex> drive(drive_mu, std::defer_lock);
     while (!stopping.load(std::memory_order_acquire)) {
+      // One pass under drive_mu; it is let go between passes and while sleeping, so a caller
+      // waiting for its own reply can drive instead (TryDrive).
+      if (!drive.owns_lock()) {
+        // try_lock_until on the system clock, not try_lock_for: libstdc++ implements the latter
+        // with pthread_mutex_clocklock, which GCC 12's ThreadSanitizer does not intercept (it then
+        // reports the unlock as one of an unlocked mutex); pthread_mutex_timedlock it does.
+        if (!drive.try_lock_until(std::chrono::system_clock::now() + kLoopPatience)) {
+          loop_wants_drive.store(true, std::memory_order_relaxed);
+          drive.lock();
+          loop_wants_drive.store(false, std::memory_order_relaxed);
+        }
+      }
       bool active = ProgressAll();
       active |= RunPosted();
       RunDeferred();
@@ -551,18 +611,37 @@ struct UcxTransport::Impl {
       // microseconds, and sleeping in epoll would add a wakeup to every hop.
       const auto now = std::chrono::steady_clock::now();
       if (active) last_activity = now;
-      if (now - last_activity < options.busy_poll) {
-        // Spin politely: on a machine with fewer cores than busy threads the thread we are
-        // waiting for may need this core.
-        std::this_thread::yield();
-        continue;
+      const bool callers_drive =
+          caller_drove.exchange(false, std::memory_order_acq_rel) && MayMute();
+      if (callers_drive != worker_fd_muted) {
+        epoll_event ev{};
+        ev.events = EPOLLIN;
+        ev.data.fd = worker_fd;
+        if (epoll_ctl(epoll_fd, callers_drive ? EPOLL_CTL_DEL : EPOLL_CTL_ADD, worker_fd, &ev) ==
+            0) {
+          worker_fd_muted = callers_drive;
+        }
       }
-      ucs_status_t st = ucp_worker_arm(worker);
-      if (st == UCS_ERR_BUSY) continue;
+      if (!worker_fd_muted) {
+        if (now - last_activity < options.busy_poll &&
+            callers_waiting.load(std::memory_order_relaxed) == 0) {
+          // Spin politely: on a machine with fewer cores than busy threads the thread we are
+          // waiting for may need this core.
+          drive.unlock();
+          std::this_thread::yield();
+          continue;
+        }
+        ucs_status_t st = ucp_worker_arm(worker);
+        if (st == UCS_ERR_BUSY) continue;
+      }
       {
         std::lock_guard<std::mutex> lock(post_mu);
-        if (!posted.empty()) continue;
+        if (!posted.empty() || !own_posted.empty()) continue;
       }
+      // Armed (unless muted): an event that arrives while a caller drives wakes this thread,
+      // which then waits for drive_mu, progresses and arms again; so nothing is left
+      // unprogressed when the caller leaves.
+      drive.unlock();
       int n = epoll_wait(epoll_fd, events, 4, static_cast<int>(options.poll_interval.count()));
       for (int i = 0; i < n; ++i) {
         if (events[i].data.fd == event_fd) {
@@ -572,7 +651,25 @@ struct UcxTransport::Impl {
         }
       }
     }
+    if (!drive.owns_lock()) drive.lock();
+    shut_down = true;
     Shutdown();
+  }
+
+  // One slice of a caller driving the worker (see UcxTransport::TryDrive). REQUIRES: drive_mu.
+  void DriveSlice(const std::function<bool()>& done, std::chrono::microseconds slice) {
+    caller_drove.store(true, std::memory_order_release);
+    const auto end = std::chrono::steady_clock::now() + slice;
+    for (;;) {
+      bool active = RunPosted(/*own_thread=*/false);
+      active |= ProgressAll();
+      if (done() || loop_wants_drive.load(std::memory_order_relaxed) ||
+          std::chrono::steady_clock::now() >= end) {
+        return;
+      }
+      // Spin politely, as the loop does: the server this caller waits for may need this core.
+      if (!active) std::this_thread::yield();
+    }
   }
 
   // Makes the kernel take no new connection for the listener: its own socket, found among this
@@ -744,7 +841,7 @@ Incoming::~Incoming() {
   void* data = ucx_data_;
   ucx_data_ = nullptr;
   auto release = [impl, data] { ucp_am_data_release(impl->worker, data); };
-  if (std::this_thread::get_id() == impl->thread_id) {
+  if (tls_driving == impl) {
     release();
   } else {
     std::lock_guard<std::mutex> lock(impl->post_mu);
@@ -792,7 +889,6 @@ Result<std::unique_ptr<UcxTransport>> UcxTransport::Create(const Options& option
       GKV_LOG_WARN("UCX worker thread: no CUDA context on device {}: {}", cuda_device,
                    cs.ToString());
     }
-    raw->thread_id = std::this_thread::get_id();
     started.store(true, std::memory_order_release);
     raw->Loop();
   });
@@ -813,21 +909,80 @@ void UcxTransport::Stop() {
     std::lock_guard<std::mutex> lock(impl_->post_mu);
     impl_->post_closed = true;
     leftover.swap(impl_->posted);
+    for (auto& fn : impl_->own_posted) leftover.push_back(std::move(fn));
+    impl_->own_posted.clear();
   }
   // Destroyed outside the lock: the tasks may own messages, whose destructors take it.
   leftover.clear();
 }
 
 void UcxTransport::Post(std::function<void()> task) {
+  PostQuietly(std::move(task));
+  Wake();
+}
+
+void UcxTransport::PostQuietly(std::function<void()> task) {
+  std::lock_guard<std::mutex> lock(impl_->post_mu);
+  // After Stop the task is dropped: destroyed when this function returns, outside the lock.
+  if (impl_->post_closed) return;
+  impl_->posted.push_back(std::move(task));
+}
+
+void UcxTransport::PostToOwnThread(std::function<void()> task) {
   {
     std::lock_guard<std::mutex> lock(impl_->post_mu);
-    // After Stop the task is dropped: destroyed when this function returns, outside the lock.
-    if (impl_->post_closed) return;
-    impl_->posted.push_back(std::move(task));
+    if (impl_->post_closed) return;  // destroyed unrun, as Post's
+    impl_->own_posted.push_back(std::move(task));
   }
+  Wake();
+}
+
+void UcxTransport::Wake() {
+  // The loop is responsible now: it listens to the worker's fd again (see caller_drove).
+  impl_->caller_drove.store(false, std::memory_order_release);
   uint64_t one = 1;
   (void)!write(impl_->event_fd, &one, sizeof one);
 }
+
+bool UcxTransport::TryDrive(const std::function<bool()>& done, std::chrono::microseconds slice) {
+  Impl& I = *impl_;
+  if (tls_driving == &I) return false;  // the worker thread, or a callback inside a drive
+  // UCX's CUDA transports need the worker's CUDA context current on every thread that
+  // progresses it: a caller on another device waits for the worker thread instead.
+  const bool cuda = I.cuda_device >= 0 && !FakeDeviceMode() && ProbeCuda().usable;
+  if (cuda && CudaCurrentDevice() != I.cuda_device) return false;
+  if (I.loop_wants_drive.load(std::memory_order_relaxed)) return false;
+  std::unique_lock<std::timed_mutex> drive(I.drive_mu, std::try_to_lock);
+  if (!drive.owns_lock()) {
+    // The loop is in a pass (or busy-polling, which it stops while a caller waits); another
+    // caller's slice is at most as long as it is willing to wait for. System clock: see Loop.
+    I.callers_waiting.fetch_add(1, std::memory_order_relaxed);
+    drive.try_lock_until(std::chrono::system_clock::now() + Impl::kCallerPatience);
+    I.callers_waiting.fetch_sub(1, std::memory_order_relaxed);
+  }
+  if (!drive.owns_lock() || I.shut_down || I.stopping.load(std::memory_order_acquire)) {
+    return false;
+  }
+  // The device is the caller's current one already; this makes its context current once per
+  // thread (cudaFree(nullptr)), changing nothing else for the caller.
+  static thread_local int context_device = -1;
+  if (cuda && context_device != I.cuda_device) {
+    if (!CudaBindThread(I.cuda_device).ok()) return false;
+    context_device = I.cuda_device;
+  }
+  const void* outer = tls_driving;
+  const void* outer_caller = tls_caller_driving;
+  tls_driving = &I;
+  tls_caller_driving = &I;
+  const bool was_progress_thread = SetOnProgressThread(true);
+  I.DriveSlice(done, slice);
+  SetOnProgressThread(was_progress_thread);
+  tls_caller_driving = outer_caller;
+  tls_driving = outer;
+  return true;
+}
+
+bool UcxTransport::DrivenByCaller() const { return tls_caller_driving == impl_.get(); }
 
 bool UcxTransport::IsLoopbackHost(const std::string& host) {
   return host == "localhost" || host == "::1" || host == "[::1]" || host.rfind("127.", 0) == 0;
@@ -914,7 +1069,7 @@ UcxTransport::RegistrationStats UcxTransport::registration_stats() const {
 bool UcxTransport::device_memory_supported() const { return impl_->cuda_supported; }
 uint16_t UcxTransport::listen_port() const { return impl_->bound_port; }
 size_t UcxTransport::max_header_size() const { return impl_->max_header; }
-bool UcxTransport::OnWorkerThread() const { return std::this_thread::get_id() == impl_->thread_id; }
+bool UcxTransport::OnWorkerThread() const { return tls_driving == impl_.get(); }
 
 Result<ConnId> UcxTransport::Connect(const std::string& host, uint16_t port) {
   Impl& I = *impl_;
@@ -1017,6 +1172,8 @@ void UcxTransport::Send(ConnId conn, unsigned am_id, std::string header, const v
   } else if (UCS_PTR_IS_ERR(req)) {
     op->done(FromUcs(UCS_PTR_STATUS(req), "send"));
     delete op;
+  } else {
+    I.ops_in_flight++;  // until OnSendDone's completion runs
   }
 }
 
@@ -1036,9 +1193,13 @@ void UcxTransport::Receive(std::unique_ptr<Incoming> msg, void* dst, MemoryKind 
       const std::string_view data = msg->payload();
       auto owned = std::make_shared<std::string>(data.data(), data.size());
       msg.reset();
+      I.ops_in_flight++;
       I.copy_thread->Submit([&I, owned, dst, done = std::move(done)]() mutable {
         Status s = CudaCopySync(dst, owned->data(), owned->size());
-        I.PostTask([done = std::move(done), s]() { done(s); });
+        I.PostTask([&I, done = std::move(done), s]() {
+          I.ops_in_flight--;
+          done(s);
+        });
       });
       return;
     }
@@ -1070,6 +1231,8 @@ void UcxTransport::Receive(std::unique_ptr<Incoming> msg, void* dst, MemoryKind 
   } else if (UCS_PTR_IS_ERR(req)) {
     op->done(FromUcs(UCS_PTR_STATUS(req), "receive"));
     delete op;
+  } else {
+    I.ops_in_flight++;  // until OnRecvDone's completion runs
   }
 }
 

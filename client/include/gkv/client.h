@@ -90,7 +90,9 @@ struct GetOptions {
   // Fail open: when no node holding the key answers (Unavailable or Timeout), report a miss
   // (NotFound) instead, so a training step falls back to its own loader.
   bool fail_open = false;
-  // GetInto / MultiGetInto: called on the client's I/O thread (keep it short, no blocking) with
+  // GetInto / MultiGetInto: called on the thread that drives the client's I/O (its I/O thread,
+  // or a thread waiting in a synchronous call of this Client, not necessarily the caller's own;
+  // keep it short, no blocking, take no lock a caller of this Client may hold) with
   // a value's metadata before any of its bytes reaches the caller's buffer; a non-OK status
   // refuses the value (the call returns that status for the key; the buffer is untouched).
   // E.g. to require an exact dtype and byte size.
@@ -157,7 +159,8 @@ class Client {
                                    const GetOptions& options = {});
 
   // Async forms: the future becomes ready (or the callback runs, on the client's I/O thread:
-  // keep it short) when the operation ends.
+  // keep it short) when the operation ends. Callbacks of different operations run in no
+  // promised order.
   std::future<Result<Value>> GetAsync(std::string_view key, const GetOptions& options = {});
   void GetAsync(std::string_view key, const GetOptions& options,
                 std::function<void(Result<Value>)> callback);

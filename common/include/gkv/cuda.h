@@ -50,6 +50,9 @@ Status CudaBindThread(int device);
 // The calling thread progresses a UCX worker (UcxTransport's loop marks itself).
 void MarkProgressThread();
 bool OnProgressThread();
+// Marks or unmarks the calling thread (a caller driving a worker for a while); returns what it
+// was before, to restore.
+bool SetOnProgressThread(bool on);
 // OK unless in fake-device mode and [ptr, ptr + size) is not memory of kind `claimed`
 // (Internal, with what it was).
 Status CheckMemoryKind(const void* ptr, size_t size, MemoryKind claimed);

@@ -1,15 +1,21 @@
 // UcxTransport: one UCX context and worker driven by one thread of its own, with event-driven
 // progress. Servers and clients both use it; nothing above this file sees a UCX type.
 //
-// Threading: every UCP call happens on the worker thread. Other threads hand work to it with
-// Post() (a queue plus an eventfd in the worker's epoll set). Handlers and completion callbacks
-// run on the worker thread and must not block: hand slow work (disk I/O, cache eviction) to an
-// executor and Post the result back.
+// Threading: every UCP call happens on "the worker thread", which means whichever thread drives
+// the worker now: the transport's own thread for each pass of its loop, or a caller that waits
+// for its own operation inside TryDrive (one at a time, under one mutex, so the worker's state
+// never needs another lock). Other threads hand work to it with Post() (a queue plus an eventfd
+// in the worker's epoll set). Handlers and completion callbacks run on the worker thread and
+// must not block: hand slow work (disk I/O, cache eviction) to an executor and Post the result
+// back.
 //
 // Progress loop: progress until idle -> run posted tasks and deferred callbacks -> on_tick ->
 // (busy-poll for a short window after activity) -> ucp_worker_arm -> epoll_wait(worker fd +
-// eventfd, poll interval). The short poll interval
-// covers missed wakeups (reported in several UCX versions) and drives request deadlines.
+// eventfd, poll interval). The short poll interval covers missed wakeups (reported in several
+// UCX versions) and drives request deadlines. While callers drive the worker for their own
+// replies and nothing else is outstanding (Handlers::idle, no operation of this transport in
+// flight), the loop leaves the worker's fd out of its epoll set and sleeps on the eventfd and
+// the poll interval only, so the events the callers' requests bring do not wake it for nothing.
 //
 // Endpoints use PEER error handling: a dead peer fails its outstanding operations and reports
 // on_disconnect once. Teardown (destructor): endpoints closed (flushed, forced after a grace
@@ -100,6 +106,10 @@ class UcxTransport {
     std::function<void(ConnId)> on_accept;
     // Every loop iteration (at least every poll interval). Worker thread.
     std::function<void()> on_tick;
+    // Whether the user has nothing outstanding that waits for the worker's events (a client:
+    // no request awaiting its reply). Only then may the loop leave those events to callers that
+    // drive the worker (TryDrive); unset, it never does. Worker thread.
+    std::function<bool()> idle;
   };
 
   // Starts the worker thread. Unavailable when UCX can't start or the address can't be bound.
@@ -118,6 +128,24 @@ class UcxTransport {
   // --- any thread ---
   // Runs `task` on the worker thread; after Stop() the task is destroyed unrun.
   void Post(std::function<void()> task);
+  // Post without waking the transport's own thread: for a caller that will run the task itself
+  // through TryDrive, and calls Wake() if it gives up before the task ran.
+  void PostQuietly(std::function<void()> task);
+  void Wake();
+  // Post for the transport's own thread only: a caller driving in TryDrive never runs it (for
+  // a third party's callback, which must not run on a thread that may hold its own locks).
+  void PostToOwnThread(std::function<void()> task);
+  // Drives the worker from the calling thread (runs posted tasks, progresses UCX, runs the
+  // completions that brings) until `done()` or `slice` has passed, so that a synchronous caller
+  // completes its own operation without a hand-off to the transport's thread and back.
+  // Returns false at once, having done nothing, when another thread drives now, on the worker
+  // thread itself (a callback), after Stop() began, or when the worker uses a CUDA device that
+  // is not the caller's current one (UCX's CUDA transports need that context current). While
+  // it drives, this thread is the worker thread: OnWorkerThread() and DrivenByCaller() are true.
+  bool TryDrive(const std::function<bool()>& done, std::chrono::microseconds slice);
+  // True inside TryDrive: the worker thread is a caller's, which may hold its own locks, so
+  // code that runs a third party's callback should hand it to PostToOwnThread instead.
+  bool DrivenByCaller() const;
   // True when this UCX build can move CUDA device memory itself (context memory types).
   bool device_memory_supported() const;
   // The UCX library's version string ("1.22.0"), as loaded at run time.
