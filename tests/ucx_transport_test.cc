@@ -46,7 +46,7 @@ struct Echo {
       const int n = received++;
       if (refuse_payloads) return;  // dropping releases the payload; the sender is cancelled
       const ConnId conn = m->conn();
-      std::string header = m->header();
+      std::string header(m->header());
       UcxTransport* tr = t.get();
       const size_t size = m->payload_size();
       if (region) {
@@ -101,7 +101,7 @@ struct Caller {
     };
     h.on_message = [this](std::unique_ptr<Incoming> m) {
       auto buf = std::make_shared<std::string>(m->payload_size(), '\0');
-      std::string header = m->header();
+      std::string header(m->header());
       t->Receive(std::move(m), buf->data(), MemoryKind::kHost, [this, header, buf](Status s) {
         std::lock_guard<std::mutex> lock(mu);
         auto it = waiting.find(header);

@@ -410,13 +410,15 @@ struct Client::Impl {
         std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
     const uint32_t budget = static_cast<uint32_t>(std::clamp<int64_t>(left, 1, UINT32_MAX));
     w::Header h{op, flags, p->id, budget};
-    transport->Send(*conn, w::kAmRequest, w::EncodeMessage(h, body), payload, size, kind,
-                    [this, p](Status s) {
-                      p->io--;
-                      // Aborted: the server refused the payload; its reply says why.
-                      if (!s.ok() && s.code() != StatusCode::kAborted) Fail(p, s);
-                      Settle(p);
-                    });
+    // The transport copies the header before Send returns: one buffer per thread serves all.
+    static thread_local std::string message;
+    w::EncodeMessageTo(&message, h, body);
+    transport->Send(*conn, w::kAmRequest, message, payload, size, kind, [this, p](Status s) {
+      p->io--;
+      // Aborted: the server refused the payload; its reply says why.
+      if (!s.ok() && s.code() != StatusCode::kAborted) Fail(p, s);
+      Settle(p);
+    });
   }
 
   // Receives a reply's payload into `dst`, then runs `then` (worker thread).

@@ -208,8 +208,15 @@ void Server::Impl::HandleGet(const Req& r, std::string_view body) {
     }
     if (fp == TieredCache::FastPath::kServed &&
         (fast.memory_kind() == MemoryKind::kHost || device_zero_copy())) {
-      auto handle = std::make_shared<ReadHandle>(std::move(fast));
-      return SendObject(r, key, handle, handle->data(), handle->memory_kind(), nullptr);
+      // Sent straight from the tier; the reply keeps the pin until UCX is done with the bytes.
+      // The body is encoded into this thread's buffer (Reply copies it into the message).
+      static thread_local std::string body;
+      w::EncodeObjectReplyTo(&body, Status::OK(), ToWire(fast.info()),
+                             HintFor(key, fast.info().version));
+      const void* data = fast.data();
+      const size_t size = fast.size();
+      const MemoryKind kind = fast.memory_kind();
+      return Reply(r, Status::OK(), body, data, size, kind, nullptr, std::move(fast));
     }
   }
   ReadOnExecutor(r, cache.get(), key, std::nullopt,

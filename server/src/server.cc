@@ -13,8 +13,9 @@
 
 namespace gkv {
 
-void Server::Impl::Reply(const Req& r, const Status& status, std::string body, const void* payload,
-                         size_t size, MemoryKind kind, std::function<void()> after) {
+void Server::Impl::Reply(const Req& r, const Status& status, std::string_view body,
+                         const void* payload, size_t size, MemoryKind kind,
+                         std::function<void()> after, ReadHandle pinned) {
   if (!status.ok()) {
     counters.errors[static_cast<int>(status.code())].fetch_add(1, std::memory_order_relaxed);
     // Every request answered protocol_error counts, whether its header or its body was bad.
@@ -23,43 +24,65 @@ void Server::Impl::Reply(const Req& r, const Status& status, std::string body, c
     }
   }
   counters.bytes_out.fetch_add(size, std::memory_order_relaxed);
-  std::shared_ptr<bool> sent = size > 0 ? TrackTransfer(r.conn) : nullptr;
-  transport->Send(
-      r.conn, w::kAmReply, w::EncodeMessage({r.h.opcode, 0, r.h.request_id}, body), payload, size,
-      kind, [this, r, sent, after = std::move(after)](Status s) {
-        if (!s.ok()) GKV_LOG_DEBUG("reply send failed: {}", s.ToString());
-        if (after) after();
-        if (sent) TransferDone(r.conn, sent);
-        Release(r);
-        counters.RecordLatency(
-            r.h.opcode,
-            std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - r.start).count());
-        if (r.counted) in_flight.fetch_sub(1, std::memory_order_acq_rel);
-      });
+  // Recycled on the I/O thread (where every reply completes); a reply made elsewhere takes a
+  // new one.
+  OutgoingReply* out;
+  if (!outgoing_free.empty() && transport->OnWorkerThread()) {
+    out = outgoing_free.back();
+    outgoing_free.pop_back();
+  } else {
+    out = new OutgoingReply;
+  }
+  out->req = r;
+  out->transfer = size > 0 ? TrackTransfer(r.conn) : 0;
+  out->after = std::move(after);
+  out->pinned = std::move(pinned);
+  // The transport copies the header before Send returns: one buffer per thread serves them all.
+  static thread_local std::string message;
+  w::EncodeMessageTo(&message, {r.h.opcode, 0, r.h.request_id}, body);
+  transport->Send(r.conn, w::kAmReply, message, payload, size, kind, [this, out](Status s) {
+    if (!s.ok()) GKV_LOG_DEBUG("reply send failed: {}", s.ToString());
+    const Req& rq = out->req;
+    if (out->after) {
+      auto after = std::move(out->after);
+      out->after = nullptr;
+      after();
+    }
+    out->pinned = ReadHandle();  // the value's pin goes: UCX is done with its bytes
+    if (out->transfer != 0) TransferDone(rq.conn, out->transfer);
+    Release(rq);
+    counters.RecordLatency(
+        rq.h.opcode,
+        std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - rq.start).count());
+    if (rq.counted) in_flight.fetch_sub(1, std::memory_order_acq_rel);
+    if (outgoing_free.size() < kMaxFreeOutgoing) {
+      outgoing_free.push_back(out);
+    } else {
+      delete out;
+    }
+  });
 }
 
-std::shared_ptr<bool> Server::Impl::TrackTransfer(ConnId conn) {
+uint64_t Server::Impl::TrackTransfer(ConnId conn) {
   auto it = conn_load.find(conn);
-  if (it == conn_load.end()) return nullptr;  // the connection is gone: nothing to watch
-  auto done = std::make_shared<bool>(false);
-  it->second.transfers.emplace_back(Clock::now() + options.send_timeout, done);
-  return done;
+  if (it == conn_load.end()) return 0;  // the connection is gone: nothing to watch
+  const uint64_t token = next_transfer_token++;
+  it->second.transfers.Push(Clock::now() + options.send_timeout, token);
+  return token;
 }
 
-void Server::Impl::TransferDone(ConnId conn, const std::shared_ptr<bool>& done) {
-  *done = true;
+void Server::Impl::TransferDone(ConnId conn, uint64_t token) {
   auto it = conn_load.find(conn);
   if (it == conn_load.end()) return;
-  auto& q = it->second.transfers;
-  while (!q.empty() && *q.front().second) q.pop_front();
+  it->second.transfers.Done(token);
 }
 
 void Server::Impl::ReceivePayload(ConnId conn, std::unique_ptr<Incoming> msg, void* dst,
                                   MemoryKind kind, std::function<void(Status)> done) {
-  std::shared_ptr<bool> flag = msg->payload_is_rendezvous() ? TrackTransfer(conn) : nullptr;
+  const uint64_t token = msg->payload_is_rendezvous() ? TrackTransfer(conn) : 0;
   transport->Receive(std::move(msg), dst, kind,
-                     [this, conn, flag, done = std::move(done)](Status s) {
-                       if (flag) TransferDone(conn, flag);
+                     [this, conn, token, done = std::move(done)](Status s) {
+                       if (token != 0) TransferDone(conn, token);
                        done(s);
                      });
 }
@@ -155,7 +178,7 @@ void Server::Impl::Release(const Req& r) {
 void Server::Impl::CloseStuckConnections(Clock::time_point now) {
   std::vector<ConnId> stuck;
   for (auto& [conn, load] : conn_load) {
-    if (!load.transfers.empty() && load.transfers.front().first < now) stuck.push_back(conn);
+    if (!load.transfers.empty() && load.transfers.front().deadline < now) stuck.push_back(conn);
   }
   for (ConnId conn : stuck) {
     GKV_LOG_WARN("connection {} has not completed a transfer for {} ms; closing it", conn,
@@ -417,6 +440,7 @@ Server::Impl::~Impl() {
   if (executors) executors->Join();
   executors.reset();
   transport.reset();
+  for (OutgoingReply* out : outgoing_free) delete out;
 }
 
 void Server::Impl::CheckArenaRegistrations() {

@@ -13,6 +13,7 @@
 
 #include <httplib.h>
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -55,6 +56,40 @@ inline bool SecretEquals(std::string_view a, std::string_view b) {
   for (size_t i = 0; i < a.size(); ++i) diff |= a[i] ^ b[i % (b.empty() ? 1 : b.size())];
   return diff == 0 && !b.empty();
 }
+
+// The payload transfers of one connection in flight, oldest first, each with its deadline and a
+// token (increasing); done ones leave from the front. A vector used as a queue keeps its
+// capacity, so tracking a transfer allocates nothing in steady state.
+class TransferQueue {
+ public:
+  struct Entry {
+    Clock::time_point deadline;
+    uint64_t token = 0;
+    bool done = false;
+  };
+  bool empty() const { return head_ == entries_.size(); }
+  const Entry& front() const { return entries_[head_]; }
+  void Push(Clock::time_point deadline, uint64_t token) {
+    entries_.push_back({deadline, token, false});
+  }
+  void Done(uint64_t token) {
+    auto it = std::lower_bound(entries_.begin() + static_cast<ptrdiff_t>(head_), entries_.end(),
+                               token, [](const Entry& e, uint64_t t) { return e.token < t; });
+    if (it != entries_.end() && it->token == token) it->done = true;
+    while (head_ < entries_.size() && entries_[head_].done) ++head_;
+    if (head_ == entries_.size()) {
+      entries_.clear();
+      head_ = 0;
+    } else if (head_ >= 64 && head_ * 2 >= entries_.size()) {
+      entries_.erase(entries_.begin(), entries_.begin() + static_cast<ptrdiff_t>(head_));
+      head_ = 0;
+    }
+  }
+
+ private:
+  std::vector<Entry> entries_;
+  size_t head_ = 0;
+};
 
 // One request as it travels between the I/O thread and the executors.
 struct Req {
@@ -404,7 +439,7 @@ struct Server::Impl {
     // Payload transfers the peer must complete (reply payloads going out, rendezvous request
     // payloads coming in), oldest first, each with its deadline and a done flag; done ones are
     // popped from the front, so a hung or stalled peer leaves its oldest one at the front.
-    std::deque<std::pair<Clock::time_point, std::shared_ptr<bool>>> transfers;
+    TransferQueue transfers;
   };
   std::unordered_map<ConnId, ConnLoad> conn_load;
   uint64_t inflight_bytes = 0;
@@ -425,8 +460,22 @@ struct Server::Impl {
   uint64_t last_spills = 0, last_drops = 0;
 
   // --- replies (I/O thread) ---
-  void Reply(const Req& r, const Status& status, std::string body, const void* payload, size_t size,
-             MemoryKind kind, std::function<void()> after);
+  // Sends the reply to `r`: `body` is encoded at once (a caller may reuse its buffer); `payload`
+  // must stay valid until the send completes, when `after` runs and `pinned` (the read handle
+  // whose bytes the payload is, if any) is released. Allocates nothing in steady state when
+  // `after` is empty (see OutgoingReply).
+  void Reply(const Req& r, const Status& status, std::string_view body, const void* payload,
+             size_t size, MemoryKind kind, std::function<void()> after, ReadHandle pinned = {});
+  // What a reply's send completion needs, recycled (I/O thread) instead of captured in a fresh
+  // closure per reply.
+  struct OutgoingReply {
+    Req req;
+    uint64_t transfer = 0;  // TrackTransfer's token (0: none)
+    std::function<void()> after;
+    ReadHandle pinned;
+  };
+  static constexpr size_t kMaxFreeOutgoing = 1024;
+  std::vector<OutgoingReply*> outgoing_free;  // I/O thread
 
   // Admits a request against the in-flight limits, or says Busy. A request that brings `charge`
   // payload bytes is admitted anyway when its connection (or the node) has no bytes in flight,
@@ -436,10 +485,11 @@ struct Server::Impl {
   // The reply to `r` is sent (or failed): its share of the limits goes back.
   void Release(const Req& r);
 
-  // Transfers watched against send_timeout (see ConnLoad::transfers). TrackTransfer returns
-  // null when the connection is gone.
-  std::shared_ptr<bool> TrackTransfer(ConnId conn);
-  void TransferDone(ConnId conn, const std::shared_ptr<bool>& done);
+  // Transfers watched against send_timeout (see ConnLoad::transfers). TrackTransfer returns a
+  // token for TransferDone, 0 when the connection is gone.
+  uint64_t TrackTransfer(ConnId conn);
+  void TransferDone(ConnId conn, uint64_t token);
+  uint64_t next_transfer_token = 1;
   // Receives a request's payload, watched like a reply's payload: a sender that stalls
   // mid-transfer is disconnected after send_timeout, which releases what it held.
   void ReceivePayload(ConnId conn, std::unique_ptr<Incoming> msg, void* dst, MemoryKind kind,

@@ -84,8 +84,14 @@ std::string_view OpcodeName(Opcode op) {
 
 std::string EncodeMessage(const Header& h, std::string_view body) {
   std::string out;
-  out.reserve(kFixedHeaderSize + body.size());
-  ByteWriter w(&out);
+  EncodeMessageTo(&out, h, body);
+  return out;
+}
+
+void EncodeMessageTo(std::string* out, const Header& h, std::string_view body) {
+  out->clear();
+  out->reserve(kFixedHeaderSize + body.size());
+  ByteWriter w(out);
   w.U32(kMagic);
   w.U8(kVersion);
   w.U8(static_cast<uint8_t>(h.opcode));
@@ -94,7 +100,6 @@ std::string EncodeMessage(const Header& h, std::string_view body) {
   w.U32(static_cast<uint32_t>(body.size()));
   w.U32(h.budget_ms);
   w.Bytes(body.data(), body.size());
-  return out;
 }
 
 Status DecodeMessage(const void* data, size_t size, Header* h, std::string_view* body) {
@@ -291,7 +296,14 @@ Status DecodeStatusPrefix(std::string_view body, ReplyStatus* status) {
 std::string EncodeObjectReply(const Status& s, const ObjectMeta& meta,
                               const std::vector<uint16_t>& replica_hint) {
   std::string out;
-  ByteWriter w(&out);
+  EncodeObjectReplyTo(&out, s, meta, replica_hint);
+  return out;
+}
+
+void EncodeObjectReplyTo(std::string* out, const Status& s, const ObjectMeta& meta,
+                         const std::vector<uint16_t>& replica_hint) {
+  out->clear();
+  ByteWriter w(out);
   WriteStatus(w, s);
   if (s.ok()) {
     WriteMeta(w, meta);
@@ -300,7 +312,6 @@ std::string EncodeObjectReply(const Status& s, const ObjectMeta& meta,
       for (uint16_t n : replica_hint) w.U16(n);
     }
   }
-  return out;
 }
 
 Status DecodeObjectReply(std::string_view body, ReplyStatus* status, ObjectMeta* meta,

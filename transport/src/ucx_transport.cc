@@ -98,15 +98,40 @@ struct UcxTransport::Impl {
     Impl* impl;
     unsigned am_id;
   };
-  struct SendOp {
-    Impl* impl;
-    std::string header;  // must live until the send completes (UCX 1.13)
-    std::function<void(Status)> done;
-  };
-  struct RecvOp {
+  // One send or receive in flight: UCX's user data. Made and freed on the worker thread (under
+  // drive_mu) and recycled (ops_free) so that steady traffic allocates none. A send's header is
+  // copied by UCX (UCP_AM_SEND_FLAG_COPY_HEADER, UCX >= 1.14), so the operation does not keep it.
+  struct Op {
     Impl* impl;
     std::function<void(Status)> done;
   };
+  static constexpr size_t kMaxFreeOps = 256;
+  std::vector<Op*> ops_free;  // worker-thread state
+  Op* NewOp(std::function<void(Status)> done) {
+    Op* op;
+    if (ops_free.empty()) {
+      op = new Op{this, nullptr};
+    } else {
+      op = ops_free.back();
+      ops_free.pop_back();
+    }
+    op->done = std::move(done);
+    return op;
+  }
+  void FreeOp(Op* op) {
+    op->done = nullptr;  // what its captures hold goes now
+    if (ops_free.size() < kMaxFreeOps) {
+      ops_free.push_back(op);
+    } else {
+      delete op;
+    }
+  }
+  // Runs an operation's completion and recycles it.
+  void FinishOp(Op* op, const Status& s) {
+    std::function<void(Status)> done = std::move(op->done);
+    FreeOp(op);
+    done(s);
+  }
 
   Options options;
   Handlers handlers;
@@ -319,6 +344,7 @@ struct UcxTransport::Impl {
     if (context) ucp_cleanup(context);
     if (epoll_fd >= 0) close(epoll_fd);
     if (event_fd >= 0) close(event_fd);
+    for (Op* op : ops_free) delete op;
   }
 
   Status Init() {
@@ -492,7 +518,7 @@ struct UcxTransport::Impl {
     std::unique_ptr<Incoming> msg(new Incoming());
     msg->transport_ = self;
     msg->am_id_ = a->am_id;
-    msg->header_.assign(static_cast<const char*>(header), header_length);
+    msg->SetHeader(header, header_length);
     msg->length_ = length;
     if ((param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) && param->reply_ep) {
       auto it = self->conn_by_ep.find(param->reply_ep);
@@ -518,24 +544,38 @@ struct UcxTransport::Impl {
   }
 
   static void OnSendDone(void* request, ucs_status_t status, void* user_data) {
-    auto* op = static_cast<SendOp*>(user_data);
-    Status s = FromUcs(status, "send");
-    op->impl->deferred.push_back([op, s] {
-      op->impl->ops_in_flight--;
-      op->done(s);
-      delete op;
-    });
+    auto* op = static_cast<Op*>(user_data);
+    Impl* self = op->impl;
+    if (status == UCS_OK) {
+      self->deferred.push_back([op] {
+        op->impl->ops_in_flight--;
+        op->impl->FinishOp(op, Status::OK());
+      });
+    } else {
+      Status s = FromUcs(status, "send");
+      self->deferred.push_back([op, s] {
+        op->impl->ops_in_flight--;
+        op->impl->FinishOp(op, s);
+      });
+    }
     ucp_request_free(request);
   }
 
   static void OnRecvDone(void* request, ucs_status_t status, size_t, void* user_data) {
-    auto* op = static_cast<RecvOp*>(user_data);
-    Status s = FromUcs(status, "receive");
-    op->impl->deferred.push_back([op, s] {
-      op->impl->ops_in_flight--;
-      op->done(s);
-      delete op;
-    });
+    auto* op = static_cast<Op*>(user_data);
+    Impl* self = op->impl;
+    if (status == UCS_OK) {
+      self->deferred.push_back([op] {
+        op->impl->ops_in_flight--;
+        op->impl->FinishOp(op, Status::OK());
+      });
+    } else {
+      Status s = FromUcs(status, "receive");
+      self->deferred.push_back([op, s] {
+        op->impl->ops_in_flight--;
+        op->impl->FinishOp(op, s);
+      });
+    }
     ucp_request_free(request);
   }
 
@@ -853,6 +893,71 @@ Incoming::~Incoming() {
   }
 }
 
+void Incoming::SetHeader(const void* data, size_t size) {
+  header_size_ = size;
+  if (size <= kInlineHeader) {
+    if (size > 0) std::memcpy(header_inline_, data, size);
+  } else {
+    header_heap_.assign(static_cast<const char*>(data), size);
+  }
+}
+
+// Incoming objects come and go once per message, on the worker thread mostly (a server's
+// executor or a client's caller may drop one): a free list per thread keeps up to
+// kFreeIncoming of them. The list is intrusive (the next pointer lives in the free block) and
+// its owner frees it at thread exit; a block dropped after that goes back to the heap. Under
+// AddressSanitizer there is no list, so a use after free is still caught.
+namespace {
+#if defined(__SANITIZE_ADDRESS__)
+constexpr int kFreeIncoming = 0;
+#else
+constexpr int kFreeIncoming = 64;
+#endif
+struct FreeIncoming {
+  void* head = nullptr;
+  int count = 0;
+  ~FreeIncoming();
+};
+thread_local bool tls_free_incoming_gone = false;  // trivially destructible: readable at exit
+thread_local FreeIncoming tls_free_incoming;
+FreeIncoming::~FreeIncoming() {
+  tls_free_incoming_gone = true;
+  while (head != nullptr) {
+    void* next = *static_cast<void**>(head);
+    ::operator delete(head);
+    head = next;
+  }
+  count = 0;
+}
+}  // namespace
+
+void* Incoming::operator new(size_t size) {
+  if (size == sizeof(Incoming) && !tls_free_incoming_gone) {
+    FreeIncoming& fl = tls_free_incoming;
+    if (fl.head != nullptr) {
+      void* block = fl.head;
+      fl.head = *static_cast<void**>(block);
+      fl.count--;
+      return block;
+    }
+  }
+  return ::operator new(size);
+}
+
+void Incoming::operator delete(void* p) {
+  if (p == nullptr) return;
+  if (!tls_free_incoming_gone) {
+    FreeIncoming& fl = tls_free_incoming;
+    if (fl.count < kFreeIncoming) {
+      *static_cast<void**>(p) = fl.head;
+      fl.head = p;
+      fl.count++;
+      return;
+    }
+  }
+  ::operator delete(p);
+}
+
 std::string_view Incoming::payload() const {
   if (ucx_data_ && !rndv_) return {static_cast<const char*>(ucx_data_), length_};
   return copied_;
@@ -1130,7 +1235,7 @@ std::string UcxTransport::Transports(ConnId conn) const {
   return out;
 }
 
-void UcxTransport::Send(ConnId conn, unsigned am_id, std::string header, const void* payload,
+void UcxTransport::Send(ConnId conn, unsigned am_id, std::string_view header, const void* payload,
                         size_t size, MemoryKind kind, std::function<void(Status)> done) {
   Impl& I = *impl_;
   auto it = I.conns.find(conn);
@@ -1152,11 +1257,12 @@ void UcxTransport::Send(ConnId conn, unsigned am_id, std::string header, const v
     done(ks);
     return;
   }
-  auto* op = new Impl::SendOp{&I, std::move(header), std::move(done)};
+  Impl::Op* op = I.NewOp(std::move(done));
   ucp_request_param_t p{};
   p.op_attr_mask =
       UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
-  p.flags = UCP_AM_SEND_FLAG_REPLY;
+  // COPY_HEADER: UCX keeps its own copy of the header while the send is in flight.
+  p.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_COPY_HEADER;
   p.cb.send = &Impl::OnSendDone;
   p.user_data = op;
   if (kind == MemoryKind::kDevice && !I.fake_device_memory) {
@@ -1164,14 +1270,12 @@ void UcxTransport::Send(ConnId conn, unsigned am_id, std::string header, const v
     p.memory_type = UCS_MEMORY_TYPE_CUDA;
   }
   I.AttachRegistration(payload, size, &p);
-  void* req = ucp_am_send_nbx(it->second.ep, am_id, op->header.data(), op->header.size(),
+  void* req = ucp_am_send_nbx(it->second.ep, am_id, header.data(), header.size(),
                               size ? payload : nullptr, size, &p);
   if (req == nullptr) {
-    op->done(Status::OK());
-    delete op;
+    I.FinishOp(op, Status::OK());
   } else if (UCS_PTR_IS_ERR(req)) {
-    op->done(FromUcs(UCS_PTR_STATUS(req), "send"));
-    delete op;
+    I.FinishOp(op, FromUcs(UCS_PTR_STATUS(req), "send"));
   } else {
     I.ops_in_flight++;  // until OnSendDone's completion runs
   }
@@ -1214,7 +1318,7 @@ void UcxTransport::Receive(std::unique_ptr<Incoming> msg, void* dst, MemoryKind 
   }
   void* desc = msg->ucx_data_;
   msg->ucx_data_ = nullptr;  // the descriptor is consumed by the receive
-  auto* op = new Impl::RecvOp{&I, std::move(done)};
+  Impl::Op* op = I.NewOp(std::move(done));
   ucp_request_param_t p{};
   p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
   p.cb.recv_am = &Impl::OnRecvDone;
@@ -1226,11 +1330,9 @@ void UcxTransport::Receive(std::unique_ptr<Incoming> msg, void* dst, MemoryKind 
   I.AttachRegistration(dst, msg->length_, &p);
   void* req = ucp_am_recv_data_nbx(I.worker, desc, dst, msg->length_, &p);
   if (req == nullptr) {
-    op->done(Status::OK());
-    delete op;
+    I.FinishOp(op, Status::OK());
   } else if (UCS_PTR_IS_ERR(req)) {
-    op->done(FromUcs(UCS_PTR_STATUS(req), "receive"));
-    delete op;
+    I.FinishOp(op, FromUcs(UCS_PTR_STATUS(req), "receive"));
   } else {
     I.ops_in_flight++;  // until OnRecvDone's completion runs
   }

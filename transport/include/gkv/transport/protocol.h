@@ -88,6 +88,9 @@ struct Header {
 
 // Fixed header + body, ready to be the AM header.
 std::string EncodeMessage(const Header& h, std::string_view body);
+// The same into `out` (replacing what it held): a caller that keeps one buffer allocates nothing
+// per message once it has grown.
+void EncodeMessageTo(std::string* out, const Header& h, std::string_view body);
 // ProtocolError for a short buffer, a wrong magic, an unknown version or opcode, or a body_len
 // that disagrees with the buffer. `body` views into `data`.
 Status DecodeMessage(const void* data, size_t size, Header* h, std::string_view* body);
@@ -163,6 +166,8 @@ Status DecodeStatusPrefix(std::string_view body, ReplyStatus* status);
 // the cluster file's node list) of nodes holding a copy of exactly meta.version.
 std::string EncodeObjectReply(const Status& s, const ObjectMeta& meta,
                               const std::vector<uint16_t>& replica_hint = {});
+void EncodeObjectReplyTo(std::string* out, const Status& s, const ObjectMeta& meta,
+                         const std::vector<uint16_t>& replica_hint = {});
 Status DecodeObjectReply(std::string_view body, ReplyStatus* status, ObjectMeta* meta,
                          std::vector<uint16_t>* replica_hint = nullptr);
 

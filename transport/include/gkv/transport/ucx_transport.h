@@ -44,15 +44,24 @@ class UcxTransport;
 // with payload()) or a rendezvous descriptor (fetch it with UcxTransport::Receive). Destroying the
 // message without receiving a rendezvous payload releases it; the sender's operation then fails
 // with a cancel, which is how a server refuses a payload it has no room for.
-class Incoming {
+// Memory: a header of up to kInlineHeader bytes is held inline, and the objects themselves are
+// recycled through a small free list per thread, so receiving a request allocates nothing in
+// steady state.
+class Incoming final {
  public:
   ~Incoming();
   Incoming(const Incoming&) = delete;
   Incoming& operator=(const Incoming&) = delete;
+  static void* operator new(size_t size);
+  static void operator delete(void* p);
 
   ConnId conn() const { return conn_; }
   unsigned am_id() const { return am_id_; }
-  const std::string& header() const { return header_; }
+  // Valid while this object lives.
+  std::string_view header() const {
+    return header_size_ <= kInlineHeader ? std::string_view(header_inline_, header_size_)
+                                         : std::string_view(header_heap_);
+  }
   size_t payload_size() const { return length_; }
   bool payload_is_rendezvous() const { return rndv_; }
   // REQUIRES: !payload_is_rendezvous(). Valid while this object lives.
@@ -61,12 +70,16 @@ class Incoming {
  private:
   friend class UcxTransport;
   Incoming() = default;
+  void SetHeader(const void* data, size_t size);
+  static constexpr size_t kInlineHeader = 224;
   void* transport_ = nullptr;  // UcxTransport::Impl
   ConnId conn_ = 0;
   unsigned am_id_ = 0;
-  std::string header_;
-  std::string copied_;        // eager payload copied during the callback
-  void* ucx_data_ = nullptr;  // eager payload kept by UCX, or the rendezvous descriptor
+  size_t header_size_ = 0;
+  char header_inline_[kInlineHeader];  // the header when it fits
+  std::string header_heap_;            // else here
+  std::string copied_;                 // eager payload copied during the callback
+  void* ucx_data_ = nullptr;           // eager payload kept by UCX, or the rendezvous descriptor
   size_t length_ = 0;
   bool rndv_ = false;
 };
@@ -191,10 +204,11 @@ class UcxTransport {
   // shared memory once wireup has completed. Empty for an unknown connection.
   std::string Transports(ConnId conn) const;
   // Sends an active message. `done` runs on the worker thread when UCX no longer needs
-  // `payload` (or on failure). The header is owned by the operation until then. A device payload
+  // `payload` (or on failure). The header is copied before Send returns (a caller may reuse
+  // its buffer at once). A device payload
   // requires device_memory_supported(). A payload inside a registered region goes with its
   // registration (see RegisterMemory); so does a Receive destination.
-  void Send(ConnId conn, unsigned am_id, std::string header, const void* payload, size_t size,
+  void Send(ConnId conn, unsigned am_id, std::string_view header, const void* payload, size_t size,
             MemoryKind kind, std::function<void(Status)> done);
   // Receives the payload of `msg` into `dst` (at least payload_size() bytes). `done` runs on the
   // worker thread; `dst` must stay valid until then.
