@@ -227,18 +227,34 @@ struct TieredCache::Impl {
 
   // --- placement helpers; all REQUIRE mu held ---
 
+  // List nodes unlinked from an LRU list are kept here (up to kSpareLruNodes) and spliced back
+  // in by the next LinkLru: an overwrite or a move between tiers allocates no list node.
+  // Placement lock.
+  static constexpr size_t kSpareLruNodes = 64;
+  std::list<Entry*> spare_lru_nodes;
+
   void LinkLru(Entry* e) {
     TierState& t = tiers[static_cast<int>(e->tier)];
     t.objects++;
     if (e->tier == Tier::kDisk) return;
-    t.lru.push_front(e);
+    if (spare_lru_nodes.empty()) {
+      t.lru.push_front(e);
+    } else {
+      t.lru.splice(t.lru.begin(), spare_lru_nodes, spare_lru_nodes.begin());
+      t.lru.front() = e;
+    }
     e->lru = t.lru.begin();
   }
 
   void UnlinkLru(Entry* e) {
     TierState& t = tiers[static_cast<int>(e->tier)];
     t.objects--;
-    if (e->tier != Tier::kDisk) t.lru.erase(e->lru);
+    if (e->tier == Tier::kDisk) return;
+    if (spare_lru_nodes.size() < kSpareLruNodes) {
+      spare_lru_nodes.splice(spare_lru_nodes.begin(), t.lru, e->lru);
+    } else {
+      t.lru.erase(e->lru);
+    }
   }
 
   void Touch(Entry* e) {

@@ -7,8 +7,41 @@
 
 namespace gkv {
 
+Server::Impl::PutOp* Server::Impl::NewPutOp() {
+  if (put_ops_free.empty()) return new PutOp;
+  PutOp* op = put_ops_free.back();
+  put_ops_free.pop_back();
+  return op;
+}
+
+void Server::Impl::FreePutOp(PutOp* op) {
+  // Emptied, but the key keeps its capacity for the next one.
+  op->msg.reset();
+  op->handle = WriteHandle();
+  op->staging.clear();
+  op->put.key.clear();
+  op->put.tensor = TensorMeta{};
+  op->put.size = 0;
+  op->ring_epoch = 0;
+  op->client_version = 0;
+  op->transfer = 0;
+  if (put_ops_free.size() < kMaxFreePutOps) {
+    put_ops_free.push_back(op);
+  } else {
+    delete op;
+  }
+}
+
+std::shared_ptr<Server::Impl::PutOp> Server::Impl::SharePutOp(PutOp* op) {
+  auto shared = std::make_shared<PutOp>(std::move(*op));
+  FreePutOp(op);
+  return shared;
+}
+
 void Server::Impl::HandlePut(const Req& r, std::string_view body, std::unique_ptr<Incoming> msg) {
-  auto op = std::make_shared<PutOp>();
+  // A recycled op (I/O thread): the fast path below allocates nothing for it; the other paths
+  // move it into a shared one (SharePutOp).
+  PutOp* op = NewPutOp();
   op->req = r;
   Status s;
   if (r.h.flags & w::kFlagClientVersion) {
@@ -22,8 +55,10 @@ void Server::Impl::HandlePut(const Req& r, std::string_view body, std::unique_pt
   }
   if (s.ok()) s = CheckValueSize(op->put.size);
   if (s.ok() && Misrouted(r, op->put.key)) s = WrongNode();
-  if (!s.ok()) return ReplyStatus(r, s);  // msg dropped: an unreceived payload is released
-  op->msg = std::move(msg);
+  if (!s.ok()) {
+    FreePutOp(op);
+    return ReplyStatus(r, s);  // msg dropped: an unreceived payload is released
+  }
   op->ring_epoch = ring->epoch();
   // Hot path, all on the I/O thread: free room in a memory tier, receive straight into it,
   // publish. Anything that would evict or touch the disk goes through the executors.
@@ -33,28 +68,52 @@ void Server::Impl::HandlePut(const Req& r, std::string_view body, std::unique_pt
     if (op->client_version != 0) op->handle.RequestVersion(op->client_version);
     void* dst = op->handle.data();
     MemoryKind kind = op->handle.memory_kind();
-    ReceivePayload(op->req.conn, std::move(op->msg), dst, kind, [this, op](Status rs) {
-      if (!rs.ok()) {
-        op->handle = WriteHandle();
-        return ReplyStatus(op->req, rs);
-      }
-      uint64_t version = 0;
-      if ((op->req.h.flags & w::kFlagDurable) == 0 &&
-          cache->TryCommitInMemory(&op->handle, &version) == TieredCache::FastPath::kServed) {
-        NoteCommitted({op->put.key}, op->ring_epoch);
-        return AfterWrite({op->put.key}, [this, op, version] {
-          Reply(op->req, Status::OK(), w::EncodePutReply(Status::OK(), version), nullptr, 0,
-                MemoryKind::kHost, nullptr);
-        });
-      }
-      executors->Submit([this, op] { CommitAndReply(op); });
-    });
+    // Watched like ReceivePayload's, with a closure that fits std::function's small buffer.
+    op->transfer = msg->payload_is_rendezvous() ? TrackTransfer(r.conn) : 0;
+    transport->Receive(std::move(msg), dst, kind, [this, op](Status rs) { FinishFastPut(op, rs); });
     return;
   }
   // A fast reservation that this path cannot use (GPU memory that UCX cannot receive into) is
   // released before the slow path reserves: holding both would count the value twice and could
   // evict for nothing.
   op->handle = WriteHandle();
+  op->msg = std::move(msg);
+  SlowPut(SharePutOp(op));
+}
+
+// The fast put's payload is in (or failed): publish it in memory and reply, or hand the op to
+// an executor (durable, or no room without eviction).
+void Server::Impl::FinishFastPut(PutOp* op, const Status& rs) {
+  if (op->transfer != 0) TransferDone(op->req.conn, op->transfer);
+  op->transfer = 0;
+  if (!rs.ok()) {
+    op->handle = WriteHandle();
+    const Req req = op->req;
+    FreePutOp(op);
+    return ReplyStatus(req, rs);
+  }
+  uint64_t version = 0;
+  if ((op->req.h.flags & w::kFlagDurable) == 0 &&
+      cache->TryCommitInMemory(&op->handle, &version) == TieredCache::FastPath::kServed) {
+    NoteCommittedKey(op->put.key, op->ring_epoch);
+    if (!WriteWaitsForCopies(op->put.key)) {
+      const Req req = op->req;
+      FreePutOp(op);
+      return Reply(req, Status::OK(), w::EncodePutReply(Status::OK(), version), nullptr, 0,
+                   MemoryKind::kHost, nullptr);
+    }
+    std::shared_ptr<PutOp> shared = SharePutOp(op);
+    return AfterWrite({shared->put.key}, [this, shared, version] {
+      Reply(shared->req, Status::OK(), w::EncodePutReply(Status::OK(), version), nullptr, 0,
+            MemoryKind::kHost, nullptr);
+    });
+  }
+  std::shared_ptr<PutOp> shared = SharePutOp(op);
+  executors->Submit([this, shared] { CommitAndReply(shared); });
+}
+
+void Server::Impl::SlowPut(std::shared_ptr<PutOp> op) {
+  const Req& r = op->req;
   SubmitRequestWork(r, [this, op] {
     if (op->req.Expired()) {
       return PostReply([this, op] {
@@ -210,13 +269,13 @@ void Server::Impl::HandleGet(const Req& r, std::string_view body) {
         (fast.memory_kind() == MemoryKind::kHost || device_zero_copy())) {
       // Sent straight from the tier; the reply keeps the pin until UCX is done with the bytes.
       // The body is encoded into this thread's buffer (Reply copies it into the message).
-      static thread_local std::string body;
-      w::EncodeObjectReplyTo(&body, Status::OK(), ToWire(fast.info()),
+      static thread_local std::string reply_body;
+      w::EncodeObjectReplyTo(&reply_body, Status::OK(), ToWire(fast.info()),
                              HintFor(key, fast.info().version));
       const void* data = fast.data();
       const size_t size = fast.size();
       const MemoryKind kind = fast.memory_kind();
-      return Reply(r, Status::OK(), body, data, size, kind, nullptr, std::move(fast));
+      return Reply(r, Status::OK(), reply_body, data, size, kind, nullptr, std::move(fast));
     }
   }
   ReadOnExecutor(r, cache.get(), key, std::nullopt,

@@ -27,7 +27,7 @@ void Server::Impl::Reply(const Req& r, const Status& status, std::string_view bo
   // Recycled on the I/O thread (where every reply completes); a reply made elsewhere takes a
   // new one.
   OutgoingReply* out;
-  if (!outgoing_free.empty() && transport->OnWorkerThread()) {
+  if (transport->OnWorkerThread() && !outgoing_free.empty()) {
     out = outgoing_free.back();
     outgoing_free.pop_back();
   } else {
@@ -441,6 +441,7 @@ Server::Impl::~Impl() {
   executors.reset();
   transport.reset();
   for (OutgoingReply* out : outgoing_free) delete out;
+  for (PutOp* op : put_ops_free) delete op;
 }
 
 void Server::Impl::CheckArenaRegistrations() {

@@ -31,6 +31,7 @@
 
 #include "gkv/membership.h"
 #include "gkv/ring_view.h"
+#include "gkv/sanitizers.h"
 #include "gkv/transport/protocol.h"
 #include "gkv/transport/ucx_transport.h"
 #include "hot_keys.h"
@@ -383,6 +384,14 @@ struct Server::Impl {
   // changed since, the keys this node no longer owns or whose owners moved (the scan may have
   // sent an older version) get another pass.
   void NoteCommitted(const std::vector<std::string>& keys, uint64_t admitted_epoch);
+  // One key, without building a list when there is nothing to note (the common case).
+  void NoteCommittedKey(const std::string& key, uint64_t admitted_epoch) {
+    if (!catching_up.load(std::memory_order_relaxed) &&
+        (!handoff || !elastic() || ring->epoch() == admitted_epoch)) {
+      return;
+    }
+    NoteCommitted(std::vector<std::string>{key}, admitted_epoch);
+  }
   static constexpr uint64_t kNotRouted = ~uint64_t{0};
   void HandleHandoffPut(const Req& r, std::string_view body, std::unique_ptr<Incoming> msg);
   // Read repair: a client saw a replica of the key lag behind this node's copy; push the copy
@@ -474,7 +483,7 @@ struct Server::Impl {
     std::function<void()> after;
     ReadHandle pinned;
   };
-  static constexpr size_t kMaxFreeOutgoing = 1024;
+  static constexpr size_t kMaxFreeOutgoing = kAddressSanitizer ? 0 : 1024;
   std::vector<OutgoingReply*> outgoing_free;  // I/O thread
 
   // Admits a request against the in-flight limits, or says Busy. A request that brings `charge`
@@ -536,7 +545,17 @@ struct Server::Impl {
     std::string staging;          // device-tier target without device-capable UCX
     uint64_t ring_epoch = 0;      // of the ring the put was admitted under (NoteCommitted)
     uint64_t client_version = 0;  // kFlagClientVersion: the version the client assigned
+    uint64_t transfer = 0;        // fast path: TrackTransfer's token for its payload
   };
+  // Put ops are recycled on the I/O thread: the fast path (memory, non-durable, no eviction)
+  // allocates none; every other path moves the op into a shared one (SharePutOp).
+  static constexpr size_t kMaxFreePutOps = kAddressSanitizer ? 0 : 256;
+  std::vector<PutOp*> put_ops_free;  // I/O thread
+  PutOp* NewPutOp();
+  void FreePutOp(PutOp* op);
+  std::shared_ptr<PutOp> SharePutOp(PutOp* op);
+  void FinishFastPut(PutOp* op, const Status& received);
+  void SlowPut(std::shared_ptr<PutOp> op);
 
   void HandlePut(const Req& r, std::string_view body, std::unique_ptr<Incoming> msg);
 
@@ -606,6 +625,11 @@ struct Server::Impl {
   // Before a write or delete of `keys` is acknowledged: every copy of an older version becomes
   // unreadable. Runs `reply` when that holds (at once for keys that are not replicated).
   void AfterWrite(const std::vector<std::string>& keys, std::function<void()> reply);
+  // Whether AfterWrite would hold a write of `key` back (copies of it to withdraw or cancel);
+  // when not, the write is acknowledged at once.
+  bool WriteWaitsForCopies(const std::string& key) const {
+    return !registry.empty() && registry.count(key) > 0;
+  }
 
   // serving -> withdrawing: INVALIDATE to every holder; ends as ReplicaSet says.
   void Withdraw(const std::string& key, const char* why);

@@ -7,6 +7,9 @@ namespace gkv {
 RangeAllocator::RangeAllocator(uint64_t capacity, uint64_t alignment)
     : capacity_(capacity & ~(alignment - 1)), alignment_(alignment) {
   assert((alignment & (alignment - 1)) == 0);
+  spare_offset_nodes_.reserve(kSpareNodes);
+  spare_size_nodes_.reserve(kSpareNodes);
+  spare_allocated_nodes_.reserve(kSpareNodes);
   if (capacity_ > 0) InsertFree(0, capacity_);
 }
 
@@ -23,7 +26,15 @@ std::optional<uint64_t> RangeAllocator::Allocate(uint64_t size) {
   const auto [block_size, offset] = *it;
   EraseFree(offset, block_size);
   if (block_size > need) InsertFree(offset + need, block_size - need);
-  allocated_.emplace(offset, need);
+  if (spare_allocated_nodes_.empty()) {
+    allocated_.emplace(offset, need);
+  } else {
+    auto node = std::move(spare_allocated_nodes_.back());
+    spare_allocated_nodes_.pop_back();
+    node.key() = offset;
+    node.mapped() = need;
+    allocated_.insert(std::move(node));
+  }
   used_ += need;
   return offset;
 }
@@ -35,7 +46,9 @@ void RangeAllocator::Free(uint64_t offset) {
   uint64_t start = offset;
   uint64_t size = a->second;
   used_ -= size;
-  allocated_.erase(a);
+  auto node = allocated_.extract(a);
+  if (spare_allocated_nodes_.size() < kSpareNodes)
+    spare_allocated_nodes_.push_back(std::move(node));
 
   auto next = free_by_offset_.find(start + size);
   if (next != free_by_offset_.end()) {
@@ -66,13 +79,34 @@ uint64_t RangeAllocator::largest_free_block() const {
 }
 
 void RangeAllocator::InsertFree(uint64_t offset, uint64_t size) {
-  free_by_offset_.emplace(offset, size);
-  free_by_size_.emplace(size, offset);
+  if (spare_offset_nodes_.empty()) {
+    free_by_offset_.emplace(offset, size);
+  } else {
+    auto node = std::move(spare_offset_nodes_.back());
+    spare_offset_nodes_.pop_back();
+    node.key() = offset;
+    node.mapped() = size;
+    free_by_offset_.insert(std::move(node));
+  }
+  if (spare_size_nodes_.empty()) {
+    free_by_size_.emplace(size, offset);
+  } else {
+    auto node = std::move(spare_size_nodes_.back());
+    spare_size_nodes_.pop_back();
+    node.value() = {size, offset};
+    free_by_size_.insert(std::move(node));
+  }
 }
 
 void RangeAllocator::EraseFree(uint64_t offset, uint64_t size) {
-  free_by_offset_.erase(offset);
-  free_by_size_.erase({size, offset});
+  auto by_offset = free_by_offset_.extract(offset);
+  if (by_offset && spare_offset_nodes_.size() < kSpareNodes) {
+    spare_offset_nodes_.push_back(std::move(by_offset));
+  }
+  auto by_size = free_by_size_.extract(std::pair<uint64_t, uint64_t>{size, offset});
+  if (by_size && spare_size_nodes_.size() < kSpareNodes) {
+    spare_size_nodes_.push_back(std::move(by_size));
+  }
 }
 
 }  // namespace gkv

@@ -12,6 +12,8 @@
 //    evicts LRU entries until a hole big enough appears (their neighbours merge as they go).
 //    largest_free_block() and free_block_count() expose the state for benchmarks and stats.
 // Invariants: used() + free bytes == capacity(); free blocks never overlap nor touch.
+// Memory: the index nodes that Allocate and Free erase are kept (a few of each kind) and reused
+// by the next insertions, so steady allocate/free traffic makes no heap allocation.
 // Thread-safety: not thread-safe; the owner serializes calls.
 #pragma once
 
@@ -21,6 +23,7 @@
 #include <set>
 #include <unordered_map>
 #include <utility>
+#include <vector>
 
 namespace gkv {
 
@@ -55,6 +58,11 @@ class RangeAllocator {
   std::map<uint64_t, uint64_t> free_by_offset_;           // offset -> size
   std::set<std::pair<uint64_t, uint64_t>> free_by_size_;  // (size, offset)
   std::unordered_map<uint64_t, uint64_t> allocated_;      // offset -> size
+  // Erased nodes kept for reuse (at most kSpareNodes of each).
+  static constexpr size_t kSpareNodes = 8;
+  std::vector<decltype(free_by_offset_)::node_type> spare_offset_nodes_;
+  std::vector<decltype(free_by_size_)::node_type> spare_size_nodes_;
+  std::vector<decltype(allocated_)::node_type> spare_allocated_nodes_;
 };
 
 }  // namespace gkv
