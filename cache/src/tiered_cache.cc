@@ -12,6 +12,7 @@
 #include "gkv/hash.h"
 #include "gkv/hybrid_clock.h"
 #include "gkv/log.h"
+#include "gkv/sanitizers.h"
 #include "gkv/size.h"
 #include "gkv/storage/disk_tier.h"
 
@@ -230,7 +231,8 @@ struct TieredCache::Impl {
   // List nodes unlinked from an LRU list are kept here (up to kSpareLruNodes) and spliced back
   // in by the next LinkLru: an overwrite or a move between tiers allocates no list node.
   // Placement lock.
-  static constexpr size_t kSpareLruNodes = 64;
+  // None under AddressSanitizer: a stale Entry::lru then points at a freed node, which it reports.
+  static constexpr size_t kSpareLruNodes = kAddressSanitizer ? 0 : 64;
   std::list<Entry*> spare_lru_nodes;
 
   void LinkLru(Entry* e) {

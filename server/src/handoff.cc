@@ -199,7 +199,7 @@ void Server::Impl::NoteCommitted(const std::vector<std::string>& keys, uint64_t 
     for (const std::string& key : keys) Confirm(key);
   }
   // Admitted under the current ring: the admission checked ownership, nothing moved since.
-  if (!handoff || !elastic() || ring->epoch() == admitted_epoch) return;
+  if (!RingMovedSince(admitted_epoch)) return;
   // Keys this node does not own now go; so do keys whose owners the last change moved.
   bool added = false;
   {

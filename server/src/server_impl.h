@@ -384,12 +384,14 @@ struct Server::Impl {
   // changed since, the keys this node no longer owns or whose owners moved (the scan may have
   // sent an older version) get another pass.
   void NoteCommitted(const std::vector<std::string>& keys, uint64_t admitted_epoch);
-  // One key, without building a list when there is nothing to note (the common case).
+  // Whether keys admitted under ring `admitted_epoch` may have moved since (NoteCommitted
+  // looks at them again).
+  bool RingMovedSince(uint64_t admitted_epoch) const {
+    return handoff && elastic() && ring->epoch() != admitted_epoch;
+  }
+  // One key, without building a list when NoteCommitted would do nothing (the common case).
   void NoteCommittedKey(const std::string& key, uint64_t admitted_epoch) {
-    if (!catching_up.load(std::memory_order_relaxed) &&
-        (!handoff || !elastic() || ring->epoch() == admitted_epoch)) {
-      return;
-    }
+    if (!catching_up.load(std::memory_order_relaxed) && !RingMovedSince(admitted_epoch)) return;
     NoteCommitted(std::vector<std::string>{key}, admitted_epoch);
   }
   static constexpr uint64_t kNotRouted = ~uint64_t{0};
@@ -625,8 +627,8 @@ struct Server::Impl {
   // Before a write or delete of `keys` is acknowledged: every copy of an older version becomes
   // unreadable. Runs `reply` when that holds (at once for keys that are not replicated).
   void AfterWrite(const std::vector<std::string>& keys, std::function<void()> reply);
-  // Whether AfterWrite would hold a write of `key` back (copies of it to withdraw or cancel);
-  // when not, the write is acknowledged at once.
+  // Whether AfterWrite has anything to do for a write of `key` (copies of it to withdraw, or a
+  // copy in progress to cancel); when not, the write is acknowledged at once.
   bool WriteWaitsForCopies(const std::string& key) const {
     return !registry.empty() && registry.count(key) > 0;
   }

@@ -25,6 +25,8 @@
 #include <utility>
 #include <vector>
 
+#include "gkv/sanitizers.h"
+
 namespace gkv {
 
 class RangeAllocator {
@@ -58,8 +60,8 @@ class RangeAllocator {
   std::map<uint64_t, uint64_t> free_by_offset_;           // offset -> size
   std::set<std::pair<uint64_t, uint64_t>> free_by_size_;  // (size, offset)
   std::unordered_map<uint64_t, uint64_t> allocated_;      // offset -> size
-  // Erased nodes kept for reuse (at most kSpareNodes of each).
-  static constexpr size_t kSpareNodes = 8;
+  // Erased nodes kept for reuse (at most kSpareNodes of each; none under AddressSanitizer).
+  static constexpr size_t kSpareNodes = kAddressSanitizer ? 0 : 8;
   std::vector<decltype(free_by_offset_)::node_type> spare_offset_nodes_;
   std::vector<decltype(free_by_size_)::node_type> spare_size_nodes_;
   std::vector<decltype(allocated_)::node_type> spare_allocated_nodes_;
