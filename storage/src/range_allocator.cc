@@ -3,6 +3,31 @@
 #include <cassert>
 
 namespace gkv {
+namespace {
+
+// Inserts key -> value into `m` through a node kept in `spares` when there is one (no
+// allocation), else a new one.
+template <class Map>
+void InsertReusing(Map& m, std::vector<typename Map::node_type>& spares, typename Map::key_type key,
+                   typename Map::mapped_type value) {
+  if (spares.empty()) {
+    m.emplace(key, value);
+    return;
+  }
+  auto node = std::move(spares.back());
+  spares.pop_back();
+  node.key() = key;
+  node.mapped() = value;
+  m.insert(std::move(node));
+}
+
+// Keeps an extracted node (if any) for reuse, up to `most` of them; the rest are freed.
+template <class Node>
+void Keep(std::vector<Node>& spares, Node node, size_t most) {
+  if (node && spares.size() < most) spares.push_back(std::move(node));
+}
+
+}  // namespace
 
 RangeAllocator::RangeAllocator(uint64_t capacity, uint64_t alignment)
     : capacity_(capacity & ~(alignment - 1)), alignment_(alignment) {
@@ -26,15 +51,7 @@ std::optional<uint64_t> RangeAllocator::Allocate(uint64_t size) {
   const auto [block_size, offset] = *it;
   EraseFree(offset, block_size);
   if (block_size > need) InsertFree(offset + need, block_size - need);
-  if (spare_allocated_nodes_.empty()) {
-    allocated_.emplace(offset, need);
-  } else {
-    auto node = std::move(spare_allocated_nodes_.back());
-    spare_allocated_nodes_.pop_back();
-    node.key() = offset;
-    node.mapped() = need;
-    allocated_.insert(std::move(node));
-  }
+  InsertReusing(allocated_, spare_allocated_nodes_, offset, need);
   used_ += need;
   return offset;
 }
@@ -46,9 +63,7 @@ void RangeAllocator::Free(uint64_t offset) {
   uint64_t start = offset;
   uint64_t size = a->second;
   used_ -= size;
-  auto node = allocated_.extract(a);
-  if (spare_allocated_nodes_.size() < kSpareNodes)
-    spare_allocated_nodes_.push_back(std::move(node));
+  Keep(spare_allocated_nodes_, allocated_.extract(a), kSpareNodes);
 
   auto next = free_by_offset_.find(start + size);
   if (next != free_by_offset_.end()) {
@@ -79,15 +94,7 @@ uint64_t RangeAllocator::largest_free_block() const {
 }
 
 void RangeAllocator::InsertFree(uint64_t offset, uint64_t size) {
-  if (spare_offset_nodes_.empty()) {
-    free_by_offset_.emplace(offset, size);
-  } else {
-    auto node = std::move(spare_offset_nodes_.back());
-    spare_offset_nodes_.pop_back();
-    node.key() = offset;
-    node.mapped() = size;
-    free_by_offset_.insert(std::move(node));
-  }
+  InsertReusing(free_by_offset_, spare_offset_nodes_, offset, size);
   if (spare_size_nodes_.empty()) {
     free_by_size_.emplace(size, offset);
   } else {
@@ -99,14 +106,9 @@ void RangeAllocator::InsertFree(uint64_t offset, uint64_t size) {
 }
 
 void RangeAllocator::EraseFree(uint64_t offset, uint64_t size) {
-  auto by_offset = free_by_offset_.extract(offset);
-  if (by_offset && spare_offset_nodes_.size() < kSpareNodes) {
-    spare_offset_nodes_.push_back(std::move(by_offset));
-  }
-  auto by_size = free_by_size_.extract(std::pair<uint64_t, uint64_t>{size, offset});
-  if (by_size && spare_size_nodes_.size() < kSpareNodes) {
-    spare_size_nodes_.push_back(std::move(by_size));
-  }
+  Keep(spare_offset_nodes_, free_by_offset_.extract(offset), kSpareNodes);
+  Keep(spare_size_nodes_, free_by_size_.extract(std::pair<uint64_t, uint64_t>{size, offset}),
+       kSpareNodes);
 }
 
 }  // namespace gkv

@@ -545,39 +545,29 @@ struct UcxTransport::Impl {
     return ret;
   }
 
-  static void OnSendDone(void* request, ucs_status_t status, void* user_data) {
-    auto* op = static_cast<Op*>(user_data);
-    Impl* self = op->impl;
+  // UCX completed an operation (inside progress): its completion runs with the deferred ones.
+  // A success captures only the op, so the deferred task needs no allocation.
+  static void DeferCompletion(Op* op, ucs_status_t status, const char* what) {
     if (status == UCS_OK) {
-      self->deferred.push_back([op] {
+      op->impl->deferred.push_back([op] {
         op->impl->ops_in_flight--;
         op->impl->FinishOp(op, Status::OK());
       });
-    } else {
-      Status s = FromUcs(status, "send");
-      self->deferred.push_back([op, s] {
-        op->impl->ops_in_flight--;
-        op->impl->FinishOp(op, s);
-      });
+      return;
     }
+    op->impl->deferred.push_back([op, s = FromUcs(status, what)] {
+      op->impl->ops_in_flight--;
+      op->impl->FinishOp(op, s);
+    });
+  }
+
+  static void OnSendDone(void* request, ucs_status_t status, void* user_data) {
+    DeferCompletion(static_cast<Op*>(user_data), status, "send");
     ucp_request_free(request);
   }
 
   static void OnRecvDone(void* request, ucs_status_t status, size_t, void* user_data) {
-    auto* op = static_cast<Op*>(user_data);
-    Impl* self = op->impl;
-    if (status == UCS_OK) {
-      self->deferred.push_back([op] {
-        op->impl->ops_in_flight--;
-        op->impl->FinishOp(op, Status::OK());
-      });
-    } else {
-      Status s = FromUcs(status, "receive");
-      self->deferred.push_back([op, s] {
-        op->impl->ops_in_flight--;
-        op->impl->FinishOp(op, s);
-      });
-    }
+    DeferCompletion(static_cast<Op*>(user_data), status, "receive");
     ucp_request_free(request);
   }
 
