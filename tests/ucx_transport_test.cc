@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <functional>
 #include <future>
 #include <map>
 #include <mutex>
@@ -129,19 +130,28 @@ struct Caller {
     return p.get_future().get();
   }
 
+  // The echo of the request with this header, once it arrives.
+  std::future<std::string> Expect(const std::string& header) {
+    std::lock_guard<std::mutex> lock(mu);
+    return waiting[header].get_future();
+  }
+
+  // A task that sends header+payload (for Post or PostQuietly: it runs on the worker thread).
+  std::function<void()> SendTask(ConnId conn, const std::string& header,
+                                 const std::string& payload) {
+    auto keep = std::make_shared<std::string>(payload);
+    UcxTransport* tr = t.get();
+    return [tr, conn, header, keep] {
+      tr->Send(conn, wire::kAmRequest, header, keep->data(), keep->size(), MemoryKind::kHost,
+               [keep](Status) {});
+    };
+  }
+
   // Sends header+payload and waits for the echo.
   std::string RoundTrip(ConnId conn, const std::string& header, const std::string& payload,
                         std::chrono::milliseconds wait = std::chrono::seconds(20)) {
-    std::future<std::string> f;
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      f = waiting[header].get_future();
-    }
-    auto keep = std::make_shared<std::string>(payload);
-    t->Post([this, conn, header, keep] {
-      t->Send(conn, wire::kAmRequest, header, keep->data(), keep->size(), MemoryKind::kHost,
-              [keep](Status) {});
-    });
+    std::future<std::string> f = Expect(header);
+    t->Post(SendTask(conn, header, payload));
     if (f.wait_for(wait) != std::future_status::ready) return "timeout";
     return f.get();
   }
@@ -285,18 +295,13 @@ TEST(UcxTransportTest, ACallerDrivesTheWorkerForItsOwnReply) {
   int drove = 0, on_this_thread = 0;
   for (int i = 0; i < 50; ++i) {
     const std::string header = "driven-" + std::to_string(i);
-    std::future<std::string> f;
-    {
-      std::lock_guard<std::mutex> lock(client.mu);
-      f = client.waiting[header].get_future();
-    }
+    std::future<std::string> f = client.Expect(header);
     auto sent_on = std::make_shared<std::thread::id>();
-    auto keep = std::make_shared<std::string>(static_cast<size_t>(i * 131), 'd');
-    t->PostQuietly([t, conn, header, keep, sent_on] {
+    const std::string payload(static_cast<size_t>(i * 131), 'd');
+    t->PostQuietly([t, sent_on, send = client.SendTask(conn, header, payload)] {
       *sent_on = std::this_thread::get_id();
       EXPECT_TRUE(t->OnWorkerThread());
-      t->Send(conn, wire::kAmRequest, header, keep->data(), keep->size(), MemoryKind::kHost,
-              [keep](Status) {});
+      send();
     });
     auto ready = [&f] { return f.wait_for(std::chrono::seconds(0)) == std::future_status::ready; };
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
@@ -309,7 +314,7 @@ TEST(UcxTransportTest, ACallerDrivesTheWorkerForItsOwnReply) {
       }
     }
     ASSERT_TRUE(ready()) << "no reply for " << header;
-    EXPECT_EQ(f.get(), *keep);
+    EXPECT_EQ(f.get(), payload);
     if (*sent_on == std::this_thread::get_id()) on_this_thread++;
   }
   // The transport's own thread holds the worker only for its passes: most tries succeed.
@@ -352,16 +357,8 @@ TEST(UcxTransportTest, ConcurrentDriversAndPostersKeepEveryReply) {
           if (client.RoundTrip(conn, header, payload, std::chrono::seconds(3)) != payload) bad++;
           continue;
         }
-        std::future<std::string> f;
-        {
-          std::lock_guard<std::mutex> lock(client.mu);
-          f = client.waiting[header].get_future();
-        }
-        auto keep = std::make_shared<std::string>(payload);
-        t->PostQuietly([t, conn, header, keep] {
-          t->Send(conn, wire::kAmRequest, header, keep->data(), keep->size(), MemoryKind::kHost,
-                  [keep](Status) {});
-        });
+        std::future<std::string> f = client.Expect(header);
+        t->PostQuietly(client.SendTask(conn, header, payload));
         auto ready = [&f] {
           return f.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
         };
@@ -395,23 +392,12 @@ TEST(UcxTransportTest, AReplyTheDriverDoesNotWaitForIsNotLeftBehind) {
   ASSERT_NE(conn, 0u);
   ASSERT_EQ(client.RoundTrip(conn, "warm-up", "x", std::chrono::seconds(3)), "x");
   for (int i = 0; i < 5; ++i) {
-    std::future<std::string> late, quick;
     const std::string late_header = "late-" + std::to_string(i);
     const std::string quick_header = "quick-" + std::to_string(i);
-    {
-      std::lock_guard<std::mutex> lock(client.mu);
-      late = client.waiting[late_header].get_future();
-      quick = client.waiting[quick_header].get_future();
-    }
-    auto keep = std::make_shared<std::string>("payload");
-    t->Post([t, conn, late_header, keep] {
-      t->Send(conn, wire::kAmRequest, late_header, keep->data(), keep->size(), MemoryKind::kHost,
-              [keep](Status) {});
-    });
-    t->PostQuietly([t, conn, quick_header, keep] {
-      t->Send(conn, wire::kAmRequest, quick_header, keep->data(), keep->size(), MemoryKind::kHost,
-              [keep](Status) {});
-    });
+    std::future<std::string> late = client.Expect(late_header);
+    std::future<std::string> quick = client.Expect(quick_header);
+    t->Post(client.SendTask(conn, late_header, "payload"));
+    t->PostQuietly(client.SendTask(conn, quick_header, "payload"));
     auto ready = [&quick] {
       return quick.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
     };
@@ -441,8 +427,7 @@ TEST(UcxTransportTest, TheHeaderBufferMayBeReusedAsSoonAsSendReturns) {
   std::vector<std::future<std::string>> replies;
   std::vector<std::shared_ptr<std::string>> payloads;
   for (size_t i = 0; i < sizes.size(); ++i) {
-    std::lock_guard<std::mutex> lock(client.mu);
-    replies.push_back(client.waiting["reused-" + std::to_string(i)].get_future());
+    replies.push_back(client.Expect("reused-" + std::to_string(i)));
     payloads.push_back(std::make_shared<std::string>(sizes[i], static_cast<char>('a' + i)));
   }
   const uint16_t port = server.t->listen_port();

@@ -156,6 +156,11 @@ struct Client::Impl {
     return e == nullptr || std::string_view(e) != "0";
   }();
   void Submit(std::function<void()> task) { transport->PostQuietly(std::move(task)); }
+  // For a synchronous caller (Submit, then Await) or for the I/O thread (Post).
+  void Enqueue(std::function<void()> task, bool synchronous) {
+    if (synchronous) return Submit(std::move(task));
+    transport->Post(std::move(task));
+  }
   template <class T>
   T Await(std::future<T>& f) {
     auto ready = [&f] { return f.wait_for(std::chrono::seconds(0)) == std::future_status::ready; };
@@ -1238,17 +1243,13 @@ uint64_t Client::RingEpoch() const { return impl_->Route()->ring->epoch(); }
 // synchronous caller that drives the transport itself (Submit and Await).
 void Client::Impl::QueueGet(std::string_view key, const GetOptions& o,
                             std::function<void(Result<Value>)> callback, bool synchronous) {
-  Impl* I = this;
-  auto deadline = I->DeadlineFrom(o.timeout);
+  const auto deadline = DeadlineFrom(o.timeout);
   const bool fail_open = o.fail_open;
-  auto task = [I, key = std::string(key), deadline, fail_open, cb = std::move(callback)]() mutable {
-    I->DoGet(std::move(key), nullptr, 0, MemoryKind::kHost, deadline, fail_open, std::move(cb));
-  };
-  if (synchronous) {
-    I->Submit(std::move(task));
-  } else {
-    I->transport->Post(std::move(task));
-  }
+  Enqueue(
+      [this, key = std::string(key), deadline, fail_open, cb = std::move(callback)]() mutable {
+        DoGet(std::move(key), nullptr, 0, MemoryKind::kHost, deadline, fail_open, std::move(cb));
+      },
+      synchronous);
 }
 
 void Client::GetAsync(std::string_view key, const GetOptions& o,
@@ -1331,15 +1332,12 @@ void Client::Impl::QueuePut(std::string_view key, const void* data, size_t size,
     kind = MemoryKind::kHost;
   }
   auto deadline = I->DeadlineFrom(o.timeout);
-  auto task = [I, key = std::string(key), data, size, kind, staging, o, deadline,
-               cb = std::move(callback)]() mutable {
-    I->DoPut(std::move(key), data, size, kind, staging, o, deadline, std::move(cb));
-  };
-  if (synchronous) {
-    I->Submit(std::move(task));
-  } else {
-    I->transport->Post(std::move(task));
-  }
+  Enqueue(
+      [I, key = std::string(key), data, size, kind, staging, o, deadline,
+       cb = std::move(callback)]() mutable {
+        I->DoPut(std::move(key), data, size, kind, staging, o, deadline, std::move(cb));
+      },
+      synchronous);
 }
 
 void Client::PutAsync(std::string_view key, const void* data, size_t size, const PutOptions& o,

@@ -7,13 +7,6 @@
 
 namespace gkv {
 
-Server::Impl::PutOp* Server::Impl::NewPutOp() {
-  if (put_ops_free.empty()) return new PutOp;
-  PutOp* op = put_ops_free.back();
-  put_ops_free.pop_back();
-  return op;
-}
-
 void Server::Impl::FreePutOp(PutOp* op) {
   // Emptied, but the key keeps its capacity for the next one.
   op->msg.reset();
@@ -25,11 +18,7 @@ void Server::Impl::FreePutOp(PutOp* op) {
   op->ring_epoch = 0;
   op->client_version = 0;
   op->transfer = 0;
-  if (put_ops_free.size() < kMaxFreePutOps) {
-    put_ops_free.push_back(op);
-  } else {
-    delete op;
-  }
+  put_ops_free.Give(op);
 }
 
 std::shared_ptr<Server::Impl::PutOp> Server::Impl::SharePutOp(PutOp* op) {
@@ -41,7 +30,7 @@ std::shared_ptr<Server::Impl::PutOp> Server::Impl::SharePutOp(PutOp* op) {
 void Server::Impl::HandlePut(const Req& r, std::string_view body, std::unique_ptr<Incoming> msg) {
   // A recycled op (I/O thread): the fast path below allocates nothing for it; the other paths
   // move it into a shared one (SharePutOp).
-  PutOp* op = NewPutOp();
+  PutOp* op = put_ops_free.Take();
   op->req = r;
   Status s;
   if (r.h.flags & w::kFlagClientVersion) {

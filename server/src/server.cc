@@ -24,15 +24,8 @@ void Server::Impl::Reply(const Req& r, const Status& status, std::string_view bo
     }
   }
   counters.bytes_out.fetch_add(size, std::memory_order_relaxed);
-  // Recycled on the I/O thread (where every reply completes); a reply made elsewhere takes a
-  // new one.
-  OutgoingReply* out;
-  if (transport->OnWorkerThread() && !outgoing_free.empty()) {
-    out = outgoing_free.back();
-    outgoing_free.pop_back();
-  } else {
-    out = new OutgoingReply;
-  }
+  // Recycled on the I/O thread, where every reply is made and completes.
+  OutgoingReply* out = outgoing_free.Take();
   out->req = r;
   out->transfer = size > 0 ? TrackTransfer(r.conn) : 0;
   out->after = std::move(after);
@@ -55,11 +48,7 @@ void Server::Impl::Reply(const Req& r, const Status& status, std::string_view bo
         rq.h.opcode,
         std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - rq.start).count());
     if (rq.counted) in_flight.fetch_sub(1, std::memory_order_acq_rel);
-    if (outgoing_free.size() < kMaxFreeOutgoing) {
-      outgoing_free.push_back(out);
-    } else {
-      delete out;
-    }
+    outgoing_free.Give(out);
   });
 }
 
@@ -440,8 +429,6 @@ Server::Impl::~Impl() {
   if (executors) executors->Join();
   executors.reset();
   transport.reset();
-  for (OutgoingReply* out : outgoing_free) delete out;
-  for (PutOp* op : put_ops_free) delete op;
 }
 
 void Server::Impl::CheckArenaRegistrations() {

@@ -29,9 +29,9 @@
 #include <unordered_set>
 #include <vector>
 
+#include "gkv/free_list.h"
 #include "gkv/membership.h"
 #include "gkv/ring_view.h"
-#include "gkv/sanitizers.h"
 #include "gkv/transport/protocol.h"
 #include "gkv/transport/ucx_transport.h"
 #include "hot_keys.h"
@@ -485,8 +485,7 @@ struct Server::Impl {
     std::function<void()> after;
     ReadHandle pinned;
   };
-  static constexpr size_t kMaxFreeOutgoing = kAddressSanitizer ? 0 : 1024;
-  std::vector<OutgoingReply*> outgoing_free;  // I/O thread
+  FreeList<OutgoingReply> outgoing_free{1024};  // I/O thread
 
   // Admits a request against the in-flight limits, or says Busy. A request that brings `charge`
   // payload bytes is admitted anyway when its connection (or the node) has no bytes in flight,
@@ -551,9 +550,7 @@ struct Server::Impl {
   };
   // Put ops are recycled on the I/O thread: the fast path (memory, non-durable, no eviction)
   // allocates none; every other path moves the op into a shared one (SharePutOp).
-  static constexpr size_t kMaxFreePutOps = kAddressSanitizer ? 0 : 256;
-  std::vector<PutOp*> put_ops_free;  // I/O thread
-  PutOp* NewPutOp();
+  FreeList<PutOp> put_ops_free{256};  // I/O thread
   void FreePutOp(PutOp* op);
   std::shared_ptr<PutOp> SharePutOp(PutOp* op);
   void FinishFastPut(PutOp* op, const Status& received);

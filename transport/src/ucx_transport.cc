@@ -19,6 +19,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "gkv/free_list.h"
 #include "gkv/log.h"
 #include "gkv/sanitizers.h"
 #include "gkv/size.h"
@@ -103,34 +104,21 @@ struct UcxTransport::Impl {
   // drive_mu) and recycled (ops_free) so that steady traffic allocates none. A send's header is
   // copied by UCX (UCP_AM_SEND_FLAG_COPY_HEADER, UCX >= 1.14), so the operation does not keep it.
   struct Op {
-    Impl* impl;
+    Impl* impl = nullptr;
     std::function<void(Status)> done;
   };
-  static constexpr size_t kMaxFreeOps = kAddressSanitizer ? 0 : 256;
-  std::vector<Op*> ops_free;  // worker-thread state
+  FreeList<Op> ops_free{256};  // worker-thread state
   Op* NewOp(std::function<void(Status)> done) {
-    Op* op;
-    if (ops_free.empty()) {
-      op = new Op{this, nullptr};
-    } else {
-      op = ops_free.back();
-      ops_free.pop_back();
-    }
+    Op* op = ops_free.Take();
+    op->impl = this;
     op->done = std::move(done);
     return op;
   }
-  void FreeOp(Op* op) {
-    op->done = nullptr;  // what its captures hold goes now
-    if (ops_free.size() < kMaxFreeOps) {
-      ops_free.push_back(op);
-    } else {
-      delete op;
-    }
-  }
-  // Runs an operation's completion and recycles it.
+  // Runs an operation's completion and recycles it (emptied first: what its captures hold goes).
   void FinishOp(Op* op, const Status& s) {
     std::function<void(Status)> done = std::move(op->done);
-    FreeOp(op);
+    op->done = nullptr;
+    ops_free.Give(op);
     done(s);
   }
 
@@ -345,7 +333,6 @@ struct UcxTransport::Impl {
     if (context) ucp_cleanup(context);
     if (epoll_fd >= 0) close(epoll_fd);
     if (event_fd >= 0) close(event_fd);
-    for (Op* op : ops_free) delete op;
   }
 
   Status Init() {
