@@ -7,6 +7,7 @@
 #include <future>
 #include <map>
 #include <mutex>
+#include <set>
 #include <thread>
 
 #include "gkv/random.h"
@@ -29,6 +30,15 @@ struct Echo {
   // thread, as an executor would), the others at once.
   std::chrono::milliseconds late_by{5};
   std::vector<std::thread> late_senders;
+  // Several workers: messages handled on a worker other than their connection's, and requests
+  // whose header starts with "fwd-" are received and answered from worker 0 (PostTo), so their
+  // Receive and Send cross to the connection's worker; `completed_elsewhere` counts the sends
+  // whose completion did not run on worker 0 then.
+  std::atomic<int> wrong_worker{0};
+  std::atomic<int> completed_elsewhere{0};
+  std::mutex workers_mu;
+  std::set<int> workers_seen;             // by the connection's worker
+  std::map<std::string, ConnId> conn_of;  // header -> its connection
 
   // The transport goes first: its thread calls back into the members below.
   ~Echo() {
@@ -38,8 +48,9 @@ struct Echo {
     t.reset();
   }
 
-  Echo() {
+  explicit Echo(int workers = 1) {
     UcxTransport::Options o;
+    o.workers = workers;
     o.listen = true;
     o.listen_host = "127.0.0.1";
     o.loopback_only = true;
@@ -50,6 +61,28 @@ struct Echo {
       const ConnId conn = m->conn();
       std::string header(m->header());
       UcxTransport* tr = t.get();
+      if (t->CurrentWorker() != UcxTransport::WorkerOf(conn)) wrong_worker++;
+      {
+        std::lock_guard<std::mutex> lock(workers_mu);
+        workers_seen.insert(UcxTransport::WorkerOf(conn));
+        conn_of[header] = conn;
+      }
+      if (header.rfind("fwd-", 0) == 0 && t->CurrentWorker() != 0) {
+        auto held = std::make_shared<std::unique_ptr<Incoming>>(std::move(m));
+        tr->PostTo(0, [this, tr, held, conn, header] {
+          auto buf = std::make_shared<std::string>((*held)->payload_size(), '\0');
+          tr->Receive(std::move(*held), buf->data(), MemoryKind::kHost,
+                      [this, tr, conn, header, buf](Status s) {
+                        if (tr->CurrentWorker() != 0) completed_elsewhere++;
+                        if (!s.ok()) return;
+                        tr->Send(conn, wire::kAmReply, header, buf->data(), buf->size(),
+                                 MemoryKind::kHost, [this, tr, buf](Status) {
+                                   if (tr->CurrentWorker() != 0) completed_elsewhere++;
+                                 });
+                      });
+        });
+        return;
+      }
       const size_t size = m->payload_size();
       if (region) {
         char* dst = region->data() + (n % 2) * (region->size() / 2);
@@ -489,6 +522,58 @@ TEST(UcxTransportTest, APeerThatGoesAwayIsReported) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   EXPECT_EQ(client.disconnects.load(), 1);
+}
+
+// A node's --io-threads: accepted connections are spread over the workers, each connection's
+// messages arrive on its own worker, and another worker may receive and answer them (the
+// operations cross to the connection's worker and complete back on the caller's).
+TEST(UcxTransportTest, ConcurrentWorkersShareConnectionsAndAnyMayAnswer) {
+  Echo server(3);
+  ASSERT_TRUE(server.t);
+  EXPECT_EQ(server.t->workers(), 3);
+  std::vector<std::unique_ptr<Caller>> clients;
+  std::vector<ConnId> conns;
+  for (int i = 0; i < 6; ++i) {
+    clients.push_back(std::make_unique<Caller>());
+    ASSERT_TRUE(clients.back()->t);
+    conns.push_back(clients.back()->Connect(server.t->listen_port()));
+    ASSERT_NE(conns.back(), 0u);
+  }
+  Random rng(testing::TestSeed());
+  for (int i = 0; i < 6; ++i) {
+    for (size_t size : {size_t{100}, size_t{1 << 20}}) {
+      for (const char* prefix : {"direct-", "fwd-"}) {
+        std::string payload(size, '\0');
+        rng.Fill(payload.data(), size);
+        const std::string header = prefix + std::to_string(i) + "-" + std::to_string(size);
+        EXPECT_TRUE(clients[i]->RoundTrip(conns[i], header, payload) == payload) << header;
+      }
+    }
+  }
+  EXPECT_EQ(server.wrong_worker.load(), 0);
+  EXPECT_EQ(server.completed_elsewhere.load(), 0);
+  {
+    std::lock_guard<std::mutex> lock(server.workers_mu);
+    EXPECT_EQ(server.workers_seen, (std::set<int>{0, 1, 2}));
+  }
+  // Worker 0 closes a connection of another worker: its client sees the connection go.
+  ConnId far = 0;
+  int client_index = -1;
+  {
+    std::lock_guard<std::mutex> lock(server.workers_mu);
+    for (int i = 0; i < 6 && far == 0; ++i) {
+      const ConnId c = server.conn_of["direct-" + std::to_string(i) + "-100"];
+      if (UcxTransport::WorkerOf(c) != 0) far = c, client_index = i;
+    }
+  }
+  ASSERT_NE(far, 0u);
+  server.t->Post([&] { server.t->Close(far, /*force=*/true); });
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (clients[client_index]->disconnects.load() == 0 &&
+         std::chrono::steady_clock::now() < give_up) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_EQ(clients[client_index]->disconnects.load(), 1);
 }
 
 TEST(UcxTransportTest, OversizeHeaderIsRefusedLocally) {

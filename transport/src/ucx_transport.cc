@@ -100,6 +100,7 @@ struct UcxTransport::Impl {
     Impl* impl;
     unsigned am_id;
   };
+  static constexpr int kWorkerBits = 6;  // Options::workers is at most 1 << kWorkerBits
   // One send or receive in flight: UCX's user data. Made and freed on the worker thread (under
   // drive_mu) and recycled (ops_free) so that steady traffic allocates none. A send's header is
   // copied by UCX (UCP_AM_SEND_FLAG_COPY_HEADER, UCX >= 1.14), so the operation does not keep it.
@@ -124,6 +125,11 @@ struct UcxTransport::Impl {
 
   Options options;
   Handlers handlers;
+  // This worker's place among the transport's workers (Options::workers): worker 0 owns the
+  // UCP context, the listener and the memory registrations; the others share the context.
+  int index = 0;
+  std::vector<Impl*> siblings;  // every worker of the transport, by index (set before threads)
+  bool owns_context() const { return index == 0; }
   ucp_context_h context = nullptr;
   ucp_worker_h worker = nullptr;
   ucp_listener_h listener = nullptr;
@@ -175,8 +181,16 @@ struct UcxTransport::Impl {
   std::vector<std::function<void()>> own_posted;  // guarded by post_mu
   bool post_closed = false;  // guarded by post_mu: the loop has ended, Post drops its task
 
-  // Worker-thread state.
-  ConnId next_conn = 1;
+  // Worker 0: accepted connections go to the workers in turn (next_accept). An accept handed
+  // to another worker is counted in pending_accepts until it ran there; once keep_new_conns
+  // is set (Stop) worker 0 keeps every new connection itself.
+  size_t next_accept = 0;  // worker 0's thread
+  std::atomic<int> pending_accepts{0};
+  std::atomic<bool> keep_new_conns{false};
+
+  // Worker-thread state. A connection id carries its worker's index in its low bits.
+  uint64_t next_conn_seq = 1;
+  ConnId NewConnId() { return (next_conn_seq++ << kWorkerBits) | static_cast<ConnId>(index); }
   std::unordered_map<ConnId, Conn> conns;
   std::unordered_map<ucp_ep_h, ConnId> conn_by_ep;
   std::vector<std::function<void()>> deferred;  // callbacks to run after progress returns
@@ -251,6 +265,18 @@ struct UcxTransport::Impl {
     return Status::OK();
   }
 
+  // Worker 0: registers in the shared context, and hands the region to the other workers (each
+  // keeps its own list, read by its sends without a lock; until a worker has it, its
+  // operations on that memory go unregistered, as before the call).
+  Status RegisterEverywhere(void* base, size_t size, MemoryKind kind) {
+    GKV_RETURN_IF_ERROR(Register(base, size, kind));
+    const Region added = regions.back();
+    for (Impl* w : siblings) {
+      if (w != this) w->PostTask([w, added] { w->regions.push_back(added); });
+    }
+    return Status::OK();
+  }
+
   // Device copies that must not run on the worker thread (an eager payload into device
   // memory): a synchronous CUDA copy there would stall every request of this transport behind
   // the GPU's queue. One thread, started on first use with the worker's CUDA device bound;
@@ -310,15 +336,38 @@ struct UcxTransport::Impl {
     std::thread thread_;
   };
 
-  // From any thread: runs `task` on the worker thread (dropped after the loop ended).
-  void PostTask(std::function<void()> task) {
+  // From any thread: runs `task` on the worker thread. False (the task destroyed unrun) after
+  // the loop ended.
+  bool PostTask(std::function<void()> task) {
     {
       std::lock_guard<std::mutex> lock(post_mu);
-      if (post_closed) return;
+      if (post_closed) return false;
       posted.push_back(std::move(task));
     }
+    caller_drove.store(false, std::memory_order_release);
     uint64_t one = 1;
     (void)!write(event_fd, &one, sizeof one);
+    return true;
+  }
+
+  // Ends this worker's loop (its Shutdown closes its connections) and drops what was still
+  // posted. Any thread but this worker's; idempotent.
+  void StopThread() {
+    if (!thread.joinable()) return;
+    stopping.store(true, std::memory_order_release);
+    uint64_t one = 1;
+    (void)!write(event_fd, &one, sizeof one);
+    thread.join();
+    std::vector<std::function<void()>> leftover;
+    {
+      std::lock_guard<std::mutex> lock(post_mu);
+      post_closed = true;
+      leftover.swap(posted);
+      for (auto& fn : own_posted) leftover.push_back(std::move(fn));
+      own_posted.clear();
+    }
+    // Destroyed outside the lock: the tasks may own messages, whose destructors take it.
+    leftover.clear();
   }
 
   int cuda_device = -1;  // bound on the worker and copy threads (CudaCurrentDevice at Create)
@@ -329,13 +378,24 @@ struct UcxTransport::Impl {
     if (listener) ucp_listener_destroy(listener);
     if (worker) ucp_worker_destroy(worker);
     retired_at_shutdown.clear();
-    for (const Region& r : regions) ucp_mem_unmap(context, r.memh);
-    if (context) ucp_cleanup(context);
+    if (owns_context()) {  // the other workers are destroyed first (~UcxTransport)
+      for (const Region& r : regions) ucp_mem_unmap(context, r.memh);
+      if (context) ucp_cleanup(context);
+    }
     if (epoll_fd >= 0) close(epoll_fd);
     if (event_fd >= 0) close(event_fd);
   }
 
-  Status Init() {
+  // Worker 0 (`owner` null) makes the context; another worker shares `owner`'s, with its
+  // memory registrations.
+  Status Init(const Impl* owner) {
+    if (owner != nullptr) {
+      context = owner->context;
+      cuda_supported = owner->cuda_supported;
+      fake_device_memory = owner->fake_device_memory;
+      regions = owner->regions;  // registered in the shared context: valid on every worker
+      return InitWorker();
+    }
     ucp_config_t* config = nullptr;
     // A restarted node must be able to bind its port again at once, while connections of its
     // previous life sit in TIME_WAIT (UCX leaves SO_REUSEADDR off unless asked). It is a UCT
@@ -383,32 +443,7 @@ struct UcxTransport::Impl {
     cuda_supported |= fake_device_memory;
     // Fake-device mode "1": UCX must not move the stand-in memory, even a CUDA-capable UCX.
     if (FakeDeviceKind() == FakeDevice::kStaged) cuda_supported = false;
-
-    ucp_worker_params_t wparams{};
-    wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-    // Serialized: the worker is progressed by more than one thread, one at a time (the
-    // transport's own thread, or a caller in TryDrive, under drive_mu).
-    wparams.thread_mode = UCS_THREAD_MODE_SERIALIZED;
-    GKV_RETURN_IF_ERROR(
-        FromUcs(ucp_worker_create(context, &wparams, &worker), "ucp_worker_create"));
-
-    ucp_worker_attr_t wattr{};
-    wattr.field_mask = UCP_WORKER_ATTR_FIELD_MAX_AM_HEADER;
-    GKV_RETURN_IF_ERROR(FromUcs(ucp_worker_query(worker, &wattr), "ucp_worker_query"));
-    max_header = wattr.max_am_header;
-
-    const unsigned ids[2] = {wire::kAmRequest, wire::kAmReply};
-    for (int i = 0; i < 2; ++i) {
-      am_args[i] = {this, ids[i]};
-      ucp_am_handler_param_t hp{};
-      hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
-                      UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
-      hp.id = ids[i];
-      hp.flags = UCP_AM_FLAG_WHOLE_MSG;
-      hp.cb = &Impl::OnAm;
-      hp.arg = &am_args[i];
-      GKV_RETURN_IF_ERROR(FromUcs(ucp_worker_set_am_recv_handler(worker, &hp), "am handler"));
-    }
+    GKV_RETURN_IF_ERROR(InitWorker());
 
     // Before the listener: no request can reach a buffer of these regions unregistered.
     for (const Options::Region& r : options.register_regions) {
@@ -439,6 +474,36 @@ struct UcxTransport::Impl {
           ntohs(sa->sa_family == AF_INET6 ? reinterpret_cast<const sockaddr_in6*>(sa)->sin6_port
                                           : reinterpret_cast<const sockaddr_in*>(sa)->sin_port);
     }
+    return Status::OK();
+  }
+
+  // The UCP worker, its active-message handlers and this worker's epoll set.
+  Status InitWorker() {
+    ucp_worker_params_t wparams{};
+    wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+    // Serialized: the worker is progressed by more than one thread, one at a time (the
+    // transport's own thread, or a caller in TryDrive, under drive_mu).
+    wparams.thread_mode = UCS_THREAD_MODE_SERIALIZED;
+    GKV_RETURN_IF_ERROR(
+        FromUcs(ucp_worker_create(context, &wparams, &worker), "ucp_worker_create"));
+
+    ucp_worker_attr_t wattr{};
+    wattr.field_mask = UCP_WORKER_ATTR_FIELD_MAX_AM_HEADER;
+    GKV_RETURN_IF_ERROR(FromUcs(ucp_worker_query(worker, &wattr), "ucp_worker_query"));
+    max_header = wattr.max_am_header;
+
+    const unsigned ids[2] = {wire::kAmRequest, wire::kAmReply};
+    for (int i = 0; i < 2; ++i) {
+      am_args[i] = {this, ids[i]};
+      ucp_am_handler_param_t hp{};
+      hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                      UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
+      hp.id = ids[i];
+      hp.flags = UCP_AM_FLAG_WHOLE_MSG;
+      hp.cb = &Impl::OnAm;
+      hp.arg = &am_args[i];
+      GKV_RETURN_IF_ERROR(FromUcs(ucp_worker_set_am_recv_handler(worker, &hp), "am handler"));
+    }
 
     GKV_RETURN_IF_ERROR(FromUcs(ucp_worker_get_efd(worker, &worker_fd), "ucp_worker_get_efd"));
     epoll_fd = epoll_create1(EPOLL_CLOEXEC);
@@ -462,9 +527,35 @@ struct UcxTransport::Impl {
       ucp_listener_reject(self->listener, request);
       return;
     }
-    const ConnId id = self->next_conn++;
-    Conn& c = self->conns[id];
-    c.err_arg.reset(new ErrorArg{self, id});
+    // Connections are spread over the workers in turn; the endpoint is created on the chosen
+    // worker's thread (UCX accepts a listener's request on any worker of its context).
+    // pending_accepts is raised before keep_new_conns is read (both sequentially consistent,
+    // as in Stop, which sets the flag and then waits for the count to drop to zero): either Stop
+    // waits for this hand-off, or this sees the flag and keeps the connection.
+    Impl* target = self;
+    if (self->siblings.size() > 1) {
+      self->pending_accepts.fetch_add(1);
+      if (!self->keep_new_conns.load()) {
+        target = self->siblings[self->next_accept++ % self->siblings.size()];
+      }
+      if (target == self) self->pending_accepts.fetch_sub(1);
+    }
+    if (target == self) return self->Accept(request);
+    const bool posted = target->PostTask([self, target, request] {
+      target->Accept(request);
+      self->pending_accepts.fetch_sub(1);
+    });
+    if (!posted) {  // not reached: Stop stops no other worker while a hand-off is pending
+      self->pending_accepts.fetch_sub(1);
+      self->Accept(request);
+    }
+  }
+
+  // Creates the endpoint of an accepted connection on this worker. Worker thread.
+  void Accept(ucp_conn_request_h request) {
+    const ConnId id = NewConnId();
+    Conn& c = conns[id];
+    c.err_arg.reset(new ErrorArg{this, id});
     ucp_ep_params_t ep{};
     ep.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                     UCP_EP_PARAM_FIELD_ERR_HANDLER;
@@ -472,15 +563,15 @@ struct UcxTransport::Impl {
     ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
     ep.err_handler.cb = &Impl::OnEpError;
     ep.err_handler.arg = c.err_arg.get();
-    ucs_status_t st = ucp_ep_create(self->worker, &ep, &c.ep);
+    ucs_status_t st = ucp_ep_create(worker, &ep, &c.ep);
     if (st != UCS_OK) {
       GKV_LOG_WARN("accepting a connection failed: {}", ucs_status_string(st));
-      self->conns.erase(id);
+      conns.erase(id);
       return;
     }
-    self->conn_by_ep[c.ep] = id;
-    if (self->handlers.on_accept) {
-      self->deferred.push_back([self, id] { self->handlers.on_accept(id); });
+    conn_by_ep[c.ep] = id;
+    if (handlers.on_accept) {
+      deferred.push_back([this, id] { handlers.on_accept(id); });
     }
   }
 
@@ -940,65 +1031,108 @@ std::string_view Incoming::payload() const {
 
 // ---------------- UcxTransport ----------------
 
-UcxTransport::UcxTransport(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+UcxTransport::UcxTransport(std::vector<std::unique_ptr<Impl>> workers)
+    : workers_(std::move(workers)), impl_(workers_[0].get()) {}
 
 Result<std::unique_ptr<UcxTransport>> UcxTransport::Create(const Options& options,
                                                            Handlers handlers) {
-  auto impl = std::make_unique<Impl>();
-  impl->options = options;
-  // Tuning knob for measurements on shared machines: GKV_BUSY_POLL_US=0 never spins.
-  if (const char* env = std::getenv("GKV_BUSY_POLL_US")) {
-    impl->options.busy_poll = std::chrono::microseconds(std::strtol(env, nullptr, 10));
+  if (options.workers < 1 || options.workers > kMaxWorkers) {
+    return Status::InvalidArgument("workers must be between 1 and " + std::to_string(kMaxWorkers));
   }
-  impl->handlers = std::move(handlers);
-  Status s = impl->Init();
-  if (!s.ok())
-    return s.code() == StatusCode::kInvalidArgument ? s : Status::Unavailable(s.message());
-  std::unique_ptr<UcxTransport> t(new UcxTransport(std::move(impl)));
-  Impl* raw = t->impl_.get();
-  std::atomic<bool> started{false};
-  // The worker thread gets the CUDA device current on the creating thread (the server sets its
+  std::vector<std::unique_ptr<Impl>> workers;
+  for (int i = 0; i < options.workers; ++i) {
+    auto impl = std::make_unique<Impl>();
+    impl->index = i;
+    impl->options = options;
+    // Tuning knob for measurements on shared machines: GKV_BUSY_POLL_US=0 never spins.
+    if (const char* env = std::getenv("GKV_BUSY_POLL_US")) {
+      impl->options.busy_poll = std::chrono::microseconds(std::strtol(env, nullptr, 10));
+    }
+    impl->handlers = handlers;
+    Status s = impl->Init(i == 0 ? nullptr : workers[0].get());
+    workers.push_back(std::move(impl));
+    if (!s.ok()) {
+      while (workers.size() > 1) workers.pop_back();  // the context's owner goes last
+      return s.code() == StatusCode::kInvalidArgument ? s : Status::Unavailable(s.message());
+    }
+  }
+  std::vector<Impl*> all;
+  for (auto& w : workers) all.push_back(w.get());
+  for (auto& w : workers) w->siblings = all;
+  std::unique_ptr<UcxTransport> t(new UcxTransport(std::move(workers)));
+  // Each worker thread gets the CUDA device current on the creating thread (the server sets its
   // first GPU before; a client the device its caller uses), with a context: UCX's CUDA
-  // transports need one on every thread that progresses the worker, and a process working on
+  // transports need one on every thread that progresses a worker, and a process working on
   // GPU 5 should create none on GPU 0.
   const int cuda_device = CudaCurrentDevice();
-  raw->cuda_device = cuda_device;
-  raw->copy_thread = std::make_unique<Impl::CopyThread>(cuda_device);
-  raw->thread = std::thread([raw, &started, cuda_device] {
-    if (Status cs = CudaBindThread(cuda_device); !cs.ok()) {
-      GKV_LOG_WARN("UCX worker thread: no CUDA context on device {}: {}", cuda_device,
-                   cs.ToString());
-    }
-    started.store(true, std::memory_order_release);
-    raw->Loop();
-  });
-  while (!started.load(std::memory_order_acquire)) std::this_thread::yield();
+  for (auto& w : t->workers_) {
+    Impl* raw = w.get();
+    std::atomic<bool> started{false};
+    raw->cuda_device = cuda_device;
+    raw->copy_thread = std::make_unique<Impl::CopyThread>(cuda_device);
+    raw->thread = std::thread([raw, &started, cuda_device] {
+      if (Status cs = CudaBindThread(cuda_device); !cs.ok()) {
+        GKV_LOG_WARN("UCX worker thread: no CUDA context on device {}: {}", cuda_device,
+                     cs.ToString());
+      }
+      started.store(true, std::memory_order_release);
+      raw->Loop();
+    });
+    while (!started.load(std::memory_order_acquire)) std::this_thread::yield();
+  }
   return t;
 }
 
-UcxTransport::~UcxTransport() { Stop(); }
+UcxTransport::~UcxTransport() {
+  Stop();
+  while (workers_.size() > 1) workers_.pop_back();  // the context's owner goes last
+}
 
 void UcxTransport::Stop() {
   if (!impl_->thread.joinable()) return;
-  impl_->stopping.store(true, std::memory_order_release);
-  uint64_t one = 1;
-  (void)!write(impl_->event_fd, &one, sizeof one);
-  impl_->thread.join();
-  std::vector<std::function<void()>> leftover;
-  {
-    std::lock_guard<std::mutex> lock(impl_->post_mu);
-    impl_->post_closed = true;
-    leftover.swap(impl_->posted);
-    for (auto& fn : impl_->own_posted) leftover.push_back(std::move(fn));
-    impl_->own_posted.clear();
+  if (workers_.size() > 1) {
+    // New connections stay on worker 0 from now on; the hand-offs already made run before the
+    // other workers stop (their endpoints are closed by those workers' shutdowns), so no
+    // connection request is left unanswered. See Impl::OnConnRequest for the ordering.
+    impl_->keep_new_conns.store(true);
+    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+    while (impl_->pending_accepts.load() > 0 && std::chrono::steady_clock::now() < give_up) {
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+    // The other workers first: worker 0 (a node's control thread) outlives them, so what
+    // they hand to it during their shutdown still runs.
+    for (size_t i = workers_.size() - 1; i >= 1; --i) workers_[i]->StopThread();
   }
-  // Destroyed outside the lock: the tasks may own messages, whose destructors take it.
-  leftover.clear();
+  impl_->StopThread();
 }
 
 void UcxTransport::Post(std::function<void()> task) {
   PostQuietly(std::move(task));
   Wake();
+}
+
+void UcxTransport::PostTo(int worker, std::function<void()> task) {
+  if (worker == 0) return Post(std::move(task));
+  workers_.at(static_cast<size_t>(worker))->PostTask(std::move(task));
+}
+
+int UcxTransport::workers() const { return static_cast<int>(workers_.size()); }
+
+UcxTransport::Impl* UcxTransport::Current() const {
+  for (const auto& w : workers_) {
+    if (tls_driving == w.get()) return w.get();
+  }
+  return nullptr;
+}
+
+int UcxTransport::CurrentWorker() const {
+  const Impl* w = Current();
+  return w ? w->index : -1;
+}
+
+UcxTransport::Impl* UcxTransport::Owner(ConnId conn) const {
+  const size_t i = static_cast<size_t>(WorkerOf(conn));
+  return i < workers_.size() ? workers_[i].get() : nullptr;
 }
 
 void UcxTransport::PostQuietly(std::function<void()> task) {
@@ -1062,7 +1196,7 @@ bool UcxTransport::TryDrive(const std::function<bool()>& done, std::chrono::micr
   return true;
 }
 
-bool UcxTransport::DrivenByCaller() const { return tls_caller_driving == impl_.get(); }
+bool UcxTransport::DrivenByCaller() const { return tls_caller_driving == impl_; }
 
 bool UcxTransport::IsLoopbackHost(const std::string& host) {
   return host == "localhost" || host == "::1" || host == "[::1]" || host.rfind("127.", 0) == 0;
@@ -1102,7 +1236,7 @@ std::string UcxTransport::Describe() const {
 
 Status UcxTransport::RegisterMemory(void* base, size_t size, MemoryKind kind) {
   Impl& I = *impl_;
-  if (OnWorkerThread()) return I.Register(base, size, kind);
+  if (tls_driving == impl_) return I.RegisterEverywhere(base, size, kind);
   // Wait for the worker. The task may be dropped unrun (the transport stopping): the guard it
   // owns answers then, when the task is destroyed.
   struct Waiter {
@@ -1127,7 +1261,9 @@ Status UcxTransport::RegisterMemory(void* base, size_t size, MemoryKind kind) {
   auto waiter = std::make_shared<Waiter>();
   auto guard = std::make_shared<Guard>();
   guard->waiter = waiter;
-  Post([&I, guard, base, size, kind] { guard->waiter->Finish(I.Register(base, size, kind)); });
+  Post([&I, guard, base, size, kind] {
+    guard->waiter->Finish(I.RegisterEverywhere(base, size, kind));
+  });
   guard.reset();
   std::unique_lock<std::mutex> lock(waiter->mu);
   waiter->cv.wait(lock, [&] { return waiter->done; });
@@ -1142,17 +1278,20 @@ UcxTransport::RegistrationStats UcxTransport::registration_stats() const {
   RegistrationStats r;
   r.regions = impl_->registered_regions.load(std::memory_order_relaxed);
   r.bytes = impl_->registered_bytes.load(std::memory_order_relaxed);
-  r.registered_ops = impl_->registered_ops.load(std::memory_order_relaxed);
+  for (const auto& w : workers_) {
+    r.registered_ops += w->registered_ops.load(std::memory_order_relaxed);
+  }
   return r;
 }
 
 bool UcxTransport::device_memory_supported() const { return impl_->cuda_supported; }
 uint16_t UcxTransport::listen_port() const { return impl_->bound_port; }
 size_t UcxTransport::max_header_size() const { return impl_->max_header; }
-bool UcxTransport::OnWorkerThread() const { return tls_driving == impl_.get(); }
+bool UcxTransport::OnWorkerThread() const { return Current() != nullptr; }
 
 Result<ConnId> UcxTransport::Connect(const std::string& host, uint16_t port) {
-  Impl& I = *impl_;
+  Impl* current = Current();
+  Impl& I = current ? *current : *impl_;
   // Stopping: Shutdown closes the connections it found; one opened now (a peer call posted
   // meanwhile) would still be wiring up when the worker goes.
   if (I.stopping.load(std::memory_order_acquire)) {
@@ -1161,7 +1300,7 @@ Result<ConnId> UcxTransport::Connect(const std::string& host, uint16_t port) {
   sockaddr_storage addr{};
   socklen_t len = 0;
   GKV_RETURN_IF_ERROR(ResolveAddress(host, port, &addr, &len));
-  const ConnId id = I.next_conn++;
+  const ConnId id = I.NewConnId();
   Impl::Conn& c = I.conns[id];
   c.err_arg.reset(new Impl::ErrorArg{&I, id});
   ucp_ep_params_t ep{};
@@ -1183,13 +1322,18 @@ Result<ConnId> UcxTransport::Connect(const std::string& host, uint16_t port) {
 }
 
 bool UcxTransport::IsOpen(ConnId conn) const {
-  auto it = impl_->conns.find(conn);
-  return it != impl_->conns.end() && !it->second.failed;
+  const Impl* owner = Owner(conn);
+  if (owner == nullptr) return false;
+  if (workers_.size() > 1 && owner != Current()) return true;  // see the header
+  auto it = owner->conns.find(conn);
+  return it != owner->conns.end() && !it->second.failed;
 }
 
 std::string UcxTransport::Transports(ConnId conn) const {
-  auto it = impl_->conns.find(conn);
-  if (it == impl_->conns.end() || it->second.failed) return "";
+  const Impl* owner = Owner(conn);
+  if (owner == nullptr || (workers_.size() > 1 && owner != Current())) return "";
+  auto it = owner->conns.find(conn);
+  if (it == owner->conns.end() || it->second.failed) return "";
   ucp_transport_entry_t entries[16];
   ucp_ep_attr_t attr{};
   attr.field_mask = UCP_EP_ATTR_FIELD_TRANSPORTS;
@@ -1212,7 +1356,24 @@ std::string UcxTransport::Transports(ConnId conn) const {
 
 void UcxTransport::Send(ConnId conn, unsigned am_id, std::string_view header, const void* payload,
                         size_t size, MemoryKind kind, std::function<void(Status)> done) {
-  Impl& I = *impl_;
+  Impl* owner = Owner(conn);
+  Impl* current = Current();
+  if (owner == nullptr) {
+    done(Status::Unavailable("connection is closed"));
+    return;
+  }
+  if (current != nullptr && current != owner) {
+    // Another worker's connection: sent from its thread (the header copied now, as the
+    // contract allows its buffer's reuse), completed back on this one.
+    auto hop = [this, conn, am_id, h = std::string(header), payload, size, kind, current,
+                done]() mutable {
+      Send(conn, am_id, h, payload, size, kind,
+           [current, done](Status s) { current->PostTask([done, s] { done(s); }); });
+    };
+    if (!owner->PostTask(std::move(hop))) done(Status::Unavailable("the transport is stopping"));
+    return;
+  }
+  Impl& I = *owner;
   auto it = I.conns.find(conn);
   if (it == I.conns.end() || it->second.failed) {
     done(Status::Unavailable("connection is closed"));
@@ -1258,7 +1419,20 @@ void UcxTransport::Send(ConnId conn, unsigned am_id, std::string_view header, co
 
 void UcxTransport::Receive(std::unique_ptr<Incoming> msg, void* dst, MemoryKind kind,
                            std::function<void(Status)> done) {
-  Impl& I = *impl_;
+  Impl* owner = static_cast<Impl*>(msg->transport_);
+  Impl* current = Current();
+  if (current != nullptr && current != owner) {
+    // The message came on another worker: received there, completed back on this one.
+    // (A task dropped unrun at Stop frees the message with the holder.)
+    auto held = std::make_shared<std::unique_ptr<Incoming>>(std::move(msg));
+    auto hop = [this, held, dst, kind, current, done]() mutable {
+      Receive(std::move(*held), dst, kind,
+              [current, done](Status s) { current->PostTask([done, s] { done(s); }); });
+    };
+    if (!owner->PostTask(std::move(hop))) done(Status::Unavailable("the transport is stopping"));
+    return;
+  }
+  Impl& I = *owner;
   if (Status ks = CheckMemoryKind(dst, msg->length_, kind); !ks.ok()) {  // fake-device mode only
     done(ks);
     return;
@@ -1313,6 +1487,15 @@ void UcxTransport::Receive(std::unique_ptr<Incoming> msg, void* dst, MemoryKind 
   }
 }
 
-void UcxTransport::Close(ConnId conn, bool force) { impl_->CloseInternal(conn, force); }
+void UcxTransport::Close(ConnId conn, bool force) {
+  Impl* owner = Owner(conn);
+  if (owner == nullptr) return;
+  Impl* current = Current();
+  if (current != nullptr && current != owner) {
+    owner->PostTask([owner, conn, force] { owner->CloseInternal(conn, force); });
+    return;
+  }
+  owner->CloseInternal(conn, force);
+}
 
 }  // namespace gkv

@@ -1,13 +1,21 @@
-// UcxTransport: one UCX context and worker driven by one thread of its own, with event-driven
-// progress. Servers and clients both use it; nothing above this file sees a UCX type.
+// UcxTransport: one UCX context and one or more workers (Options::workers), each driven by a
+// thread of its own, with event-driven progress. Servers and clients both use it; nothing above
+// this file sees a UCX type.
 //
-// Threading: every UCP call happens on "the worker thread", which means whichever thread drives
-// the worker now: the transport's own thread for each pass of its loop, or a caller that waits
-// for its own operation inside TryDrive (one at a time, under one mutex, so the worker's state
-// never needs another lock). Other threads hand work to it with Post() (a queue plus an eventfd
-// in the worker's epoll set). Handlers and completion callbacks run on the worker thread and
-// must not block: hand slow work (disk I/O, cache eviction) to an executor and Post the result
-// back.
+// Threading: every UCP call of a worker happens on "its worker thread", which means whichever
+// thread drives that worker now: its own thread for each pass of its loop, or (worker 0) a
+// caller that waits for its own operation inside TryDrive (one at a time, under one mutex, so
+// the worker's state never needs another lock). Other threads hand work to a worker with
+// Post() / PostTo() (a queue plus an eventfd in the worker's epoll set). Handlers and
+// completion callbacks run on a worker thread and must not block: hand slow work (disk I/O,
+// cache eviction) to an executor and Post the result back.
+//
+// Several workers (a node's --io-threads): worker 0 owns the listener; accepted connections
+// are spread over the workers in turn, and each connection belongs to one worker for its life
+// (WorkerOf), whose thread runs its handlers and completions. Connect makes a connection on the
+// calling worker. Send, Receive and Close may be called from any worker thread of the
+// transport: for another worker's connection they are handed to that worker, and their `done`
+// is handed back to the calling worker, so callers see the same threading as with one worker.
 //
 // Progress loop: progress until idle -> run posted tasks and deferred callbacks -> on_tick ->
 // (busy-poll for a short window after activity) -> ucp_worker_arm -> epoll_wait(worker fd +
@@ -107,7 +115,10 @@ class UcxTransport {
       MemoryKind kind = MemoryKind::kHost;
     };
     std::vector<Region> register_regions;
+    // UCX workers, each with its own thread (1 to kMaxWorkers). TryDrive drives worker 0 only.
+    int workers = 1;
   };
+  static constexpr int kMaxWorkers = 64;
   // Whether `host` names the loopback interface ("localhost", 127.0.0.0/8, "::1").
   static bool IsLoopbackHost(const std::string& host);
   struct Handlers {
@@ -117,7 +128,8 @@ class UcxTransport {
     std::function<void(ConnId, const Status&)> on_disconnect;
     // A connection was accepted (servers). Worker thread.
     std::function<void(ConnId)> on_accept;
-    // Every loop iteration (at least every poll interval). Worker thread.
+    // Every loop iteration of every worker (at least every poll interval). Worker thread
+    // (CurrentWorker() says which).
     std::function<void()> on_tick;
     // Whether the user has nothing outstanding that waits for the worker's events (a client:
     // no request awaiting its reply). Only then may the loop leave those events to callers that
@@ -139,8 +151,14 @@ class UcxTransport {
   void Stop();
 
   // --- any thread ---
-  // Runs `task` on the worker thread; after Stop() the task is destroyed unrun.
+  // Runs `task` on worker 0's thread; after Stop() the task is destroyed unrun.
   void Post(std::function<void()> task);
+  // Runs `task` on the thread of worker `worker` (0 <= worker < workers()).
+  void PostTo(int worker, std::function<void()> task);
+  int workers() const;
+  // The worker a connection belongs to.
+  static int WorkerOf(ConnId conn) { return static_cast<int>(conn % kMaxWorkers); }
+  // The worker the calling thread drives now, or -1 when it drives none of this transport's.
   // Post without waking the transport's own thread: for a caller that will run the task itself
   // through TryDrive, and calls Wake() if it gives up before the task ran.
   void PostQuietly(std::function<void()> task);
@@ -193,15 +211,21 @@ class UcxTransport {
   const std::vector<Status>& initial_registrations() const;
   uint16_t listen_port() const;
   size_t max_header_size() const;
+  int CurrentWorker() const;
+  // Whether the calling thread drives one of this transport's workers now.
   bool OnWorkerThread() const;
 
-  // --- worker thread only ---
-  // Starts connecting; sends may be issued at once (UCX queues them). Failure shows up later as
-  // on_disconnect.
+  // --- worker threads only ---
+  // Starts connecting, from the calling worker (whose connection it is); sends may be issued at
+  // once (UCX queues them). Failure shows up later as on_disconnect.
   Result<ConnId> Connect(const std::string& host, uint16_t port);
+  // Whether the connection is open. On its own worker's thread only: from another worker the
+  // answer is true (that worker's state is not read here; an operation on a closed connection
+  // fails cleanly).
   bool IsOpen(ConnId conn) const;
   // The transports and devices the connection uses now ("sysv/memory tcp/lo"): on one host,
-  // shared memory once wireup has completed. Empty for an unknown connection.
+  // shared memory once wireup has completed. Empty for an unknown connection, and from another
+  // worker's thread.
   std::string Transports(ConnId conn) const;
   // Sends an active message. `done` runs on the worker thread when UCX no longer needs
   // `payload` (or on failure). The header is copied before Send returns (a caller may reuse
@@ -221,8 +245,12 @@ class UcxTransport {
  private:
   friend class Incoming;
   struct Impl;
-  explicit UcxTransport(std::unique_ptr<Impl> impl);
-  std::unique_ptr<Impl> impl_;
+  explicit UcxTransport(std::vector<std::unique_ptr<Impl>> workers);
+  // The worker driven by the calling thread, or null.
+  Impl* Current() const;
+  Impl* Owner(ConnId conn) const;
+  std::vector<std::unique_ptr<Impl>> workers_;  // [0] owns the context and the listener
+  Impl* impl_;                                  // workers_[0]
 };
 
 }  // namespace gkv
