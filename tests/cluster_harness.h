@@ -36,6 +36,9 @@ struct NodeSpec {
   std::string disk_capacity = "1GiB";
   bool disk = true;
   int threads = 2;  // --threads (executors)
+  // --io-threads: 2, so every cluster test runs a node's connections on two UCX workers
+  // (worker 0 and another, which serves plain GETs itself and hands the rest to worker 0).
+  int io_threads = 2;
   std::vector<std::string> extra_args;
   std::string secret;       // written to the cluster file when set
   std::string peer_secret;  // likewise
@@ -127,7 +130,9 @@ class Cluster {
                                      "--host-mem",
                                      spec_.host_mem,
                                      "--threads",
-                                     std::to_string(spec_.threads)};
+                                     std::to_string(spec_.threads),
+                                     "--io-threads",
+                                     std::to_string(spec_.io_threads)};
     if (spec_.disk) {
       args.insert(args.end(), {"--disk", disk_dir(i), "--disk-capacity", spec_.disk_capacity});
     }

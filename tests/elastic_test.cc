@@ -79,6 +79,8 @@ class ElasticCluster {
                                      "256MiB",
                                      "--threads",
                                      "2",
+                                     "--io-threads",
+                                     "2",
                                      "--leave-timeout-ms",
                                      "20000"};
     args.insert(args.end(), extra.begin(), extra.end());

@@ -1,6 +1,8 @@
 // Integration tests: three real gkv-server processes on 127.0.0.1, talked to over UCX.
 #include <gtest/gtest.h>
 
+#include <sstream>
+
 #include <atomic>
 #include <condition_variable>
 #include <future>
@@ -123,6 +125,52 @@ TEST(IntegrationTest, NodesRegisterTheirArenasWithUcxAndServeThroughThem) {
   // Each get's reply went from the arena (and each rendezvous put was received into it).
   EXPECT_GE(testing::StatsCounter(*client, 0, "ops", within) - before, uint64_t{rounds})
       << *client->NodeStats(0);
+}
+
+// --io-threads: a node spreads its connections over its UCX workers; the workers other than 0
+// serve GETs from memory themselves (counted per I/O thread in STATS), and everything else they
+// hand to worker 0, which answers on their connections. Every value read back intact, on a
+// cluster with a secret (a connection's worker learns that it authenticated).
+TEST(IntegrationTest, ANodeSpreadsConnectionsOverItsIoThreadsAndEachServesGets) {
+  NodeSpec spec;
+  spec.io_threads = 3;
+  spec.secret = "io-threads-secret";
+  Cluster cluster(1, spec);
+  Random rng(testing::TestSeed());
+  std::vector<std::unique_ptr<Client>> clients;
+  for (int c = 0; c < 6; ++c) {
+    clients.push_back(cluster.NewClient(std::chrono::seconds(30)));
+    ASSERT_TRUE(clients.back());
+  }
+  for (int c = 0; c < 6; ++c) {
+    for (size_t size : {size_t{64}, size_t{1} << 20}) {
+      const std::string key = "io/" + std::to_string(c) + "/" + std::to_string(size);
+      const std::string value = RandomValue(rng, size);
+      ASSERT_TRUE(clients[c]->Put(key, value.data(), value.size()).ok());
+      for (int i = 0; i < 20; ++i) {
+        auto got = clients[c]->Get(key);
+        ASSERT_TRUE(got.ok()) << key << ": " << got.status().ToString();
+        ASSERT_TRUE(got->view() == value) << key;
+      }
+    }
+    EXPECT_EQ(clients[c]->Get("io/absent").status().code(), StatusCode::kNotFound);
+  }
+  auto stats = clients[0]->NodeStats(0);
+  ASSERT_TRUE(stats.ok()) << stats.status().ToString();
+  EXPECT_EQ(testing::StatsCounter(*clients[0], 0, "io_threads"), 3u);
+  const std::string field = "\"requests_by_io_thread\":[";
+  const size_t at = stats->find(field);
+  ASSERT_NE(at, std::string::npos) << *stats;
+  const size_t end = stats->find(']', at);
+  std::vector<uint64_t> by_thread;
+  std::stringstream list(stats->substr(at + field.size(), end - at - field.size()));
+  for (std::string n; std::getline(list, n, ',');) by_thread.push_back(std::stoull(n));
+  ASSERT_EQ(by_thread.size(), 3u) << *stats;
+  // Six connections over three workers: two each, and each worker other than 0 answered at
+  // least the GETs of its two connections itself.
+  EXPECT_GT(by_thread[0], 0u) << *stats;
+  EXPECT_GE(by_thread[1], 80u) << *stats;
+  EXPECT_GE(by_thread[2], 80u) << *stats;
 }
 
 TEST(IntegrationTest, GetIntoASmallerBufferIsRefused) {

@@ -80,7 +80,8 @@ class Cluster:
 
     def start(self, i: int) -> None:
         args = [SERVER, "--cluster", self.cluster_file, "--node", f"n{i}",
-                "--host-mem", self.host_mem, "--threads", "2"]
+                "--host-mem", self.host_mem, "--threads", "2",
+                "--io-threads", "2"]
         if self.disk:
             args += ["--disk", str(self.dir / f"disk{i}"), "--disk-capacity", self.disk]
         args += self.extra

@@ -232,6 +232,75 @@ Status Server::Impl::StageForSend(TieredCache& from, const ReadHandle& h, const 
   return Status::OK();
 }
 
+bool Server::Impl::ServeGetHere(std::unique_ptr<Incoming>& msg) {
+  if (msg->am_id() != w::kAmRequest || msg->conn() == 0 || msg->payload_size() != 0) return false;
+  Req r;
+  r.conn = msg->conn();
+  r.start = Clock::now();
+  std::string_view body;
+  if (!w::DecodeMessage(msg->header().data(), msg->header().size(), &r.h, &body).ok() ||
+      r.h.opcode != w::Opcode::kGet || (r.h.flags & w::kFlagReplicaRead) != 0) {
+    return false;
+  }
+  IoWorker& ws = W();
+  if (!options.cluster.secret.empty()) {
+    auto auth = ws.authenticated.find(r.conn);
+    if (auth == ws.authenticated.end() || !auth->second) return false;
+  }
+  // Catching up: keys may be held back (worker 0 keeps that set).
+  if (stopping.load(std::memory_order_acquire) || catching_up.load(std::memory_order_relaxed)) {
+    return false;
+  }
+  static thread_local std::string key;  // keeps its capacity: no allocation per request
+  if (!w::DecodeKeyRequest(body, &key).ok()) return false;
+  // Misrouted (worker 0 answers wrong_node), as Misrouted() with this worker's ring.
+  if (elastic() && (r.h.flags & w::kFlagPreviousOwner) == 0 && ws.peer_conns.count(r.conn) == 0 &&
+      !Owns(*ws.ring, key)) {
+    return false;
+  }
+  // A key with copies: worker 0's reply carries their hint.
+  if (replication_on() && replicated_keys.MaybeContains(key)) return false;
+  ReadHandle fast;
+  const auto fp = cache->TryAcquireFromMemory(key, &fast, device_zero_copy());
+  if (fp == TieredCache::FastPath::kNeedsSlowPath) return false;  // counted nothing
+  // From here on as OnMessage and HandleGet would (the message itself is no longer needed).
+  counters.ops[static_cast<int>(r.h.opcode)].fetch_add(1, std::memory_order_relaxed);
+  in_flight.fetch_add(1, std::memory_order_acq_rel);
+  r.counted = true;
+  if (r.h.budget_ms > 0) r.deadline = r.start + std::chrono::milliseconds(r.h.budget_ms);
+  if (Status admitted = Admit(&r, 0); !admitted.ok()) {
+    ReplyStatus(r, admitted);
+    return true;
+  }
+  CountRow();
+  if (replication_on()) {
+    // As CountRead: the sketch here, the decision (rarely needed) on worker 0, at most one
+    // hand-off per worker every 200 us.
+    const uint64_t hash = HashKey(key);
+    if (ws.ring->OwnerForHash(hash) == self_index) {
+      const uint32_t est = sketch.Add(hash);
+      const auto now = r.start;
+      if (est >= copy_floor.load(std::memory_order_relaxed) && now >= ws.next_copy_handoff) {
+        ws.next_copy_handoff = now + std::chrono::microseconds(200);
+        transport->Post([this, k = key, est] { ConsiderCopying(k, est); });
+      }
+    }
+  }
+  if (fp == TieredCache::FastPath::kMiss) {
+    Status nf = Status::NotFound("key not found");
+    Reply(r, nf, w::EncodeObjectReply(nf, {}), nullptr, 0, MemoryKind::kHost, nullptr);
+    return true;
+  }
+  static thread_local std::string reply_body;
+  static const std::vector<uint16_t> kNoHint;
+  w::EncodeObjectReplyTo(&reply_body, Status::OK(), ToWire(fast.info()), kNoHint);
+  const void* data = fast.data();
+  const size_t size = fast.size();
+  const MemoryKind kind = fast.memory_kind();
+  Reply(r, Status::OK(), reply_body, data, size, kind, nullptr, std::move(fast));
+  return true;
+}
+
 void Server::Impl::HandleGet(const Req& r, std::string_view body) {
   if (r.h.flags & w::kFlagReplicaRead) return HandleReplicaGet(r, body);
   std::string key;

@@ -69,6 +69,11 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   app.add_option("--threads", threads, "executor threads for cache operations")
       ->check(CLI::Range(1, 256));
+  int io_threads = 0;
+  app.add_option("--io-threads", io_threads,
+                 "UCX workers, each with an I/O thread; connections are spread over them "
+                 "(0: a quarter of the cores, 1 to 16)")
+      ->check(CLI::Range(0, 64));
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error");
   app.add_option("--metrics-port", metrics_port, "serve Prometheus metrics on this port (/metrics)")
       ->check(CLI::Range(0, 65535));
@@ -148,6 +153,7 @@ int main(int argc, char** argv) {
     options.listen_port = static_cast<uint16_t>(port);
   }
   options.executor_threads = threads;
+  options.io_threads = io_threads;
   options.metrics_port = static_cast<uint16_t>(metrics_port);
   if (replicate_hot == "auto") {
     rule.mode = gkv::HotnessRule::Mode::kRelative;

@@ -64,6 +64,10 @@ void Server::Impl::SetRing(RingPtr next) {
     previous_ring = ring;
     ring = std::move(next);
   }
+  // The other I/O workers route their GETs by their own copy of the ring.
+  for (size_t i = 1; i < io.size(); ++i) {
+    transport->PostTo(static_cast<int>(i), [this, r = ring] { W().ring = r; });
+  }
   ring_shares = ring->SharesByIndex();
   ring_shares.resize(options.cluster.nodes.size(), 0.0);
   counters.ring_epoch.store(ring->epoch(), std::memory_order_relaxed);

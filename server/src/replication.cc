@@ -41,7 +41,10 @@ void Server::Impl::CountRead(const std::string& key) {
   // primary's.
   const uint64_t hash = HashKey(key);  // once: for the ring and the sketch
   if (ring->OwnerForHash(hash) != self_index) return;
-  const uint32_t est = sketch.Add(hash);
+  ConsiderCopying(key, sketch.Add(hash));
+}
+
+void Server::Impl::ConsiderCopying(const std::string& key, uint32_t est) {
   if (!options.replication.IsHot(est, node_read_count, node_overloaded)) return;
   const bool relative = options.replication.mode == HotnessRule::Mode::kRelative;
   if (copy_tokens <= 0 || (relative && shed_left <= 0)) return;
@@ -62,6 +65,26 @@ void Server::Impl::CountRead(const std::string& key) {
   StartReplication(key);
 }
 
+void Server::Impl::PublishCopyFloor() {
+  // IsHot grows with the key's count: the least count it accepts, by bisection.
+  const bool relative = options.replication.mode == HotnessRule::Mode::kRelative;
+  uint32_t floor = UINT32_MAX;
+  if (copy_tokens > 0 && !(relative && shed_left <= 0) &&
+      options.replication.IsHot(UINT32_MAX - 1, node_read_count, node_overloaded)) {
+    uint32_t lo = 0, hi = UINT32_MAX - 1;  // IsHot(hi) holds
+    while (lo < hi) {
+      const uint32_t mid = lo + (hi - lo) / 2;
+      if (options.replication.IsHot(mid, node_read_count, node_overloaded)) {
+        hi = mid;
+      } else {
+        lo = mid + 1;
+      }
+    }
+    floor = hi;
+  }
+  copy_floor.store(floor, std::memory_order_relaxed);
+}
+
 std::vector<int> Server::Impl::ReplicaTargets(const std::string& key) const {
   // The next nodes on the ring, passing over ones that are down (a hot key then still gets its
   // copies from the live ones).
@@ -78,6 +101,9 @@ void Server::Impl::StartReplication(const std::string& key) {
   std::vector<int> targets = ReplicaTargets(key);
   if (targets.empty()) return;
   const uint64_t attempt = ++next_attempt;
+  // Listed for the other I/O workers before the copy reads the value (they then leave this
+  // key's GETs to worker 0, whose replies carry the hints).
+  replicated_keys.Add(key);
   ReplicaSet& set = registry[key];
   set = ReplicaSet{};
   set.attempt = attempt;
@@ -139,6 +165,7 @@ void Server::Impl::ReplicationDone(const std::string& key, uint64_t attempt, uin
       copy_again_after[key] = Clock::now() + std::chrono::seconds(5);
     }
     registry.erase(it);
+    replicated_keys.Remove(key);
     return;
   }
   ReplicaSet& set = it->second;
@@ -190,6 +217,7 @@ void Server::Impl::FinishWithdraw(const std::string& key, uint64_t attempt) {
   }
   std::vector<std::function<void()>> waiters = std::move(it->second.waiters);
   registry.erase(it);
+  replicated_keys.Remove(key);
   for (auto& w : waiters) w();
 }
 

@@ -2,6 +2,7 @@
 
 #include <httplib.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <thread>
@@ -24,8 +25,11 @@ void Server::Impl::Reply(const Req& r, const Status& status, std::string_view bo
     }
   }
   counters.bytes_out.fetch_add(size, std::memory_order_relaxed);
-  // Recycled on the I/O thread, where every reply is made and completes.
-  OutgoingReply* out = outgoing_free.Take();
+  // Recycled on the I/O worker where the reply is made and completes (the transport completes a
+  // send to another worker's connection back on the worker that made it).
+  IoWorker& ws = W();
+  OutgoingReply* out = ws.outgoing_free.Take();
+  out->worker = &ws;
   out->req = r;
   out->transfer = size > 0 ? TrackTransfer(r.conn) : 0;
   out->after = std::move(after);
@@ -46,23 +50,27 @@ void Server::Impl::Reply(const Req& r, const Status& status, std::string_view bo
     Release(rq);
     counters.RecordLatency(
         rq.h.opcode,
-        std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - rq.start).count());
+        std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - rq.start).count(),
+        out->worker->index);
+    counters.CountAnswered(out->worker->index);
     if (rq.counted) in_flight.fetch_sub(1, std::memory_order_acq_rel);
-    outgoing_free.Give(out);
+    out->worker->outgoing_free.Give(out);
   });
 }
 
 uint64_t Server::Impl::TrackTransfer(ConnId conn) {
-  auto it = conn_load.find(conn);
-  if (it == conn_load.end()) return 0;  // the connection is gone: nothing to watch
-  const uint64_t token = next_transfer_token++;
+  IoWorker& ws = W();
+  auto it = ws.conn_load.find(conn);
+  if (it == ws.conn_load.end()) return 0;  // the connection is gone: nothing to watch
+  const uint64_t token = ws.next_transfer_token++;
   it->second.transfers.Push(Clock::now() + options.send_timeout, token);
   return token;
 }
 
 void Server::Impl::TransferDone(ConnId conn, uint64_t token) {
-  auto it = conn_load.find(conn);
-  if (it == conn_load.end()) return;
+  IoWorker& ws = W();
+  auto it = ws.conn_load.find(conn);
+  if (it == ws.conn_load.end()) return;
   it->second.transfers.Done(token);
 }
 
@@ -77,15 +85,55 @@ void Server::Impl::ReceivePayload(ConnId conn, std::unique_ptr<Incoming> msg, vo
 }
 
 void Server::Impl::ForgetConnection(ConnId conn) {
-  authenticated.erase(conn);
-  peer_node_of_conn.erase(conn);
-  conn_load.erase(conn);
+  IoWorker& ws = W();
+  ws.authenticated.erase(conn);
+  ws.conn_load.erase(conn);
+  ws.peer_conns.erase(conn);
+  if (OnControlThread()) peer_node_of_conn.erase(conn);
+}
+
+void Server::Impl::CloseConnection(ConnId conn, bool force) {
+  // Closed by this node: no on_disconnect comes, so every worker that may hold state of the
+  // connection (this one, worker 0, the connection's own) forgets it now.
+  ForgetConnection(conn);
+  const int here = std::max(0, transport->CurrentWorker());
+  const int owner = UcxTransport::WorkerOf(conn);
+  auto forget_on = [this, conn](int worker) {
+    transport->PostTo(worker, [this, conn] { ForgetConnection(conn); });
+  };
+  if (here != 0) forget_on(0);
+  if (owner != here && owner != 0) forget_on(owner);
+  transport->Close(conn, force);
+}
+
+void Server::Impl::OnDisconnect(ConnId conn, const Status& s) {
+  ForgetConnection(conn);
+  if (!OnControlThread()) {
+    // Worker 0 may hold state of this connection too (the requests handed to it).
+    return transport->Post([this, conn] {
+      ForgetConnection(conn);
+      OnPeerDisconnect(conn);
+    });
+  }
+  OnPeerDisconnect(conn);
+  GKV_LOG_DEBUG("client connection {} closed: {}", conn, s.ToString());
+}
+
+void Server::Impl::TellConnWorker(ConnId conn, bool peer) {
+  const int worker = UcxTransport::WorkerOf(conn);
+  if (worker == 0) return;
+  transport->PostTo(worker, [this, conn, peer] {
+    if (!transport->IsOpen(conn)) return;  // gone meanwhile (and forgotten there)
+    IoWorker& ws = W();
+    ws.authenticated[conn] = true;
+    if (peer) ws.peer_conns.insert(conn);
+  });
 }
 
 Status Server::Impl::Admit(Req* r, uint64_t charge) {
   // A message handled after its connection went: nothing to track it against.
   if (!transport->IsOpen(r->conn)) return Status::Unavailable("connection closed");
-  ConnLoad& load = conn_load[r->conn];
+  ConnLoad& load = W().conn_load[r->conn];
   if (load.requests >= options.max_conn_requests) {
     return Status::Busy("connection has " + std::to_string(load.requests) +
                         " requests in flight (limit " + std::to_string(options.max_conn_requests) +
@@ -154,9 +202,10 @@ void Server::Impl::UpdateClaim(BytesClaim* claim, uint64_t used, uint64_t charge
 }
 
 void Server::Impl::Release(const Req& r) {
-  inflight_bytes -= r.charged;
-  auto it = conn_load.find(r.conn);
-  if (it == conn_load.end()) return;  // the connection is gone (and its load with it)
+  if (r.charged > 0) inflight_bytes -= r.charged;  // (worker 0's: only it admits payloads)
+  IoWorker& ws = W();
+  auto it = ws.conn_load.find(r.conn);
+  if (it == ws.conn_load.end()) return;  // the connection is gone (and its load with it)
   ConnLoad& load = it->second;
   if (r.admitted) {
     load.requests--;
@@ -166,7 +215,7 @@ void Server::Impl::Release(const Req& r) {
 
 void Server::Impl::CloseStuckConnections(Clock::time_point now) {
   std::vector<ConnId> stuck;
-  for (auto& [conn, load] : conn_load) {
+  for (auto& [conn, load] : W().conn_load) {
     if (!load.transfers.empty() && load.transfers.front().deadline < now) stuck.push_back(conn);
   }
   for (ConnId conn : stuck) {
@@ -174,8 +223,7 @@ void Server::Impl::CloseStuckConnections(Clock::time_point now) {
                  options.send_timeout.count());
     counters.stuck_connections_closed.fetch_add(1, std::memory_order_relaxed);
     // Closing completes its transfers with errors: pins and reservations go.
-    ForgetConnection(conn);
-    transport->Close(conn, /*force=*/true);
+    CloseConnection(conn, /*force=*/true);
   }
 }
 
@@ -226,6 +274,12 @@ void Server::Impl::OnMessage(std::unique_ptr<Incoming> msg) {
     if (Clock::now() > give_up) return;
     std::this_thread::yield();
   }
+  if (!OnControlThread()) {
+    if (ServeGetHere(msg)) return;
+    // Everything else is worker 0's (it answers on this connection through the transport).
+    auto held = std::make_shared<std::unique_ptr<Incoming>>(std::move(msg));
+    return transport->Post([this, held] { OnMessage(std::move(*held)); });
+  }
   if (msg->am_id() == w::kAmReply) return OnPeerReply(std::move(msg));  // our peer calls
   if (msg->am_id() != w::kAmRequest) return;
   Req r;
@@ -246,8 +300,9 @@ void Server::Impl::OnMessage(std::unique_ptr<Incoming> msg) {
   counters.bytes_in.fetch_add(msg->payload_size(), std::memory_order_relaxed);
   if (r.h.opcode == w::Opcode::kPeerHello) return AuthenticatePeer(r, body);
   if (!options.cluster.secret.empty()) {
-    auto auth = authenticated.find(r.conn);
-    if (auth == authenticated.end() || !auth->second) return Authenticate(r, body);
+    IoWorker& ws = W();
+    auto auth = ws.authenticated.find(r.conn);
+    if (auth == ws.authenticated.end() || !auth->second) return Authenticate(r, body);
   }
   if (stopping.load(std::memory_order_acquire)) {
     return ReplyStatus(r, Status::Unavailable("node is shutting down"));
@@ -334,7 +389,8 @@ void Server::Impl::AuthenticatePeer(const Req& r, std::string_view body) {
   const std::string& want = options.cluster.effective_peer_secret();
   if (s.ok() && node >= 0 && node != self_index && (want.empty() || SecretEquals(proof, want))) {
     peer_node_of_conn[r.conn] = node;
-    authenticated[r.conn] = true;  // a node of the cluster may also use the client protocol
+    W().authenticated[r.conn] = true;  // a node of the cluster may also use the client protocol
+    TellConnWorker(r.conn, /*peer=*/true);
     return ReplyStatus(r, Status::OK());
   }
   counters.auth_failures.fetch_add(1, std::memory_order_relaxed);
@@ -345,17 +401,16 @@ void Server::Impl::AuthenticatePeer(const Req& r, std::string_view body) {
                                     : "wrong peer secret");
   const ConnId conn = r.conn;
   Status denied = Status::PermissionDenied("not a node of this cluster");
-  Reply(r, denied, w::EncodeStatusReply(denied), nullptr, 0, MemoryKind::kHost, [this, conn] {
-    ForgetConnection(conn);
-    transport->Close(conn, /*force=*/false);
-  });
+  Reply(r, denied, w::EncodeStatusReply(denied), nullptr, 0, MemoryKind::kHost,
+        [this, conn] { CloseConnection(conn, /*force=*/false); });
 }
 
 void Server::Impl::Authenticate(const Req& r, std::string_view body) {
   std::string secret;
   if (r.h.opcode == w::Opcode::kHello && w::DecodeHello(body, &secret).ok() &&
       SecretEquals(secret, options.cluster.secret)) {
-    authenticated[r.conn] = true;
+    W().authenticated[r.conn] = true;
+    TellConnWorker(r.conn, /*peer=*/false);
     return ReplyStatus(r, Status::OK());
   }
   counters.auth_failures.fetch_add(1, std::memory_order_relaxed);
@@ -364,10 +419,7 @@ void Server::Impl::Authenticate(const Req& r, std::string_view body) {
   const ConnId conn = r.conn;
   Reply(r, Status::PermissionDenied("this cluster requires its secret (HELLO) first"),
         w::EncodeStatusReply(Status::PermissionDenied("this cluster requires its secret")), nullptr,
-        0, MemoryKind::kHost, [this, conn] {
-          ForgetConnection(conn);
-          transport->Close(conn, /*force=*/false);
-        });
+        0, MemoryKind::kHost, [this, conn] { CloseConnection(conn, /*force=*/false); });
 }
 
 void Server::Impl::ReplyPayload(const Req& r, std::shared_ptr<std::string> payload) {
@@ -377,12 +429,18 @@ void Server::Impl::ReplyPayload(const Req& r, std::shared_ptr<std::string> paylo
 
 void Server::Impl::OnTick() {
   if (!ticking.load(std::memory_order_acquire)) return;
-  if (!boot_sync_started) StartBootSync();
   const auto now = Clock::now();
-  if (!peer_deadlines.empty()) ExpirePeerCalls(now);
-  if (now - last_send_check >= std::chrono::milliseconds(100)) {
-    last_send_check = now;
+  IoWorker& ws = W();
+  if (now - ws.last_send_check >= std::chrono::milliseconds(100)) {
+    ws.last_send_check = now;
     CloseStuckConnections(now);
+  }
+  if (!OnControlThread()) return;  // the rest is worker 0's
+  if (!boot_sync_started) StartBootSync();
+  if (!peer_deadlines.empty()) ExpirePeerCalls(now);
+  if (io.size() > 1) {
+    node_read_count += static_cast<double>(rows_elsewhere.exchange(0, std::memory_order_relaxed));
+    if (replication_on()) PublishCopyFloor();
   }
   if (!timers.empty()) RunTimers(now);
   CatchUpTick(now);
@@ -485,6 +543,11 @@ Status Server::Impl::StartMetrics() {
   return Status::OK();
 }
 
+int DefaultIoThreads() {
+  const int cores = static_cast<int>(std::thread::hardware_concurrency());
+  return std::clamp(cores / 4, 1, 16);
+}
+
 Server::Server(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 Server::~Server() { Stop(); }
@@ -569,7 +632,20 @@ Result<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
   if (elastic) impl->BeginCatchUp();
   impl->executors = std::make_unique<ThreadPool>(std::max(1, options.executor_threads));
 
+  const int io_threads = options.io_threads > 0 ? options.io_threads : DefaultIoThreads();
+  if (io_threads > UcxTransport::kMaxWorkers) {
+    return Status::InvalidArgument("at most " + std::to_string(UcxTransport::kMaxWorkers) +
+                                   " I/O threads");
+  }
+  for (int i = 0; i < io_threads; ++i) {
+    impl->io.push_back(std::make_unique<Impl::IoWorker>());
+    impl->io.back()->index = i;
+    impl->io.back()->ring = impl->ring;
+  }
+
+  impl->counters.io_threads.store(static_cast<uint64_t>(io_threads));
   UcxTransport::Options topts;
+  topts.workers = io_threads;
   topts.listen = true;
   topts.listen_host = options.listen_host.empty() ? impl->self.host : options.listen_host;
   topts.listen_port = options.listen_port ? options.listen_port : impl->self.port;
@@ -582,11 +658,7 @@ Result<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
   handlers.on_accept = [raw](ConnId) {
     raw->counters.connections_accepted.fetch_add(1, std::memory_order_relaxed);
   };
-  handlers.on_disconnect = [raw](ConnId id, const Status& s) {
-    raw->ForgetConnection(id);
-    raw->OnPeerDisconnect(id);
-    GKV_LOG_DEBUG("client connection {} closed: {}", id, s.ToString());
-  };
+  handlers.on_disconnect = [raw](ConnId id, const Status& s) { raw->OnDisconnect(id, s); };
   handlers.on_tick = [raw] { raw->OnTick(); };
   // The I/O thread inherits the current CUDA device (UcxTransport::Create): the node's first
   // GPU when it has a GPU tier.
@@ -647,13 +719,14 @@ Result<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
                       : fmt::format("replication auto (hot share {}, load slack {})",
                                     rule.hot_share, rule.load_slack);
   }
-  GKV_LOG_INFO("node {} up on {}:{} (gpu {}{}, host {}, disk {}; {}; {}){}", I.self.id,
-               topts.listen_host, I.transport->listen_port(), tier(Tier::kGpu),
+  GKV_LOG_INFO("node {} up on {}:{} (gpu {}{}, host {}, disk {}; {}; {}, {} I/O thread{}){}",
+               I.self.id, topts.listen_host, I.transport->listen_port(), tier(Tier::kGpu),
                !ProbeCuda().fake ? ""
                : FakeDeviceKind() == FakeDevice::kMovedByUcx
                    ? " FAKE DEVICE (GKV_FAKE_DEVICE=ucx: host memory, moved by UCX)"
                    : " FAKE DEVICE (GKV_FAKE_DEVICE=1: host memory, staged)",
                tier(Tier::kHost), tier(Tier::kDisk), replication, I.transport->Describe(),
+               io_threads, io_threads == 1 ? "" : "s",
                options.cluster.secret.empty() ? "" : "; clients must present the cluster secret");
   return std::unique_ptr<Server>(new Server(std::move(impl)));
 }

@@ -43,6 +43,10 @@ struct ServerOptions {
   enum class GpuPlacement { kAuto, kFirst, kBehindHost };
   GpuPlacement gpu_placement = GpuPlacement::kAuto;
   int executor_threads = 4;
+  // UCX workers, each with its own I/O thread; 0: DefaultIoThreads(). Connections are spread
+  // over them; worker 0 also runs everything that is not a GET served from memory
+  // (docs/ARCHITECTURE.md, "Threads").
+  int io_threads = 0;
   std::string listen_host;   // default: the node's host from the cluster file
   uint16_t listen_port = 0;  // default: the node's port from the cluster file
   // Prometheus text exposition on http://HOST:PORT/metrics (HOST: the listen host); 0 = off.
@@ -88,6 +92,10 @@ struct ServerOptions {
   // the registration goes.
   std::chrono::milliseconds leave_timeout{60000};
 };
+
+// A quarter of the machine's cores, between 1 and 16: the rest is left to the executors, the
+// training job and the kernel's network stack.
+int DefaultIoThreads();
 
 class Server {
  public:

@@ -7,8 +7,11 @@
 //   peers.cc        calls to other nodes (peer connections, matching replies, deadlines, timers)
 //   membership.cc   the ring and its changes (etcd: registration, the watched view, leaving)
 //   handoff.cc      moving keys to their new owners when the ring changes, and repair of copies
-// Threading: everything here runs on the transport's worker thread (the I/O thread) unless a
-// comment says "executor"; executors hand results back with PostReply.
+// Threading: everything here runs on the transport's worker 0 (the I/O thread, or control
+// thread) unless a comment says "executor" (executors hand results back with PostReply) or
+// "any I/O worker". With --io-threads N > 1 the other workers serve the fast GET of their own
+// connections (ServeGetHere) and hand every other message to worker 0 (docs/ARCHITECTURE.md,
+// "Threads"); the per-connection state they touch is in IoWorker, one per worker.
 #pragma once
 
 #include <httplib.h>
@@ -30,6 +33,7 @@
 #include <vector>
 
 #include "gkv/free_list.h"
+#include "gkv/hash.h"
 #include "gkv/membership.h"
 #include "gkv/ring_view.h"
 #include "gkv/transport/protocol.h"
@@ -415,8 +419,6 @@ struct Server::Impl {
   size_t tombstone_bytes = 0;  // keys + overhead of `tombstones` (tombstone_mu)
   Clock::time_point last_tombstone_prune = Clock::now();
 
-  // I/O-thread state.
-  std::unordered_map<ConnId, bool> authenticated;
   // Admission control (ServerOptions): what each connection and the node have in flight.
   // Room a request refused for its size holds back, so that requests smaller than it stop
   // filling the gap it needs: on a node (or connection) that is never idle a value near the
@@ -452,7 +454,8 @@ struct Server::Impl {
     // popped from the front, so a hung or stalled peer leaves its oldest one at the front.
     TransferQueue transfers;
   };
-  std::unordered_map<ConnId, ConnLoad> conn_load;
+  // (Each I/O worker's connections: IoWorker::conn_load.) Node-wide, worker 0 only: what is
+  // admitted with payload bytes (a data worker serves only requests without a payload).
   uint64_t inflight_bytes = 0;
   // Bytes of MGET replies gathered in memory and not yet sent (any thread): held to
   // options.max_inflight_bytes like request payloads, released when the reply's buffer goes.
@@ -463,7 +466,6 @@ struct Server::Impl {
   // it is freed, or null (Busy) when the node has other replies in flight and these would pass
   // the limit. A reply alone is always allowed (max_batch_bytes bounds it).
   std::shared_ptr<std::string> ReserveBatchReply(uint64_t values);
-  Clock::time_point last_send_check = Clock::now();
   // Accepted connections whose peer said PEER_HELLO (with the peer secret, where the cluster has
   // one): the only ones allowed REPLICA_PUT and INVALIDATE. Value: the node's index.
   std::unordered_map<ConnId, int> peer_node_of_conn;
@@ -479,13 +481,36 @@ struct Server::Impl {
              size_t size, MemoryKind kind, std::function<void()> after, ReadHandle pinned = {});
   // What a reply's send completion needs, recycled (I/O thread) instead of captured in a fresh
   // closure per reply.
+  struct IoWorker;
   struct OutgoingReply {
+    IoWorker* worker = nullptr;  // whose free list it goes back to
     Req req;
     uint64_t transfer = 0;  // TrackTransfer's token (0: none)
     std::function<void()> after;
     ReadHandle pinned;
   };
-  FreeList<OutgoingReply> outgoing_free{1024};  // I/O thread
+
+  // What each I/O worker keeps of its own (any I/O worker, its own entry only): the admission
+  // and transfer state of the requests it answers, and (workers > 0) what it needs to serve a
+  // GET without worker 0: which of its connections authenticated or are peers, and the ring.
+  struct IoWorker {
+    int index = 0;
+    std::unordered_map<ConnId, bool> authenticated;
+    std::unordered_map<ConnId, ConnLoad> conn_load;
+    FreeList<OutgoingReply> outgoing_free{1024};
+    uint64_t next_transfer_token = 1;
+    Clock::time_point last_send_check = Clock::now();
+    std::unordered_set<ConnId> peer_conns;  // workers > 0: connections that said PEER_HELLO
+    RingPtr ring;                           // workers > 0: posted by worker 0 (SetRing)
+    Clock::time_point next_copy_handoff{};  // workers > 0: see ServeGetHere
+  };
+  std::vector<std::unique_ptr<IoWorker>> io;  // one per transport worker (made before it)
+  // The calling I/O worker's state (worker 0's outside the workers: Start, tests).
+  IoWorker& W() {
+    const int i = transport ? transport->CurrentWorker() : 0;
+    return *io[i > 0 ? static_cast<size_t>(i) : 0];
+  }
+  bool OnControlThread() const { return !transport || transport->CurrentWorker() <= 0; }
 
   // Admits a request against the in-flight limits, or says Busy. A request that brings `charge`
   // payload bytes is admitted anyway when its connection (or the node) has no bytes in flight,
@@ -499,13 +524,15 @@ struct Server::Impl {
   // token for TransferDone, 0 when the connection is gone.
   uint64_t TrackTransfer(ConnId conn);
   void TransferDone(ConnId conn, uint64_t token);
-  uint64_t next_transfer_token = 1;
   // Receives a request's payload, watched like a reply's payload: a sender that stalls
   // mid-transfer is disconnected after send_timeout, which releases what it held.
   void ReceivePayload(ConnId conn, std::unique_ptr<Incoming> msg, void* dst, MemoryKind kind,
                       std::function<void(Status)> done);
-  // Drops every per-connection table entry (on disconnect, and when this node closes it).
+  // Drops the calling I/O worker's per-connection table entries (on disconnect, and when this
+  // node closes it).
   void ForgetConnection(ConnId conn);
+  // Closes a connection and makes every I/O worker forget it.
+  void CloseConnection(ConnId conn, bool force);
 
   // I/O thread, a few times a second: a connection whose oldest reply payload has not been
   // taken within send_timeout is closed, which completes its sends and releases their pins.
@@ -529,6 +556,16 @@ struct Server::Impl {
 
   // --- dispatch (I/O thread) ---
   void OnMessage(std::unique_ptr<Incoming> msg);
+  // An I/O worker other than 0: serves a plain GET of its own connection from memory, or
+  // answers false (nothing done, `msg` untouched) when it needs worker 0: a message of any
+  // other kind, a connection not yet known to have authenticated, a key with copies (hints)
+  // or one that is not in memory, catch-up, shutdown.
+  bool ServeGetHere(std::unique_ptr<Incoming>& msg);
+  // Worker 0, after a connection of another worker authenticated (or said PEER_HELLO): that
+  // worker may serve its GETs from now on.
+  void TellConnWorker(ConnId conn, bool peer);
+  // Any I/O worker: its connection went (worker 0 forgets it too).
+  void OnDisconnect(ConnId conn, const Status& s);
 
   // Replication messages come from nodes of this cluster that identified themselves, and only
   // while replication is on; anything else is refused (and its payload released unreceived).
@@ -609,10 +646,55 @@ struct Server::Impl {
   // it turns hot.
   void CountRead(const std::string& key);
   // Counts a row served of any kind (the node's load): every get, batch row and replica read.
+  // On another I/O worker the row is added to node_read_count by worker 0's next tick.
   void CountRow() {
-    node_read_count += 1;
     counters.rows_read.fetch_add(1, std::memory_order_relaxed);
+    if (OnControlThread()) {
+      node_read_count += 1;
+    } else {
+      rows_elsewhere.fetch_add(1, std::memory_order_relaxed);
+    }
   }
+  std::atomic<uint64_t> rows_elsewhere{0};
+  // The least sketch estimate at which CountRead may start copying a key now (UINT32_MAX: not
+  // now), published by worker 0 every tick for the other I/O workers, which count their reads
+  // in the sketch and hand only such keys to worker 0 (ConsiderCopying).
+  std::atomic<uint32_t> copy_floor{UINT32_MAX};
+  void PublishCopyFloor();
+  // Worker 0: the part of CountRead after the sketch (est: the key's estimate).
+  void ConsiderCopying(const std::string& key, uint32_t est);
+  // Keys in `registry` (any state), readable by every I/O worker: a worker other than 0 hands a
+  // GET of such a key to worker 0 (its reply carries hints). Worker 0 adds a key before it
+  // starts copying it and removes it when the registry entry goes.
+  class KeySet {
+   public:
+    bool MaybeContains(const std::string& key) const {
+      if (size_.load(std::memory_order_acquire) == 0) return false;
+      Shard& s = shards_[HashKey(key) % kShards];
+      std::lock_guard<std::mutex> lock(s.mu);
+      return s.keys.count(key) > 0;
+    }
+    void Add(const std::string& key) {
+      Shard& s = shards_[HashKey(key) % kShards];
+      std::lock_guard<std::mutex> lock(s.mu);
+      if (s.keys.insert(key).second) size_.fetch_add(1, std::memory_order_acq_rel);
+    }
+    void Remove(const std::string& key) {
+      Shard& s = shards_[HashKey(key) % kShards];
+      std::lock_guard<std::mutex> lock(s.mu);
+      if (s.keys.erase(key) > 0) size_.fetch_sub(1, std::memory_order_acq_rel);
+    }
+
+   private:
+    static constexpr size_t kShards = 16;
+    struct Shard {
+      std::mutex mu;
+      std::unordered_set<std::string> keys;
+    };
+    mutable Shard shards_[kShards];
+    std::atomic<size_t> size_{0};
+  };
+  KeySet replicated_keys;
 
   std::vector<int> ReplicaTargets(const std::string& key) const;
 

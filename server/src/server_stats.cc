@@ -65,6 +65,15 @@ std::string RenderStatsJson(const std::string& node_id, const CacheStats& st,
   j += ",\"auth_failures\":" + std::to_string(counters.auth_failures.load());
   j += ",\"stuck_connections_closed\":" + std::to_string(counters.stuck_connections_closed.load());
   j += ",\"connections_accepted\":" + std::to_string(counters.connections_accepted.load());
+  const int io_threads =
+      static_cast<int>(std::min<uint64_t>(counters.io_threads.load(), ServerCounters::kIoSlots));
+  j += ",\"io_threads\":" + std::to_string(counters.io_threads.load());
+  j += ",\"requests_by_io_thread\":[";
+  for (int i = 0; i < io_threads; ++i) {
+    if (i) j += ",";
+    j += std::to_string(counters.requests_by_io_thread[i].requests.load());
+  }
+  j += "]";
   j += ",\"ucx_registration\":{\"regions\":" +
        std::to_string(counters.ucx_registered_regions.load()) +
        ",\"bytes\":" + std::to_string(counters.ucx_registered_bytes.load()) +
@@ -206,6 +215,14 @@ std::string RenderPrometheus(const std::string& node_id, const CacheStats& st,
   sample("gkv_stuck_connections_closed_total", "", counters.stuck_connections_closed.load());
   family("gkv_connections_accepted_total", "counter", "Connections accepted.");
   sample("gkv_connections_accepted_total", "", counters.connections_accepted.load());
+  family("gkv_io_thread_requests_total", "counter",
+         "Requests answered by each I/O thread (UCX worker; --io-threads).");
+  for (int i = 0; i < static_cast<int>(
+                          std::min<uint64_t>(counters.io_threads.load(), ServerCounters::kIoSlots));
+       ++i) {
+    sample("gkv_io_thread_requests_total", "io_thread=\"" + std::to_string(i) + "\"",
+           static_cast<double>(counters.requests_by_io_thread[i].requests.load()));
+  }
   family("gkv_ucx_registered_bytes", "gauge",
          "Memory registered with UCX once (the tiers' arenas), in bytes.");
   sample("gkv_ucx_registered_bytes", "", counters.ucx_registered_bytes.load());

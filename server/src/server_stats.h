@@ -1,9 +1,10 @@
 // Counters and latency histograms of one node, and their two renderings: the JSON document of
 // the STATS reply (docs/STATS.md) and the Prometheus text exposition (docs/METRICS.md).
 // Thread-safety: counters are relaxed atomics (monotonic counts); the histograms are guarded by
-// a mutex (recorded on the I/O thread, read by the stats and metrics paths).
+// a mutex per I/O worker (recorded there, read by the stats and metrics paths).
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <mutex>
@@ -49,19 +50,42 @@ struct ServerCounters {
   // receives that passed that registration: copied from the transport before rendering.
   std::atomic<uint64_t> ucx_registered_regions{0}, ucx_registered_bytes{0};
   std::atomic<uint64_t> ucx_registered_ops{0};
+  // I/O workers (--io-threads) and the requests each answered (workers past kIoSlots - 1 are
+  // counted in the last slot). One cache line per slot: the workers do not share one.
+  static constexpr int kIoSlots = 16;
+  std::atomic<uint64_t> io_threads{1};
+  struct alignas(64) IoSlot {
+    std::atomic<uint64_t> requests{0};
+  };
+  IoSlot requests_by_io_thread[kIoSlots];
+  void CountAnswered(int worker) {
+    requests_by_io_thread[std::min(worker, kIoSlots - 1)].requests.fetch_add(
+        1, std::memory_order_relaxed);
+  }
 
-  void RecordLatency(wire::Opcode op, uint64_t ns) {
-    std::lock_guard<std::mutex> lock(latency_mu);
-    latency[static_cast<int>(op) % kOpSlots].Record(ns);
+  // `stripe`: the recording I/O worker's index. Each worker records into a stripe of its own
+  // (its mutex is contended only by a stats or metrics read), which LatencyOf merges.
+  void RecordLatency(wire::Opcode op, uint64_t ns, int stripe = 0) {
+    Stripe& s = stripes_[static_cast<size_t>(stripe) % kStripes];
+    std::lock_guard<std::mutex> lock(s.mu);
+    s.latency[static_cast<int>(op) % kOpSlots].Record(ns);
   }
   Histogram LatencyOf(int op) const {
-    std::lock_guard<std::mutex> lock(latency_mu);
-    return latency[op];
+    Histogram out;
+    for (const Stripe& s : stripes_) {
+      std::lock_guard<std::mutex> lock(s.mu);
+      out.Merge(s.latency[op]);
+    }
+    return out;
   }
 
  private:
-  mutable std::mutex latency_mu;
-  Histogram latency[kOpSlots];
+  static constexpr size_t kStripes = 4;  // 256 KiB each
+  struct alignas(64) Stripe {
+    mutable std::mutex mu;
+    Histogram latency[kOpSlots];
+  };
+  Stripe stripes_[kStripes];
 };
 
 // `replicas` is the cache of copies held for other primaries (all zero when replication is off).
