@@ -18,7 +18,7 @@ void Server::Impl::FreePutOp(PutOp* op) {
   op->ring_epoch = 0;
   op->client_version = 0;
   op->transfer = 0;
-  put_ops_free.Give(op);
+  W().put_ops_free.Give(op);
 }
 
 std::shared_ptr<Server::Impl::PutOp> Server::Impl::SharePutOp(PutOp* op) {
@@ -30,7 +30,7 @@ std::shared_ptr<Server::Impl::PutOp> Server::Impl::SharePutOp(PutOp* op) {
 void Server::Impl::HandlePut(const Req& r, std::string_view body, std::unique_ptr<Incoming> msg) {
   // A recycled op (I/O thread): the fast path below allocates nothing for it; the other paths
   // move it into a shared one (SharePutOp).
-  PutOp* op = put_ops_free.Take();
+  PutOp* op = W().put_ops_free.Take();
   op->req = r;
   Status s;
   if (r.h.flags & w::kFlagClientVersion) {
@@ -48,7 +48,7 @@ void Server::Impl::HandlePut(const Req& r, std::string_view body, std::unique_pt
     FreePutOp(op);
     return ReplyStatus(r, s);  // msg dropped: an unreceived payload is released
   }
-  op->ring_epoch = ring->epoch();
+  op->ring_epoch = RingHere()->epoch();
   // Hot path, all on the I/O thread: free room in a memory tier, receive straight into it,
   // publish. Anything that would evict or touch the disk goes through the executors.
   if (cache->TryReserveInMemory(op->put.key, op->put.size, op->put.tensor, &op->handle) ==
@@ -92,10 +92,15 @@ void Server::Impl::FinishFastPut(PutOp* op, const Status& rs) {
                    MemoryKind::kHost, nullptr);
     }
     std::shared_ptr<PutOp> shared = SharePutOp(op);
-    return AfterWrite({shared->put.key}, [this, shared, version] {
-      Reply(shared->req, Status::OK(), w::EncodePutReply(Status::OK(), version), nullptr, 0,
-            MemoryKind::kHost, nullptr);
-    });
+    // (The copies are worker 0's; the reply goes out on the request's worker.)
+    auto after_write = [this, shared, version] {
+      AfterWrite({shared->put.key}, [this, shared, version] {
+        Reply(shared->req, Status::OK(), w::EncodePutReply(Status::OK(), version), nullptr, 0,
+              MemoryKind::kHost, nullptr);
+      });
+    };
+    if (!OnControlThread()) return transport->Post(after_write);
+    return after_write();
   }
   std::shared_ptr<PutOp> shared = SharePutOp(op);
   executors->Submit([this, shared] { CommitAndReply(shared); });
@@ -232,17 +237,20 @@ Status Server::Impl::StageForSend(TieredCache& from, const ReadHandle& h, const 
   return Status::OK();
 }
 
-bool Server::Impl::ServeGetHere(std::unique_ptr<Incoming>& msg) {
-  if (msg->am_id() != w::kAmRequest || msg->conn() == 0 || msg->payload_size() != 0) return false;
+bool Server::Impl::ServeHere(std::unique_ptr<Incoming>& msg) {
+  if (msg->am_id() != w::kAmRequest || msg->conn() == 0) return false;
   Req r;
   r.conn = msg->conn();
   r.start = Clock::now();
   std::string_view body;
-  if (!w::DecodeMessage(msg->header().data(), msg->header().size(), &r.h, &body).ok() ||
-      r.h.opcode != w::Opcode::kGet || (r.h.flags & w::kFlagReplicaRead) != 0) {
+  if (!w::DecodeMessage(msg->header().data(), msg->header().size(), &r.h, &body).ok()) {
     return false;
   }
+  const bool get = r.h.opcode == w::Opcode::kGet && (r.h.flags & w::kFlagReplicaRead) == 0 &&
+                   msg->payload_size() == 0;
+  if (!get && r.h.opcode != w::Opcode::kPut) return false;
   IoWorker& ws = W();
+  r.worker = ws.index;
   if (!options.cluster.secret.empty()) {
     auto auth = ws.authenticated.find(r.conn);
     if (auth == ws.authenticated.end() || !auth->second) return false;
@@ -251,13 +259,24 @@ bool Server::Impl::ServeGetHere(std::unique_ptr<Incoming>& msg) {
   if (stopping.load(std::memory_order_acquire) || catching_up.load(std::memory_order_relaxed)) {
     return false;
   }
-  static thread_local std::string key;  // keeps its capacity: no allocation per request
-  if (!w::DecodeKeyRequest(body, &key).ok()) return false;
-  // Misrouted (worker 0 answers wrong_node), as Misrouted() with this worker's ring.
-  if (elastic() && (r.h.flags & w::kFlagPreviousOwner) == 0 && ws.peer_conns.count(r.conn) == 0 &&
-      !Owns(*ws.ring, key)) {
+  // The ring changed and its copy is on its way here: worker 0 routes meanwhile.
+  if (elastic() && ws.ring->epoch() != ring_epoch_now.load(std::memory_order_acquire)) {
     return false;
   }
+  if (r.h.budget_ms > 0) r.deadline = r.start + std::chrono::milliseconds(r.h.budget_ms);
+  if (!get) {
+    // A put: admitted here, or worker 0 decides (busy, claims); the rest as on worker 0.
+    if (!AdmitHere(&r, msg->payload_size())) return false;
+    counters.ops[static_cast<int>(r.h.opcode)].fetch_add(1, std::memory_order_relaxed);
+    counters.bytes_in.fetch_add(msg->payload_size(), std::memory_order_relaxed);
+    in_flight.fetch_add(1, std::memory_order_acq_rel);
+    r.counted = true;
+    HandlePut(r, body, std::move(msg));
+    return true;
+  }
+  static thread_local std::string key;  // keeps its capacity: no allocation per request
+  if (!w::DecodeKeyRequest(body, &key).ok()) return false;
+  if (Misrouted(r, key)) return false;  // worker 0 answers wrong_node
   // A key with copies: worker 0's reply carries their hint.
   if (replication_on() && replicated_keys.MaybeContains(key)) return false;
   ReadHandle fast;
@@ -267,7 +286,6 @@ bool Server::Impl::ServeGetHere(std::unique_ptr<Incoming>& msg) {
   counters.ops[static_cast<int>(r.h.opcode)].fetch_add(1, std::memory_order_relaxed);
   in_flight.fetch_add(1, std::memory_order_acq_rel);
   r.counted = true;
-  if (r.h.budget_ms > 0) r.deadline = r.start + std::chrono::milliseconds(r.h.budget_ms);
   if (Status admitted = Admit(&r, 0); !admitted.ok()) {
     ReplyStatus(r, admitted);
     return true;

@@ -21,13 +21,15 @@ bool Server::Impl::Misrouted(const Req& r, std::string_view key) const {
   if (!elastic() || (r.h.flags & w::kFlagPreviousOwner)) return false;
   // Nodes call each other through the client protocol too (a peer forwarding nothing today):
   // only client connections are held to the ring.
-  if (peer_node_of_conn.count(r.conn) > 0) return false;
-  return !Owns(*ring, key);
+  if (OnControlThread() ? peer_node_of_conn.count(r.conn) > 0 : W().peer_conns.count(r.conn) > 0) {
+    return false;
+  }
+  return !Owns(*RingHere(), key);
 }
 
 Status Server::Impl::WrongNode() const {
   return Status::WrongNode("node " + self.id + " does not own this key in ring epoch " +
-                           std::to_string(ring->epoch()));
+                           std::to_string(RingHere()->epoch()));
 }
 
 int Server::Impl::NodeIndex(const NodeInfo& node) {
@@ -71,6 +73,7 @@ void Server::Impl::SetRing(RingPtr next) {
   ring_shares = ring->SharesByIndex();
   ring_shares.resize(options.cluster.nodes.size(), 0.0);
   counters.ring_epoch.store(ring->epoch(), std::memory_order_relaxed);
+  ring_epoch_now.store(ring->epoch(), std::memory_order_release);
 }
 
 Status Server::Impl::StartMembership() {

@@ -24,6 +24,16 @@ void Server::Impl::Reply(const Req& r, const Status& status, std::string_view bo
       counters.protocol_errors.fetch_add(1, std::memory_order_relaxed);
     }
   }
+  if (const int here = std::max(0, transport->CurrentWorker()); r.worker != here) {
+    // Made on another worker than the one that admitted the request (worker 0 finishing a
+    // request another worker began): sent from that one, whose tables hold its admission.
+    auto held = std::make_shared<ReadHandle>(std::move(pinned));
+    transport->PostTo(r.worker, [this, r, status, b = std::string(body), payload, size, kind,
+                                 after = std::move(after), held]() mutable {
+      Reply(r, status, b, payload, size, kind, std::move(after), std::move(*held));
+    });
+    return;
+  }
   counters.bytes_out.fetch_add(size, std::memory_order_relaxed);
   // Recycled on the I/O worker where the reply is made and completes (the transport completes a
   // send to another worker's connection back on the worker that made it).
@@ -93,20 +103,22 @@ void Server::Impl::ForgetConnection(ConnId conn) {
 }
 
 void Server::Impl::CloseConnection(ConnId conn, bool force) {
-  // Closed by this node: no on_disconnect comes, so every worker that may hold state of the
-  // connection (this one, worker 0, the connection's own) forgets it now.
+  // Closed by this node: no on_disconnect comes, so the workers that may hold state of the
+  // connection (its own, and worker 0, which answers what it hands over) forget it here. The
+  // connection's own worker closes it and then tells worker 0, after everything it handed over
+  // before (Post is in order), so no entry that such a request makes on worker 0 stays behind.
   ForgetConnection(conn);
   const int here = std::max(0, transport->CurrentWorker());
   const int owner = UcxTransport::WorkerOf(conn);
-  auto forget_on = [this, conn](int worker) {
-    transport->PostTo(worker, [this, conn] { ForgetConnection(conn); });
-  };
-  if (here != 0) forget_on(0);
-  if (owner != here && owner != 0) forget_on(owner);
+  if (owner != here) {
+    return transport->PostTo(owner, [this, conn, force] { CloseConnection(conn, force); });
+  }
   transport->Close(conn, force);
+  if (owner != 0) transport->Post([this, conn] { ForgetConnection(conn); });
 }
 
 void Server::Impl::OnDisconnect(ConnId conn, const Status& s) {
+  GKV_LOG_DEBUG("client connection {} closed: {}", conn, s.ToString());
   ForgetConnection(conn);
   if (!OnControlThread()) {
     // Worker 0 may hold state of this connection too (the requests handed to it).
@@ -116,7 +128,6 @@ void Server::Impl::OnDisconnect(ConnId conn, const Status& s) {
     });
   }
   OnPeerDisconnect(conn);
-  GKV_LOG_DEBUG("client connection {} closed: {}", conn, s.ToString());
 }
 
 void Server::Impl::TellConnWorker(ConnId conn, bool peer) {
@@ -144,25 +155,50 @@ Status Server::Impl::Admit(Req* r, uint64_t charge) {
     const uint64_t conn_limit = options.max_conn_inflight_bytes;
     const uint64_t node_limit = options.max_inflight_bytes;
     const bool conn_fits = BytesFit(load.bytes, charge, conn_limit, load.claim, now);
-    const bool node_fits = BytesFit(inflight_bytes, charge, node_limit, node_claim, now);
+    const uint64_t node_used = inflight_bytes.load(std::memory_order_acquire);
+    const bool node_fits = BytesFit(node_used, charge, node_limit, node_claim, now);
     const bool admitted = conn_fits && node_fits;
     UpdateClaim(&load.claim, load.bytes, charge, conn_limit, admitted, now);
-    UpdateClaim(&node_claim, inflight_bytes, charge, node_limit, admitted, now);
+    UpdateClaim(&node_claim, node_used, charge, node_limit, admitted, now);
+    node_claim_live.store(node_claim.bytes > 0, std::memory_order_release);
     if (!conn_fits) {
       return Status::Busy("connection has " + FormatSize(load.bytes) + " of payloads in flight" +
                           (load.claim.bytes > charge ? " and room held for a larger one" : ""));
     }
     if (!node_fits) {
-      return Status::Busy("node has " + FormatSize(inflight_bytes) + " of payloads in flight" +
+      return Status::Busy("node has " + FormatSize(node_used) + " of payloads in flight" +
                           (node_claim.bytes > charge ? " and room held for a larger one" : ""));
     }
   }
   load.requests++;
   load.bytes += charge;
-  inflight_bytes += charge;
+  if (charge > 0) inflight_bytes.fetch_add(charge, std::memory_order_acq_rel);
   r->charged = charge;
   r->admitted = true;
   return Status::OK();
+}
+
+bool Server::Impl::AdmitHere(Req* r, uint64_t charge) {
+  if (!transport->IsOpen(r->conn)) return false;
+  ConnLoad& load = W().conn_load[r->conn];
+  if (load.requests >= options.max_conn_requests) return false;
+  if (charge > 0) {
+    // Worker 0 keeps the claims: while one is live, and near the node's limit, it decides.
+    if (!BytesFit(load.bytes, charge, options.max_conn_inflight_bytes, load.claim, Clock::now()) ||
+        node_claim_live.load(std::memory_order_acquire)) {
+      return false;
+    }
+    const uint64_t before = inflight_bytes.fetch_add(charge, std::memory_order_acq_rel);
+    if (before + charge > options.max_inflight_bytes / 2) {
+      inflight_bytes.fetch_sub(charge, std::memory_order_acq_rel);
+      return false;
+    }
+  }
+  load.requests++;
+  load.bytes += charge;
+  r->charged = charge;
+  r->admitted = true;
+  return true;
 }
 
 bool Server::Impl::BytesFit(uint64_t used, uint64_t charge, uint64_t limit, const BytesClaim& claim,
@@ -202,7 +238,7 @@ void Server::Impl::UpdateClaim(BytesClaim* claim, uint64_t used, uint64_t charge
 }
 
 void Server::Impl::Release(const Req& r) {
-  if (r.charged > 0) inflight_bytes -= r.charged;  // (worker 0's: only it admits payloads)
+  if (r.charged > 0) inflight_bytes.fetch_sub(r.charged, std::memory_order_acq_rel);
   IoWorker& ws = W();
   auto it = ws.conn_load.find(r.conn);
   if (it == ws.conn_load.end()) return;  // the connection is gone (and its load with it)
@@ -275,7 +311,7 @@ void Server::Impl::OnMessage(std::unique_ptr<Incoming> msg) {
     std::this_thread::yield();
   }
   if (!OnControlThread()) {
-    if (ServeGetHere(msg)) return;
+    if (ServeHere(msg)) return;
     // Everything else is worker 0's (it answers on this connection through the transport).
     auto held = std::make_shared<std::unique_ptr<Incoming>>(std::move(msg));
     return transport->Post([this, held] { OnMessage(std::move(*held)); });
@@ -440,7 +476,10 @@ void Server::Impl::OnTick() {
   if (!peer_deadlines.empty()) ExpirePeerCalls(now);
   if (io.size() > 1) {
     node_read_count += static_cast<double>(rows_elsewhere.exchange(0, std::memory_order_relaxed));
-    if (replication_on()) PublishCopyFloor();
+    if (replication_on() && now - last_copy_floor >= std::chrono::milliseconds(1)) {
+      last_copy_floor = now;
+      PublishCopyFloor();
+    }
   }
   if (!timers.empty()) RunTimers(now);
   CatchUpTick(now);
@@ -598,6 +637,7 @@ Result<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
                           (options.gpu_placement == P::kAuto && ProbeCuda().usable &&
                            !UcxTransport::CanMoveDeviceMemory());
   }
+  impl->ring_epoch_now.store(impl->ring->epoch());
   impl->ring_shares = impl->ring->SharesByIndex();
   impl->copy_tokens = options.replication.max_copy_starts_per_s;
   impl->peer_load.resize(table);

@@ -10,7 +10,7 @@
 // Threading: everything here runs on the transport's worker 0 (the I/O thread, or control
 // thread) unless a comment says "executor" (executors hand results back with PostReply) or
 // "any I/O worker". With --io-threads N > 1 the other workers serve the fast GET of their own
-// connections (ServeGetHere) and hand every other message to worker 0 (docs/ARCHITECTURE.md,
+// connections (ServeHere) and hand every other message to worker 0 (docs/ARCHITECTURE.md,
 // "Threads"); the per-connection state they touch is in IoWorker, one per worker.
 #pragma once
 
@@ -104,6 +104,7 @@ struct Req {
   Clock::time_point deadline = Clock::time_point::max();  // from the header's budget
   uint64_t charged = 0;   // payload bytes admitted against the in-flight limits
   bool admitted = false;  // counted in its connection's load until its reply is sent
+  int worker = 0;         // the I/O worker whose tables admitted it: its reply is sent there
   bool counted = false;   // counted in in_flight (what a graceful stop waits for)
   bool Expired() const { return Clock::now() > deadline; }
 };
@@ -390,12 +391,20 @@ struct Server::Impl {
   void NoteCommitted(const std::vector<std::string>& keys, uint64_t admitted_epoch);
   // Whether keys admitted under ring `admitted_epoch` may have moved since (NoteCommitted
   // looks at them again).
+  // (Any I/O worker: the epoch is read from ring_epoch_now.)
   bool RingMovedSince(uint64_t admitted_epoch) const {
-    return handoff && elastic() && ring->epoch() != admitted_epoch;
+    return handoff && elastic() && ring_epoch_now.load(std::memory_order_acquire) != admitted_epoch;
   }
+  std::atomic<uint64_t> ring_epoch_now{0};  // `ring`'s epoch (SetRing), for every I/O worker
   // One key, without building a list when NoteCommitted would do nothing (the common case).
+  // Any I/O worker (NoteCommitted itself runs on worker 0).
   void NoteCommittedKey(const std::string& key, uint64_t admitted_epoch) {
     if (!catching_up.load(std::memory_order_relaxed) && !RingMovedSince(admitted_epoch)) return;
+    if (!OnControlThread()) {
+      return transport->Post([this, key, admitted_epoch] {
+        NoteCommitted(std::vector<std::string>{key}, admitted_epoch);
+      });
+    }
     NoteCommitted(std::vector<std::string>{key}, admitted_epoch);
   }
   static constexpr uint64_t kNotRouted = ~uint64_t{0};
@@ -456,7 +465,10 @@ struct Server::Impl {
   };
   // (Each I/O worker's connections: IoWorker::conn_load.) Node-wide, worker 0 only: what is
   // admitted with payload bytes (a data worker serves only requests without a payload).
-  uint64_t inflight_bytes = 0;
+  // (Worker 0 admits against it with the claims below; another worker admits a payload only
+  // while no node claim is live and the node is under half its limit, else worker 0 decides.)
+  std::atomic<uint64_t> inflight_bytes{0};
+  std::atomic<bool> node_claim_live{false};  // node_claim.bytes > 0, for the other workers
   // Bytes of MGET replies gathered in memory and not yet sent (any thread): held to
   // options.max_inflight_bytes like request payloads, released when the reply's buffer goes.
   // Shared, so a buffer freed late (at transport stop) never touches a dead Impl.
@@ -490,32 +502,14 @@ struct Server::Impl {
     ReadHandle pinned;
   };
 
-  // What each I/O worker keeps of its own (any I/O worker, its own entry only): the admission
-  // and transfer state of the requests it answers, and (workers > 0) what it needs to serve a
-  // GET without worker 0: which of its connections authenticated or are peers, and the ring.
-  struct IoWorker {
-    int index = 0;
-    std::unordered_map<ConnId, bool> authenticated;
-    std::unordered_map<ConnId, ConnLoad> conn_load;
-    FreeList<OutgoingReply> outgoing_free{1024};
-    uint64_t next_transfer_token = 1;
-    Clock::time_point last_send_check = Clock::now();
-    std::unordered_set<ConnId> peer_conns;  // workers > 0: connections that said PEER_HELLO
-    RingPtr ring;                           // workers > 0: posted by worker 0 (SetRing)
-    Clock::time_point next_copy_handoff{};  // workers > 0: see ServeGetHere
-  };
-  std::vector<std::unique_ptr<IoWorker>> io;  // one per transport worker (made before it)
-  // The calling I/O worker's state (worker 0's outside the workers: Start, tests).
-  IoWorker& W() {
-    const int i = transport ? transport->CurrentWorker() : 0;
-    return *io[i > 0 ? static_cast<size_t>(i) : 0];
-  }
-  bool OnControlThread() const { return !transport || transport->CurrentWorker() <= 0; }
-
   // Admits a request against the in-flight limits, or says Busy. A request that brings `charge`
   // payload bytes is admitted anyway when its connection (or the node) has no bytes in flight,
   // so a single value up to max_value_size always gets through on an idle node.
   Status Admit(Req* r, uint64_t charge);
+  // An I/O worker other than 0: admits a request into its own table when that needs no
+  // decision of worker 0's (no node claim live, the node under half its byte limit, this
+  // connection under its limits here); false (nothing changed) hands the request to worker 0.
+  bool AdmitHere(Req* r, uint64_t charge);
 
   // The reply to `r` is sent (or failed): its share of the limits goes back.
   void Release(const Req& r);
@@ -560,7 +554,10 @@ struct Server::Impl {
   // answers false (nothing done, `msg` untouched) when it needs worker 0: a message of any
   // other kind, a connection not yet known to have authenticated, a key with copies (hints)
   // or one that is not in memory, catch-up, shutdown.
-  bool ServeGetHere(std::unique_ptr<Incoming>& msg);
+  // Puts too (ServeHere): a PUT admitted here (AdmitHere) runs HandlePut on this worker; its
+  // slow steps go through the executors and worker 0 as on worker 0, and the reply comes back
+  // here (Reply sends from the request's own worker).
+  bool ServeHere(std::unique_ptr<Incoming>& msg);
   // Worker 0, after a connection of another worker authenticated (or said PEER_HELLO): that
   // worker may serve its GETs from now on.
   void TellConnWorker(ConnId conn, bool peer);
@@ -585,9 +582,34 @@ struct Server::Impl {
     uint64_t client_version = 0;  // kFlagClientVersion: the version the client assigned
     uint64_t transfer = 0;        // fast path: TrackTransfer's token for its payload
   };
+
+  // What each I/O worker keeps of its own (any I/O worker, its own entry only): the admission
+  // and transfer state of the requests it answers, and (workers > 0) what it needs to serve a
+  // GET without worker 0: which of its connections authenticated or are peers, and the ring.
+  struct IoWorker {
+    int index = 0;
+    std::unordered_map<ConnId, bool> authenticated;
+    std::unordered_map<ConnId, ConnLoad> conn_load;
+    FreeList<OutgoingReply> outgoing_free{1024};
+    FreeList<PutOp> put_ops_free{256};  // see PutOp
+    uint64_t next_transfer_token = 1;
+    Clock::time_point last_send_check = Clock::now();
+    std::unordered_set<ConnId> peer_conns;  // workers > 0: connections that said PEER_HELLO
+    RingPtr ring;                           // workers > 0: posted by worker 0 (SetRing)
+    Clock::time_point next_copy_handoff{};  // workers > 0: see ServeHere
+  };
+  std::vector<std::unique_ptr<IoWorker>> io;  // one per transport worker (made before it)
+  // The calling I/O worker's state (worker 0's outside the workers: Start, tests).
+  IoWorker& W() const {
+    const int i = transport ? transport->CurrentWorker() : 0;
+    return *io[i > 0 ? static_cast<size_t>(i) : 0];
+  }
+  // The ring as the calling I/O worker knows it (worker 0: `ring`).
+  const RingPtr& RingHere() const { return OnControlThread() ? ring : W().ring; }
+  bool OnControlThread() const { return !transport || transport->CurrentWorker() <= 0; }
   // Put ops are recycled on the I/O thread: the fast path (memory, non-durable, no eviction)
   // allocates none; every other path moves the op into a shared one (SharePutOp).
-  FreeList<PutOp> put_ops_free{256};  // I/O thread
+  // (Each I/O worker's: IoWorker::put_ops_free.)
   void FreePutOp(PutOp* op);
   std::shared_ptr<PutOp> SharePutOp(PutOp* op);
   void FinishFastPut(PutOp* op, const Status& received);
@@ -660,7 +682,8 @@ struct Server::Impl {
   // now), published by worker 0 every tick for the other I/O workers, which count their reads
   // in the sketch and hand only such keys to worker 0 (ConsiderCopying).
   std::atomic<uint32_t> copy_floor{UINT32_MAX};
-  void PublishCopyFloor();
+  void PublishCopyFloor();  // worker 0, at most once a millisecond
+  Clock::time_point last_copy_floor{};
   // Worker 0: the part of CountRead after the sketch (est: the key's estimate).
   void ConsiderCopying(const std::string& key, uint32_t est);
   // Keys in `registry` (any state), readable by every I/O worker: a worker other than 0 hands a
@@ -708,7 +731,9 @@ struct Server::Impl {
   void AfterWrite(const std::vector<std::string>& keys, std::function<void()> reply);
   // Whether AfterWrite has anything to do for a write of `key` (copies of it to withdraw, or a
   // copy in progress to cancel); when not, the write is acknowledged at once.
+  // Any I/O worker (the others read replicated_keys, which lists every registry key).
   bool WriteWaitsForCopies(const std::string& key) const {
+    if (!OnControlThread()) return replication_on() && replicated_keys.MaybeContains(key);
     return !registry.empty() && registry.count(key) > 0;
   }
 

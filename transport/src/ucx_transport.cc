@@ -427,7 +427,9 @@ struct UcxTransport::Impl {
     ucp_params_t params{};
     params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
     params.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
-    params.mt_workers_shared = 0;
+    // Several workers on several threads share this context: UCX must lock its shared parts
+    // (memory registration and its cache).
+    params.mt_workers_shared = options.workers > 1 ? 1 : 0;
     ucs_status_t st = ucp_init(&params, config, &context);
     ucp_config_release(config);
     GKV_RETURN_IF_ERROR(FromUcs(st, "ucp_init"));
@@ -911,6 +913,21 @@ struct UcxTransport::Impl {
     }
     closing.clear();
     RunDeferred();
+    // Every task Post accepted runs: the queue is closed only once it is found empty (a task
+    // handed over by another worker, a Send or Receive of this worker's connection, then
+    // fails cleanly and completes instead of being dropped). Bounded: tasks that keep posting
+    // more are dropped after 1000 rounds.
+    for (int round = 0;; ++round) {
+      {
+        std::lock_guard<std::mutex> lock(post_mu);
+        if ((posted.empty() && own_posted.empty()) || round == 1000) {
+          post_closed = true;
+          break;
+        }
+      }
+      RunPosted();
+      RunDeferred();
+    }
   }
 
   void ReapClosed() {
@@ -1119,10 +1136,9 @@ void UcxTransport::PostTo(int worker, std::function<void()> task) {
 int UcxTransport::workers() const { return static_cast<int>(workers_.size()); }
 
 UcxTransport::Impl* UcxTransport::Current() const {
-  for (const auto& w : workers_) {
-    if (tls_driving == w.get()) return w.get();
-  }
-  return nullptr;
+  // The worker this thread drives is alive while it does; it is ours if its first sibling is.
+  auto* w = static_cast<Impl*>(const_cast<void*>(tls_driving));
+  return w != nullptr && !w->siblings.empty() && w->siblings[0] == impl_ ? w : nullptr;
 }
 
 int UcxTransport::CurrentWorker() const {
@@ -1367,8 +1383,10 @@ void UcxTransport::Send(ConnId conn, unsigned am_id, std::string_view header, co
     // contract allows its buffer's reuse), completed back on this one.
     auto hop = [this, conn, am_id, h = std::string(header), payload, size, kind, current,
                 done]() mutable {
-      Send(conn, am_id, h, payload, size, kind,
-           [current, done](Status s) { current->PostTask([done, s] { done(s); }); });
+      Send(conn, am_id, h, payload, size, kind, [current, done](Status s) {
+        // That worker has stopped (only at Stop, after its loop ended): completed here.
+        if (!current->PostTask([done, s] { done(s); })) done(s);
+      });
     };
     if (!owner->PostTask(std::move(hop))) done(Status::Unavailable("the transport is stopping"));
     return;
@@ -1426,8 +1444,9 @@ void UcxTransport::Receive(std::unique_ptr<Incoming> msg, void* dst, MemoryKind 
     // (A task dropped unrun at Stop frees the message with the holder.)
     auto held = std::make_shared<std::unique_ptr<Incoming>>(std::move(msg));
     auto hop = [this, held, dst, kind, current, done]() mutable {
-      Receive(std::move(*held), dst, kind,
-              [current, done](Status s) { current->PostTask([done, s] { done(s); }); });
+      Receive(std::move(*held), dst, kind, [current, done](Status s) {
+        if (!current->PostTask([done, s] { done(s); })) done(s);  // as Send's
+      });
     };
     if (!owner->PostTask(std::move(hop))) done(Status::Unavailable("the transport is stopping"));
     return;

@@ -153,12 +153,13 @@ class UcxTransport {
   // --- any thread ---
   // Runs `task` on worker 0's thread; after Stop() the task is destroyed unrun.
   void Post(std::function<void()> task);
-  // Runs `task` on the thread of worker `worker` (0 <= worker < workers()).
+  // Runs `task` on the thread of worker `worker` (0 <= worker < workers()). A task a worker
+  // accepted runs even while it stops (its last pass runs what is queued); after that it is
+  // destroyed unrun.
   void PostTo(int worker, std::function<void()> task);
   int workers() const;
   // The worker a connection belongs to.
   static int WorkerOf(ConnId conn) { return static_cast<int>(conn % kMaxWorkers); }
-  // The worker the calling thread drives now, or -1 when it drives none of this transport's.
   // Post without waking the transport's own thread: for a caller that will run the task itself
   // through TryDrive, and calls Wake() if it gives up before the task ran.
   void PostQuietly(std::function<void()> task);
@@ -211,6 +212,7 @@ class UcxTransport {
   const std::vector<Status>& initial_registrations() const;
   uint16_t listen_port() const;
   size_t max_header_size() const;
+  // The worker the calling thread drives now, or -1 when it drives none of this transport's.
   int CurrentWorker() const;
   // Whether the calling thread drives one of this transport's workers now.
   bool OnWorkerThread() const;
