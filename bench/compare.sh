@@ -3,16 +3,17 @@
 # 16 MiB), the same concurrency and the same load generator (gkv-bench speaks RESP and the
 # memcached text protocol too), plus ucx_perftest on gkv's transport as the ceiling.
 # Every server runs on 127.0.0.1, is started here and stopped by process id.
-#   bench/compare.sh [SECONDS_PER_POINT] [THREADS] [CONNECTIONS]
-# memcached gets as many worker threads as a gkv node has UCX I/O threads (one today; override
-# with MC_THREADS), so ops/s compare server threads like for like; both counts are printed.
+#   bench/compare.sh [SECONDS_PER_POINT] [THREADS] [CONNECTIONS] [IO_THREADS]
+# The gkv node runs IO_THREADS UCX I/O threads (--io-threads, default 1) and memcached as many
+# worker threads (override with MC_THREADS), so ops/s compare server threads like for like;
+# both counts are printed.
 # Installs redis-server and memcached (Debian packages) when missing. Needs build/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SECS=${1:-5}
 THREADS=${2:-2}
 CONNS=${3:-2}
-GKV_IO_THREADS=1  # a node drives all its connections from one UCX worker thread
+GKV_IO_THREADS=${4:-1}
 MC_THREADS=${MC_THREADS:-$GKV_IO_THREADS}
 need=()
 command -v redis-server > /dev/null || need+=(redis-server)
@@ -42,7 +43,8 @@ MC_USER=()
 [ "$(id -u)" -eq 0 ] && MC_USER=(-u root)  # memcached refuses to run as root without -u
 memcached "${MC_USER[@]}" -l 127.0.0.1 -p "$MC_PORT" -U 0 -m 4096 -I 32m -t "$MC_THREADS" > "$DIR/memcached.log" 2>&1 &
 PIDS+=($!)
-scripts/cluster.sh start "$DIR/gkv" 1 --host-mem 4GiB --disk-capacity 8GiB --threads 2 > /dev/null
+scripts/cluster.sh start "$DIR/gkv" 1 --host-mem 4GiB --disk-capacity 8GiB --threads 2 \
+  --io-threads "$GKV_IO_THREADS" > /dev/null
 sleep 0.5
 
 run() {  # system size op keys -> json
@@ -67,7 +69,7 @@ perf_bw() {  # bytes -> MB/s of ucp_am_bw over tcp
 }
 
 echo "gkv vs Redis vs memcached: $THREADS threads x $CONNS connections, ${SECS}s per point, 1 node each, loopback"
-echo "server threads: gkv $GKV_IO_THREADS I/O thread (+2 executors), memcached $MC_THREADS worker thread(s), redis 1"
+echo "server threads: gkv $GKV_IO_THREADS I/O thread(s) (+2 executors), memcached $MC_THREADS worker thread(s), redis 1"
 printf '%-7s %-4s %-10s %12s %10s %10s %10s %12s %12s\n' size op system "ops/s" "GB/s" "p50 us" \
   "p99 us" "gkv/peer ops" "ceiling GB/s"
 for spec in "64:64:10000:20000" "4KiB:4096:10000:20000" "1MiB:1048576:64:2000" "16MiB:16777216:16:200"; do
