@@ -154,6 +154,19 @@ TEST(IntegrationTest, ANodeSpreadsConnectionsOverItsIoThreadsAndEachServesGets) 
       }
     }
     EXPECT_EQ(clients[c]->Get("io/absent").status().code(), StatusCode::kNotFound);
+    // A durable put takes the executors and worker 0 (and its payload is received on the
+    // connection's own worker); a delete is worker 0's.
+    const std::string durable_key = "io/" + std::to_string(c) + "/durable";
+    const std::string value = RandomValue(rng, 256 << 10);
+    PutOptions durable;
+    durable.durable = true;
+    auto put = clients[c]->Put(durable_key, value.data(), value.size(), durable);
+    ASSERT_TRUE(put.ok()) << put.status().ToString();
+    auto got = clients[c]->Get(durable_key);
+    ASSERT_TRUE(got.ok()) << got.status().ToString();
+    EXPECT_TRUE(got->view() == value);
+    ASSERT_TRUE(clients[c]->Delete(durable_key).ok());
+    EXPECT_EQ(clients[c]->Get(durable_key).status().code(), StatusCode::kNotFound);
   }
   auto stats = clients[0]->NodeStats(0);
   ASSERT_TRUE(stats.ok()) << stats.status().ToString();

@@ -127,7 +127,9 @@ void Server::Impl::SlowPut(std::shared_ptr<PutOp> op) {
     }
     op->handle = std::move(*reserved);
     if (op->client_version != 0) op->handle.RequestVersion(op->client_version);
-    PostReply([this, op] {
+    // The payload is received on the request's own worker, whose table watches the transfer
+    // (send_timeout) and holds the request's admission.
+    transport->PostTo(op->req.worker, [this, op] {
       void* dst = op->handle.data();
       MemoryKind kind = op->handle.memory_kind();
       if (kind == MemoryKind::kDevice && !device_zero_copy()) {
@@ -265,12 +267,19 @@ bool Server::Impl::ServeHere(std::unique_ptr<Incoming>& msg) {
   }
   if (r.h.budget_ms > 0) r.deadline = r.start + std::chrono::milliseconds(r.h.budget_ms);
   if (!get) {
-    // A put: admitted here, or worker 0 decides (busy, claims); the rest as on worker 0.
-    if (!AdmitHere(&r, msg->payload_size())) return false;
+    // A put: admitted here (or refused: this connection's limits are kept here), or worker 0
+    // decides (node claims, near the node's limit); the rest as on worker 0.
+    bool to_worker0 = false;
+    Status admitted = AdmitHere(&r, msg->payload_size(), &to_worker0);
+    if (to_worker0) return false;
     counters.ops[static_cast<int>(r.h.opcode)].fetch_add(1, std::memory_order_relaxed);
     counters.bytes_in.fetch_add(msg->payload_size(), std::memory_order_relaxed);
     in_flight.fetch_add(1, std::memory_order_acq_rel);
     r.counted = true;
+    if (!admitted.ok()) {
+      ReplyStatus(r, admitted);  // the unreceived payload is released with `msg`
+      return true;
+    }
     HandlePut(r, body, std::move(msg));
     return true;
   }

@@ -66,14 +66,14 @@ void Server::Impl::SetRing(RingPtr next) {
     previous_ring = ring;
     ring = std::move(next);
   }
-  // The other I/O workers route their GETs by their own copy of the ring.
+  // The other I/O workers route by their own copy of the ring.
+  ring_epoch_now.store(ring->epoch(), std::memory_order_release);
   for (size_t i = 1; i < io.size(); ++i) {
     transport->PostTo(static_cast<int>(i), [this, r = ring] { W().ring = r; });
   }
   ring_shares = ring->SharesByIndex();
   ring_shares.resize(options.cluster.nodes.size(), 0.0);
   counters.ring_epoch.store(ring->epoch(), std::memory_order_relaxed);
-  ring_epoch_now.store(ring->epoch(), std::memory_order_release);
 }
 
 Status Server::Impl::StartMembership() {
@@ -152,6 +152,11 @@ void Server::Impl::ApplyMembership(MembershipView v) {
     auto next =
         std::make_shared<RingView>(view.epoch, members, slots, options.cluster.nodes.size());
     RingPtr before = ring;
+    // The new epoch first, before the handoff scan can list keys: a put another I/O worker
+    // publishes after that listing reads it (both take the cache's locks) and has its key
+    // looked at again (NoteCommittedKey); until the new ring reaches it, that worker leaves its
+    // requests to this one (ServeHere).
+    ring_epoch_now.store(next->epoch(), std::memory_order_release);
     // Scheduled before the ring is published: Leave() must never see the ring without this node
     // while the handoff for it looks idle.
     ScheduleHandoff(next, before);

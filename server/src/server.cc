@@ -17,13 +17,6 @@ namespace gkv {
 void Server::Impl::Reply(const Req& r, const Status& status, std::string_view body,
                          const void* payload, size_t size, MemoryKind kind,
                          std::function<void()> after, ReadHandle pinned) {
-  if (!status.ok()) {
-    counters.errors[static_cast<int>(status.code())].fetch_add(1, std::memory_order_relaxed);
-    // Every request answered protocol_error counts, whether its header or its body was bad.
-    if (status.code() == StatusCode::kProtocolError) {
-      counters.protocol_errors.fetch_add(1, std::memory_order_relaxed);
-    }
-  }
   if (const int here = std::max(0, transport->CurrentWorker()); r.worker != here) {
     // Made on another worker than the one that admitted the request (worker 0 finishing a
     // request another worker began): sent from that one, whose tables hold its admission.
@@ -33,6 +26,13 @@ void Server::Impl::Reply(const Req& r, const Status& status, std::string_view bo
       Reply(r, status, b, payload, size, kind, std::move(after), std::move(*held));
     });
     return;
+  }
+  if (!status.ok()) {
+    counters.errors[static_cast<int>(status.code())].fetch_add(1, std::memory_order_relaxed);
+    // Every request answered protocol_error counts, whether its header or its body was bad.
+    if (status.code() == StatusCode::kProtocolError) {
+      counters.protocol_errors.fetch_add(1, std::memory_order_relaxed);
+    }
   }
   counters.bytes_out.fetch_add(size, std::memory_order_relaxed);
   // Recycled on the I/O worker where the reply is made and completes (the transport completes a
@@ -178,27 +178,43 @@ Status Server::Impl::Admit(Req* r, uint64_t charge) {
   return Status::OK();
 }
 
-bool Server::Impl::AdmitHere(Req* r, uint64_t charge) {
-  if (!transport->IsOpen(r->conn)) return false;
+Status Server::Impl::AdmitHere(Req* r, uint64_t charge, bool* to_worker0) {
+  *to_worker0 = false;
+  if (!transport->IsOpen(r->conn)) return Status::Unavailable("connection closed");
   ConnLoad& load = W().conn_load[r->conn];
-  if (load.requests >= options.max_conn_requests) return false;
+  if (load.requests >= options.max_conn_requests) {
+    return Status::Busy("connection has " + std::to_string(load.requests) +
+                        " requests in flight (limit " + std::to_string(options.max_conn_requests) +
+                        ")");
+  }
   if (charge > 0) {
-    // Worker 0 keeps the claims: while one is live, and near the node's limit, it decides.
-    if (!BytesFit(load.bytes, charge, options.max_conn_inflight_bytes, load.claim, Clock::now()) ||
-        node_claim_live.load(std::memory_order_acquire)) {
-      return false;
+    // Worker 0 keeps the node's claims: while one is live, and near the node's limit, it
+    // decides. This connection's limits (its requests on this worker) are kept here.
+    if (node_claim_live.load(std::memory_order_acquire)) {
+      *to_worker0 = true;
+      return Status::OK();
+    }
+    const auto now = Clock::now();
+    const uint64_t conn_limit = options.max_conn_inflight_bytes;
+    const bool conn_fits = BytesFit(load.bytes, charge, conn_limit, load.claim, now);
+    if (!conn_fits) {
+      UpdateClaim(&load.claim, load.bytes, charge, conn_limit, false, now);
+      return Status::Busy("connection has " + FormatSize(load.bytes) + " of payloads in flight" +
+                          (load.claim.bytes > charge ? " and room held for a larger one" : ""));
     }
     const uint64_t before = inflight_bytes.fetch_add(charge, std::memory_order_acq_rel);
     if (before + charge > options.max_inflight_bytes / 2) {
       inflight_bytes.fetch_sub(charge, std::memory_order_acq_rel);
-      return false;
+      *to_worker0 = true;
+      return Status::OK();
     }
+    UpdateClaim(&load.claim, load.bytes, charge, conn_limit, true, now);
   }
   load.requests++;
   load.bytes += charge;
   r->charged = charge;
   r->admitted = true;
-  return true;
+  return Status::OK();
 }
 
 bool Server::Impl::BytesFit(uint64_t used, uint64_t charge, uint64_t limit, const BytesClaim& claim,

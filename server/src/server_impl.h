@@ -509,7 +509,9 @@ struct Server::Impl {
   // An I/O worker other than 0: admits a request into its own table when that needs no
   // decision of worker 0's (no node claim live, the node under half its byte limit, this
   // connection under its limits here); false (nothing changed) hands the request to worker 0.
-  bool AdmitHere(Req* r, uint64_t charge);
+  // A refusal for this connection's limits is returned here (Busy); *to_worker0 (nothing
+  // changed) when worker 0 must decide.
+  Status AdmitHere(Req* r, uint64_t charge, bool* to_worker0);
 
   // The reply to `r` is sent (or failed): its share of the limits goes back.
   void Release(const Req& r);
