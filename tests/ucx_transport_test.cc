@@ -576,6 +576,41 @@ TEST(UcxTransportTest, ConcurrentWorkersShareConnectionsAndAnyMayAnswer) {
   EXPECT_EQ(clients[client_index]->disconnects.load(), 1);
 }
 
+// SendGather: the payload is gathered from several buffers by UCX (iov datatype), eager and
+// rendezvous alike; the peer receives their concatenation.
+TEST(UcxTransportTest, AGatheredPayloadArrivesAsOneConcatenation) {
+  Echo server;
+  ASSERT_TRUE(server.t);
+  Caller client;
+  ASSERT_TRUE(client.t);
+  const ConnId conn = client.Connect(server.t->listen_port());
+  ASSERT_NE(conn, 0u);
+  Random rng(testing::TestSeed());
+  const std::vector<std::vector<size_t>> cases = {
+      {}, {0}, {10}, {100, 0, 7}, {3000, 3000, 3000}, {64 << 10, 1, (1 << 20) + 3, 5}};
+  int n = 0;
+  for (const auto& sizes : cases) {
+    auto pieces = std::make_shared<std::vector<std::string>>();
+    std::string whole;
+    for (size_t size : sizes) {
+      std::string piece(size, '\0');
+      rng.Fill(piece.data(), size);
+      whole += piece;
+      pieces->push_back(std::move(piece));
+    }
+    const std::string header = "gather" + std::to_string(n++);
+    std::future<std::string> echoed = client.Expect(header);
+    UcxTransport* tr = client.t.get();
+    client.t->Post([tr, conn, header, pieces] {
+      std::vector<UcxTransport::Segment> segments;
+      for (const std::string& p : *pieces) segments.push_back({p.data(), p.size()});
+      tr->SendGather(conn, wire::kAmRequest, header, std::move(segments), [pieces](Status) {});
+    });
+    ASSERT_EQ(echoed.wait_for(std::chrono::seconds(20)), std::future_status::ready) << header;
+    EXPECT_TRUE(echoed.get() == whole) << header << " (" << whole.size() << " bytes)";
+  }
+}
+
 TEST(UcxTransportTest, OversizeHeaderIsRefusedLocally) {
   Caller client;
   Echo server;

@@ -503,9 +503,11 @@ void Server::Impl::ServeMultiGet(const Req& r, std::shared_ptr<std::vector<Batch
     handles.push_back(std::move(*got));
     owners.push_back(from);
   }
-  // One reply: the result block, then every found value in order (gathered here).
-  std::shared_ptr<std::string> payload = ReserveBatchReply(total);
-  if (!payload) {
+  // One reply: the result block, then every found value in order. UCX gathers them (iov)
+  // from where they are, pinned until the send is done; only values in GPU memory are copied,
+  // into host memory. `accounting` holds their bytes against the node's limit meanwhile.
+  std::shared_ptr<std::string> accounting = ReserveBatchReply(total);
+  if (!accounting) {
     handles.clear();
     return PostReply([this, r, total] {
       ReplyStatus(r,
@@ -513,24 +515,35 @@ void Server::Impl::ServeMultiGet(const Req& r, std::shared_ptr<std::vector<Batch
                                " of batch replies in flight; this one needs " + FormatSize(total)));
     });
   }
-  *payload = w::EncodeBatchGetBlock(*results);
-  const size_t block = payload->size();
-  payload->resize(block + total);
-  size_t off = block;
+  struct Parts {
+    std::shared_ptr<std::string> accounting;
+    std::string block;
+    std::vector<ReadHandle> handles;
+    std::vector<std::unique_ptr<char[]>> staged;  // host copies of values in GPU memory
+    std::vector<UcxTransport::Segment> values;
+  };
+  auto parts = std::make_shared<Parts>();
+  parts->accounting = std::move(accounting);
+  parts->values.reserve(handles.size());
   Status cs;
-  for (size_t j = 0; j < handles.size(); ++j) {
+  for (size_t j = 0; j < handles.size() && cs.ok(); ++j) {
     ReadHandle& hd = handles[j];
-    if (cs.ok()) {
-      cs = owners[j]->CopyBytes(payload->data() + off, MemoryKind::kHost, hd.data(),
-                                hd.memory_kind(), hd.size());
+    if (hd.memory_kind() == MemoryKind::kHost) {
+      parts->values.push_back({hd.data(), hd.size()});
+      continue;
     }
-    off += hd.size();
+    std::unique_ptr<char[]> copy(new char[hd.size() ? hd.size() : 1]);
+    cs =
+        owners[j]->CopyBytes(copy.get(), MemoryKind::kHost, hd.data(), hd.memory_kind(), hd.size());
+    parts->values.push_back({copy.get(), hd.size()});
+    parts->staged.push_back(std::move(copy));
   }
-  handles.clear();
   if (!cs.ok()) return PostReply([this, r, cs] { ReplyStatus(r, cs); });
-  PostReply([this, r, rows, results, payload, block] {
+  parts->handles = std::move(handles);
+  parts->block = w::EncodeBatchGetBlock(*results);
+  PostReply([this, r, rows, results, parts] {
     // A hint noted before the executor ran must still hold now: copies withdrawn meanwhile are
-    // never hinted. Rare; the block is then rebuilt on an executor.
+    // never hinted. Rare; the block (not the values) is then encoded again.
     bool changed = false;
     for (size_t i = 0; i < rows->size(); ++i) {
       w::BatchGetResult& res = (*results)[i];
@@ -541,12 +554,12 @@ void Server::Impl::ServeMultiGet(const Req& r, std::shared_ptr<std::vector<Batch
         changed = true;
       }
     }
-    if (!changed) return ReplyPayload(r, payload);
-    executors->Submit([this, r, results, payload, block] {
-      auto rebuilt = std::make_shared<std::string>(w::EncodeBatchGetBlock(*results));
-      rebuilt->append(*payload, block, std::string::npos);
-      PostReply([this, r, rebuilt] { ReplyPayload(r, rebuilt); });
-    });
+    if (changed) parts->block = w::EncodeBatchGetBlock(*results);
+    std::vector<UcxTransport::Segment> segments;
+    segments.reserve(parts->values.size() + 1);
+    segments.push_back({parts->block.data(), parts->block.size()});
+    segments.insert(segments.end(), parts->values.begin(), parts->values.end());
+    ReplyGather(r, w::EncodeStatusReply(Status::OK()), std::move(segments), [parts] {});
   });
 }
 

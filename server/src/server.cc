@@ -47,25 +47,53 @@ void Server::Impl::Reply(const Req& r, const Status& status, std::string_view bo
   // The transport copies the header before Send returns: one buffer per thread serves them all.
   static thread_local std::string message;
   w::EncodeMessageTo(&message, {r.h.opcode, 0, r.h.request_id}, body);
-  transport->Send(r.conn, w::kAmReply, message, payload, size, kind, [this, out](Status s) {
-    if (!s.ok()) GKV_LOG_DEBUG("reply send failed: {}", s.ToString());
-    const Req& rq = out->req;
-    if (out->after) {
-      auto after = std::move(out->after);
-      out->after = nullptr;
-      after();
-    }
-    out->pinned = ReadHandle();  // the value's pin goes: UCX is done with its bytes
-    if (out->transfer != 0) TransferDone(rq.conn, out->transfer);
-    Release(rq);
-    counters.RecordLatency(
-        rq.h.opcode,
-        std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - rq.start).count(),
-        out->worker->index);
-    counters.CountAnswered(out->worker->index);
-    if (rq.counted) in_flight.fetch_sub(1, std::memory_order_acq_rel);
-    out->worker->outgoing_free.Give(out);
-  });
+  transport->Send(r.conn, w::kAmReply, message, payload, size, kind,
+                  [this, out](Status s) { FinishReply(out, s); });
+}
+
+void Server::Impl::ReplyGather(const Req& r, std::string_view body,
+                               std::vector<UcxTransport::Segment> segments,
+                               std::function<void()> after) {
+  if (const int here = std::max(0, transport->CurrentWorker()); r.worker != here) {
+    transport->PostTo(r.worker, [this, r, b = std::string(body), segments = std::move(segments),
+                                 after = std::move(after)]() mutable {
+      ReplyGather(r, b, std::move(segments), std::move(after));
+    });
+    return;
+  }
+  uint64_t size = 0;
+  for (const UcxTransport::Segment& s : segments) size += s.size;
+  counters.bytes_out.fetch_add(size, std::memory_order_relaxed);
+  IoWorker& ws = W();
+  OutgoingReply* out = ws.outgoing_free.Take();
+  out->worker = &ws;
+  out->req = r;
+  out->transfer = size > 0 ? TrackTransfer(r.conn) : 0;
+  out->after = std::move(after);
+  static thread_local std::string message;
+  w::EncodeMessageTo(&message, {r.h.opcode, 0, r.h.request_id}, body);
+  transport->SendGather(r.conn, w::kAmReply, message, std::move(segments),
+                        [this, out](Status s) { FinishReply(out, s); });
+}
+
+void Server::Impl::FinishReply(OutgoingReply* out, const Status& s) {
+  if (!s.ok()) GKV_LOG_DEBUG("reply send failed: {}", s.ToString());
+  const Req& rq = out->req;
+  if (out->after) {
+    auto after = std::move(out->after);
+    out->after = nullptr;
+    after();
+  }
+  out->pinned = ReadHandle();  // the value's pin goes: UCX is done with its bytes
+  if (out->transfer != 0) TransferDone(rq.conn, out->transfer);
+  Release(rq);
+  counters.RecordLatency(
+      rq.h.opcode,
+      std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - rq.start).count(),
+      out->worker->index);
+  counters.CountAnswered(out->worker->index);
+  if (rq.counted) in_flight.fetch_sub(1, std::memory_order_acq_rel);
+  out->worker->outgoing_free.Give(out);
 }
 
 uint64_t Server::Impl::TrackTransfer(ConnId conn) {

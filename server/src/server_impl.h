@@ -491,6 +491,10 @@ struct Server::Impl {
   // `after` is empty (see OutgoingReply).
   void Reply(const Req& r, const Status& status, std::string_view body, const void* payload,
              size_t size, MemoryKind kind, std::function<void()> after, ReadHandle pinned = {});
+  // Reply with a successful status whose payload UCX gathers from `segments` (host memory,
+  // valid until `after` runs): the values of an MGET go out from where they are.
+  void ReplyGather(const Req& r, std::string_view body, std::vector<UcxTransport::Segment> segments,
+                   std::function<void()> after);
   // What a reply's send completion needs, recycled (I/O thread) instead of captured in a fresh
   // closure per reply.
   struct IoWorker;
@@ -501,6 +505,8 @@ struct Server::Impl {
     std::function<void()> after;
     ReadHandle pinned;
   };
+  // A reply's send is done: what it held goes, its request's share of the limits goes back.
+  void FinishReply(OutgoingReply* out, const Status& s);
 
   // Admits a request against the in-flight limits, or says Busy. A request that brings `charge`
   // payload bytes is admitted anyway when its connection (or the node) has no bytes in flight,

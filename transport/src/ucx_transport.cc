@@ -107,6 +107,7 @@ struct UcxTransport::Impl {
   struct Op {
     Impl* impl = nullptr;
     std::function<void(Status)> done;
+    std::vector<ucp_dt_iov_t> iov;  // SendGather's segments (kept, with its capacity)
   };
   FreeList<Op> ops_free{256};  // worker-thread state
   Op* NewOp(std::function<void(Status)> done) {
@@ -119,6 +120,7 @@ struct UcxTransport::Impl {
   void FinishOp(Op* op, const Status& s) {
     std::function<void(Status)> done = std::move(op->done);
     op->done = nullptr;
+    op->iov.clear();
     ops_free.Give(op);
     done(s);
   }
@@ -1426,6 +1428,65 @@ void UcxTransport::Send(ConnId conn, unsigned am_id, std::string_view header, co
   I.AttachRegistration(payload, size, &p);
   void* req = ucp_am_send_nbx(it->second.ep, am_id, header.data(), header.size(),
                               size ? payload : nullptr, size, &p);
+  if (req == nullptr) {
+    I.FinishOp(op, Status::OK());
+  } else if (UCS_PTR_IS_ERR(req)) {
+    I.FinishOp(op, FromUcs(UCS_PTR_STATUS(req), "send"));
+  } else {
+    I.ops_in_flight++;  // until OnSendDone's completion runs
+  }
+}
+
+void UcxTransport::SendGather(ConnId conn, unsigned am_id, std::string_view header,
+                              std::vector<Segment> segments, std::function<void(Status)> done) {
+  Impl* owner = Owner(conn);
+  Impl* current = Current();
+  if (owner == nullptr) {
+    done(Status::Unavailable("connection is closed"));
+    return;
+  }
+  if (current != nullptr && current != owner) {  // as Send's
+    auto hop = [this, conn, am_id, h = std::string(header), segments = std::move(segments), current,
+                done]() mutable {
+      SendGather(conn, am_id, h, std::move(segments), [current, done](Status s) {
+        if (!current->PostTask([done, s] { done(s); })) done(s);
+      });
+    };
+    if (!owner->PostTask(std::move(hop))) done(Status::Unavailable("the transport is stopping"));
+    return;
+  }
+  Impl& I = *owner;
+  auto it = I.conns.find(conn);
+  if (it == I.conns.end() || it->second.failed) {
+    done(Status::Unavailable("connection is closed"));
+    return;
+  }
+  if (header.size() > I.max_header) {
+    done(Status::InvalidArgument("message header of " + std::to_string(header.size()) +
+                                 " bytes exceeds the transport's limit of " +
+                                 std::to_string(I.max_header)));
+    return;
+  }
+  Impl::Op* op = I.NewOp(std::move(done));
+  for (const Segment& s : segments) {
+    if (s.size > 0) op->iov.push_back({const_cast<void*>(s.data), s.size});
+  }
+  ucp_request_param_t p{};
+  p.op_attr_mask =
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+  p.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_COPY_HEADER;
+  p.cb.send = &Impl::OnSendDone;
+  p.user_data = op;
+  void* buffer = nullptr;
+  size_t count = 0;
+  if (!op->iov.empty()) {
+    p.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;
+    p.datatype = ucp_dt_make_iov();
+    buffer = op->iov.data();
+    count = op->iov.size();  // with the iov datatype: the number of entries
+  }
+  void* req =
+      ucp_am_send_nbx(it->second.ep, am_id, header.data(), header.size(), buffer, count, &p);
   if (req == nullptr) {
     I.FinishOp(op, Status::OK());
   } else if (UCS_PTR_IS_ERR(req)) {

@@ -236,6 +236,17 @@ class UcxTransport {
   // registration (see RegisterMemory); so does a Receive destination.
   void Send(ConnId conn, unsigned am_id, std::string_view header, const void* payload, size_t size,
             MemoryKind kind, std::function<void(Status)> done);
+  // One piece of a gathered payload (SendGather).
+  struct Segment {
+    const void* data = nullptr;
+    size_t size = 0;
+  };
+  // Send with a payload gathered from `segments` (host memory) by UCX itself (its iov
+  // datatype): the peer receives their concatenation as one payload, and nothing copies them
+  // into one buffer first. Each segment must stay valid until `done` runs; empty ones are
+  // skipped. Memory registrations are not passed (UCX registers what a rendezvous needs).
+  void SendGather(ConnId conn, unsigned am_id, std::string_view header,
+                  std::vector<Segment> segments, std::function<void(Status)> done);
   // Receives the payload of `msg` into `dst` (at least payload_size() bytes). `done` runs on the
   // worker thread; `dst` must stay valid until then.
   void Receive(std::unique_ptr<Incoming> msg, void* dst, MemoryKind kind,
