@@ -576,9 +576,10 @@ TEST(UcxTransportTest, ConcurrentWorkersShareConnectionsAndAnyMayAnswer) {
   EXPECT_EQ(clients[client_index]->disconnects.load(), 1);
 }
 
-// SendGather: the payload is gathered from several buffers by UCX (iov datatype), eager and
-// rendezvous alike; the peer receives their concatenation.
-TEST(UcxTransportTest, AGatheredPayloadArrivesAsOneConcatenation) {
+// SendGather: the payload is gathered from several buffers, eager and rendezvous alike, by UCX
+// (iov datatype) over shared memory and joined by the transport over tcp (large ones on its
+// copy thread); the peer receives their concatenation either way.
+void GatheredPayloadsArriveAsOneConcatenation() {
   Echo server;
   ASSERT_TRUE(server.t);
   Caller client;
@@ -608,6 +609,22 @@ TEST(UcxTransportTest, AGatheredPayloadArrivesAsOneConcatenation) {
     });
     ASSERT_EQ(echoed.wait_for(std::chrono::seconds(20)), std::future_status::ready) << header;
     EXPECT_TRUE(echoed.get() == whole) << header << " (" << whole.size() << " bytes)";
+  }
+}
+
+TEST(UcxTransportTest, AGatheredPayloadArrivesAsOneConcatenationOverSharedMemory) {
+  GatheredPayloadsArriveAsOneConcatenation();
+}
+
+TEST(UcxTransportTest, AGatheredPayloadArrivesAsOneConcatenationOverTcp) {
+  const char* was = std::getenv("UCX_TLS");
+  const std::string saved = was ? was : "";
+  setenv("UCX_TLS", "tcp", 1);  // read when the transports below make their contexts
+  GatheredPayloadsArriveAsOneConcatenation();
+  if (was) {
+    setenv("UCX_TLS", saved.c_str(), 1);
+  } else {
+    unsetenv("UCX_TLS");
   }
 }
 

@@ -524,10 +524,11 @@ void Server::Impl::ServeMultiGet(const Req& r, std::shared_ptr<std::vector<Batch
   };
   auto parts = std::make_shared<Parts>();
   parts->accounting = std::move(accounting);
-  parts->values.reserve(handles.size());
+  parts->handles = std::move(handles);  // (segments point into them only from here on)
+  parts->values.reserve(parts->handles.size());
   Status cs;
-  for (size_t j = 0; j < handles.size() && cs.ok(); ++j) {
-    ReadHandle& hd = handles[j];
+  for (size_t j = 0; j < parts->handles.size() && cs.ok(); ++j) {
+    ReadHandle& hd = parts->handles[j];
     if (hd.memory_kind() == MemoryKind::kHost) {
       parts->values.push_back({hd.data(), hd.size()});
       continue;
@@ -537,9 +538,9 @@ void Server::Impl::ServeMultiGet(const Req& r, std::shared_ptr<std::vector<Batch
         owners[j]->CopyBytes(copy.get(), MemoryKind::kHost, hd.data(), hd.memory_kind(), hd.size());
     parts->values.push_back({copy.get(), hd.size()});
     parts->staged.push_back(std::move(copy));
+    hd = ReadHandle();  // copied: its pin goes now
   }
   if (!cs.ok()) return PostReply([this, r, cs] { ReplyStatus(r, cs); });
-  parts->handles = std::move(handles);
   parts->block = w::EncodeBatchGetBlock(*results);
   PostReply([this, r, rows, results, parts] {
     // A hint noted before the executor ran must still hold now: copies withdrawn meanwhile are

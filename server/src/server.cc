@@ -17,7 +17,7 @@ namespace gkv {
 void Server::Impl::Reply(const Req& r, const Status& status, std::string_view body,
                          const void* payload, size_t size, MemoryKind kind,
                          std::function<void()> after, ReadHandle pinned) {
-  if (const int here = std::max(0, transport->CurrentWorker()); r.worker != here) {
+  if (const int here = WorkerHere(); r.worker != here) {
     // Made on another worker than the one that admitted the request (worker 0 finishing a
     // request another worker began): sent from that one, whose tables hold its admission.
     auto held = std::make_shared<ReadHandle>(std::move(pinned));
@@ -54,7 +54,7 @@ void Server::Impl::Reply(const Req& r, const Status& status, std::string_view bo
 void Server::Impl::ReplyGather(const Req& r, std::string_view body,
                                std::vector<UcxTransport::Segment> segments,
                                std::function<void()> after) {
-  if (const int here = std::max(0, transport->CurrentWorker()); r.worker != here) {
+  if (const int here = WorkerHere(); r.worker != here) {
     transport->PostTo(r.worker, [this, r, b = std::string(body), segments = std::move(segments),
                                  after = std::move(after)]() mutable {
       ReplyGather(r, b, std::move(segments), std::move(after));
@@ -136,7 +136,7 @@ void Server::Impl::CloseConnection(ConnId conn, bool force) {
   // connection's own worker closes it and then tells worker 0, after everything it handed over
   // before (Post is in order), so no entry that such a request makes on worker 0 stays behind.
   ForgetConnection(conn);
-  const int here = std::max(0, transport->CurrentWorker());
+  const int here = WorkerHere();
   const int owner = UcxTransport::WorkerOf(conn);
   if (owner != here) {
     return transport->PostTo(owner, [this, conn, force] { CloseConnection(conn, force); });

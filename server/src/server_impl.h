@@ -469,14 +469,15 @@ struct Server::Impl {
   // while no node claim is live and the node is under half its limit, else worker 0 decides.)
   std::atomic<uint64_t> inflight_bytes{0};
   std::atomic<bool> node_claim_live{false};  // node_claim.bytes > 0, for the other workers
-  // Bytes of MGET replies gathered in memory and not yet sent (any thread): held to
-  // options.max_inflight_bytes like request payloads, released when the reply's buffer goes.
-  // Shared, so a buffer freed late (at transport stop) never touches a dead Impl.
+  // Bytes of MGET replies held for sending (values pinned, or copied out of GPU memory) and not
+  // yet sent (any thread): held to options.max_inflight_bytes like request payloads, released
+  // when the reply's token goes (with the reply's parts, once its send is done). Shared, so a
+  // token freed late (at transport stop) never touches a dead Impl.
   std::shared_ptr<std::atomic<uint64_t>> batch_reply_bytes =
       std::make_shared<std::atomic<uint64_t>>(0);
-  // A buffer of `block` + `values` bytes whose `values` count against batch_reply_bytes until
-  // it is freed, or null (Busy) when the node has other replies in flight and these would pass
-  // the limit. A reply alone is always allowed (max_batch_bytes bounds it).
+  // A token (an empty string) whose `values` bytes count against batch_reply_bytes until it is
+  // freed, or null (Busy) when the node has other replies in flight and these would pass the
+  // limit. A reply alone is always allowed (max_batch_bytes bounds it).
   std::shared_ptr<std::string> ReserveBatchReply(uint64_t values);
   // Accepted connections whose peer said PEER_HELLO (with the peer secret, where the cluster has
   // one): the only ones allowed REPLICA_PUT and INVALIDATE. Value: the node's index.
@@ -608,13 +609,22 @@ struct Server::Impl {
   };
   std::vector<std::unique_ptr<IoWorker>> io;  // one per transport worker (made before it)
   // The calling I/O worker's state (worker 0's outside the workers: Start, tests).
-  IoWorker& W() const {
-    const int i = transport ? transport->CurrentWorker() : 0;
-    return *io[i > 0 ? static_cast<size_t>(i) : 0];
+  // The I/O worker the calling thread drives (0 outside the workers: executors, Start). An I/O
+  // thread drives one worker of one node for its life, so the answer is kept per thread.
+  int WorkerHere() const {
+    thread_local const Impl* cached_for = nullptr;
+    thread_local int cached = 0;
+    if (cached_for == this) return cached;
+    const int i = transport ? transport->CurrentWorker() : -1;
+    if (i < 0) return 0;  // not an I/O thread (not kept: it may become none of this node's)
+    cached_for = this;
+    cached = i;
+    return i;
   }
+  IoWorker& W() const { return *io[static_cast<size_t>(WorkerHere())]; }
   // The ring as the calling I/O worker knows it (worker 0: `ring`).
   const RingPtr& RingHere() const { return OnControlThread() ? ring : W().ring; }
-  bool OnControlThread() const { return !transport || transport->CurrentWorker() <= 0; }
+  bool OnControlThread() const { return WorkerHere() == 0; }
   // Put ops are recycled on the I/O thread: the fast path (memory, non-durable, no eviction)
   // allocates none; every other path moves the op into a shared one (SharePutOp).
   // (Each I/O worker's: IoWorker::put_ops_free.)

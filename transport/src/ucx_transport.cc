@@ -101,6 +101,9 @@ struct UcxTransport::Impl {
     unsigned am_id;
   };
   static constexpr int kWorkerBits = 6;  // Options::workers is at most 1 << kWorkerBits
+  // SendGather over a network transport: payloads up to this size are joined on the worker's
+  // thread, larger ones on the copy thread.
+  static constexpr size_t kInlineJoin = 256 << 10;
   // One send or receive in flight: UCX's user data. Made and freed on the worker thread (under
   // drive_mu) and recycled (ops_free) so that steady traffic allocates none. A send's header is
   // copied by UCX (UCP_AM_SEND_FLAG_COPY_HEADER, UCX >= 1.14), so the operation does not keep it.
@@ -277,6 +280,24 @@ struct UcxTransport::Impl {
       if (w != this) w->PostTask([w, added] { w->regions.push_back(added); });
     }
     return Status::OK();
+  }
+
+  // Whether the endpoint's lanes include a shared-memory transport (same host). Worker thread.
+  static bool OverSharedMemory(ucp_ep_h ep) {
+    ucp_transport_entry_t entries[16];
+    ucp_ep_attr_t attr{};
+    attr.field_mask = UCP_EP_ATTR_FIELD_TRANSPORTS;
+    attr.transports.entries = entries;
+    attr.transports.num_entries = 16;
+    attr.transports.entry_size = sizeof(ucp_transport_entry_t);
+    if (ucp_ep_query(ep, &attr) != UCS_OK) return false;
+    for (unsigned i = 0; i < attr.transports.num_entries; ++i) {
+      const std::string_view name = entries[i].transport_name ? entries[i].transport_name : "";
+      for (std::string_view shm : {"sysv", "posix", "xpmem", "cma", "knem"}) {
+        if (name == shm) return true;
+      }
+    }
+    return false;
   }
 
   // Device copies that must not run on the worker thread (an eager payload into device
@@ -1465,6 +1486,40 @@ void UcxTransport::SendGather(ConnId conn, unsigned am_id, std::string_view head
     done(Status::InvalidArgument("message header of " + std::to_string(header.size()) +
                                  " bytes exceeds the transport's limit of " +
                                  std::to_string(I.max_header)));
+    return;
+  }
+  // Over shared memory UCX gathers the segments itself, and that measured faster than copying
+  // them into one buffer first (bench/mget_ab.sh); over a network transport UCX's
+  // protocols offer zero-copy rendezvous (tcp's, RDMA's) for one contiguous buffer only, and
+  // there the copy measured faster: the segments are copied into one buffer here.
+  size_t used = 0;
+  for (const Segment& s : segments) used += s.size > 0 ? 1 : 0;
+  if (used > 1 && !I.OverSharedMemory(it->second.ep)) {
+    size_t total = 0;
+    for (const Segment& s : segments) total += s.size;
+    auto join = [segments = std::move(segments), total] {
+      auto whole = std::make_shared<std::string>();
+      whole->reserve(total);
+      for (const Segment& s : segments) whole->append(static_cast<const char*>(s.data), s.size);
+      return whole;
+    };
+    if (total <= Impl::kInlineJoin) {
+      auto whole = join();
+      Send(conn, am_id, header, whole->data(), whole->size(), MemoryKind::kHost,
+           [whole, done = std::move(done)](Status s) { done(s); });
+      return;
+    }
+    // A large one is joined on the copy thread, not on this worker's.
+    I.ops_in_flight++;
+    I.copy_thread->Submit([this, &I, conn, am_id, h = std::string(header), join = std::move(join),
+                           done = std::move(done)]() mutable {
+      auto whole = join();
+      I.PostTask([this, &I, conn, am_id, h = std::move(h), whole, done = std::move(done)] {
+        I.ops_in_flight--;
+        Send(conn, am_id, h, whole->data(), whole->size(), MemoryKind::kHost,
+             [whole, done](Status s) { done(s); });
+      });
+    });
     return;
   }
   Impl::Op* op = I.NewOp(std::move(done));

@@ -241,10 +241,12 @@ class UcxTransport {
     const void* data = nullptr;
     size_t size = 0;
   };
-  // Send with a payload gathered from `segments` (host memory) by UCX itself (its iov
-  // datatype): the peer receives their concatenation as one payload, and nothing copies them
-  // into one buffer first. Each segment must stay valid until `done` runs; empty ones are
-  // skipped. Memory registrations are not passed (UCX registers what a rendezvous needs).
+  // Send with a payload gathered from `segments` (host memory): the peer receives their
+  // concatenation as one payload. Over shared memory UCX gathers them itself (its iov
+  // datatype) and nothing copies them into one buffer first; over a network transport they are
+  // copied into one buffer (UCX's zero-copy rendezvous takes contiguous buffers only). Each
+  // segment must stay valid until `done` runs; empty ones are skipped. Memory registrations
+  // are not passed (UCX registers what a rendezvous needs).
   void SendGather(ConnId conn, unsigned am_id, std::string_view header,
                   std::vector<Segment> segments, std::function<void(Status)> done);
   // Receives the payload of `msg` into `dst` (at least payload_size() bytes). `done` runs on the
