@@ -34,6 +34,14 @@ void Server::Impl::Reply(const Req& r, const Status& status, std::string_view bo
       counters.protocol_errors.fetch_add(1, std::memory_order_relaxed);
     }
   }
+  OutgoingReply* out = StartReply(r, size, std::move(after));
+  out->pinned = std::move(pinned);
+  transport->Send(r.conn, w::kAmReply, EncodeReplyHeader(r, body), payload, size, kind,
+                  [this, out](Status s) { FinishReply(out, s); });
+}
+
+Server::Impl::OutgoingReply* Server::Impl::StartReply(const Req& r, uint64_t size,
+                                                      std::function<void()> after) {
   counters.bytes_out.fetch_add(size, std::memory_order_relaxed);
   // Recycled on the I/O worker where the reply is made and completes (the transport completes a
   // send to another worker's connection back on the worker that made it).
@@ -43,12 +51,14 @@ void Server::Impl::Reply(const Req& r, const Status& status, std::string_view bo
   out->req = r;
   out->transfer = size > 0 ? TrackTransfer(r.conn) : 0;
   out->after = std::move(after);
-  out->pinned = std::move(pinned);
+  return out;
+}
+
+std::string_view Server::Impl::EncodeReplyHeader(const Req& r, std::string_view body) {
   // The transport copies the header before Send returns: one buffer per thread serves them all.
   static thread_local std::string message;
   w::EncodeMessageTo(&message, {r.h.opcode, 0, r.h.request_id}, body);
-  transport->Send(r.conn, w::kAmReply, message, payload, size, kind,
-                  [this, out](Status s) { FinishReply(out, s); });
+  return message;
 }
 
 void Server::Impl::ReplyGather(const Req& r, std::string_view body,
@@ -63,16 +73,8 @@ void Server::Impl::ReplyGather(const Req& r, std::string_view body,
   }
   uint64_t size = 0;
   for (const UcxTransport::Segment& s : segments) size += s.size;
-  counters.bytes_out.fetch_add(size, std::memory_order_relaxed);
-  IoWorker& ws = W();
-  OutgoingReply* out = ws.outgoing_free.Take();
-  out->worker = &ws;
-  out->req = r;
-  out->transfer = size > 0 ? TrackTransfer(r.conn) : 0;
-  out->after = std::move(after);
-  static thread_local std::string message;
-  w::EncodeMessageTo(&message, {r.h.opcode, 0, r.h.request_id}, body);
-  transport->SendGather(r.conn, w::kAmReply, message, std::move(segments),
+  OutgoingReply* out = StartReply(r, size, std::move(after));
+  transport->SendGather(r.conn, w::kAmReply, EncodeReplyHeader(r, body), std::move(segments),
                         [this, out](Status s) { FinishReply(out, s); });
 }
 
@@ -169,15 +171,27 @@ void Server::Impl::TellConnWorker(ConnId conn, bool peer) {
   });
 }
 
-Status Server::Impl::Admit(Req* r, uint64_t charge) {
+Server::Impl::ConnLoad* Server::Impl::LoadOf(const Req& r, Status* refused) {
   // A message handled after its connection went: nothing to track it against.
-  if (!transport->IsOpen(r->conn)) return Status::Unavailable("connection closed");
-  ConnLoad& load = W().conn_load[r->conn];
-  if (load.requests >= options.max_conn_requests) {
-    return Status::Busy("connection has " + std::to_string(load.requests) +
-                        " requests in flight (limit " + std::to_string(options.max_conn_requests) +
-                        ")");
+  if (!transport->IsOpen(r.conn)) {
+    *refused = Status::Unavailable("connection closed");
+    return nullptr;
   }
+  ConnLoad& load = W().conn_load[r.conn];
+  if (load.requests >= options.max_conn_requests) {
+    *refused = Status::Busy("connection has " + std::to_string(load.requests) +
+                            " requests in flight (limit " +
+                            std::to_string(options.max_conn_requests) + ")");
+    return nullptr;
+  }
+  return &load;
+}
+
+Status Server::Impl::Admit(Req* r, uint64_t charge) {
+  Status refused;
+  ConnLoad* found = LoadOf(*r, &refused);
+  if (found == nullptr) return refused;
+  ConnLoad& load = *found;
   if (charge > 0) {
     const auto now = Clock::now();
     const uint64_t conn_limit = options.max_conn_inflight_bytes;
@@ -208,13 +222,10 @@ Status Server::Impl::Admit(Req* r, uint64_t charge) {
 
 Status Server::Impl::AdmitHere(Req* r, uint64_t charge, bool* to_worker0) {
   *to_worker0 = false;
-  if (!transport->IsOpen(r->conn)) return Status::Unavailable("connection closed");
-  ConnLoad& load = W().conn_load[r->conn];
-  if (load.requests >= options.max_conn_requests) {
-    return Status::Busy("connection has " + std::to_string(load.requests) +
-                        " requests in flight (limit " + std::to_string(options.max_conn_requests) +
-                        ")");
-  }
+  Status refused;
+  ConnLoad* found = LoadOf(*r, &refused);
+  if (found == nullptr) return refused;
+  ConnLoad& load = *found;
   if (charge > 0) {
     // Worker 0 keeps the node's claims: while one is live, and near the node's limit, it
     // decides. This connection's limits (its requests on this worker) are kept here.

@@ -506,13 +506,20 @@ struct Server::Impl {
     std::function<void()> after;
     ReadHandle pinned;
   };
-  // A reply's send is done: what it held goes, its request's share of the limits goes back.
+  // A reply's state (counted, its transfer watched) on the calling worker, and its header
+  // (this thread's buffer: valid until the next call); FinishReply when its send is done: what
+  // it held goes, its request's share of the limits goes back.
+  OutgoingReply* StartReply(const Req& r, uint64_t size, std::function<void()> after);
+  static std::string_view EncodeReplyHeader(const Req& r, std::string_view body);
   void FinishReply(OutgoingReply* out, const Status& s);
 
   // Admits a request against the in-flight limits, or says Busy. A request that brings `charge`
   // payload bytes is admitted anyway when its connection (or the node) has no bytes in flight,
   // so a single value up to max_value_size always gets through on an idle node.
   Status Admit(Req* r, uint64_t charge);
+  // The calling worker's load of `r`'s connection, or null and why not (closed, or at its
+  // request limit).
+  ConnLoad* LoadOf(const Req& r, Status* refused);
   // An I/O worker other than 0: admits a request into its own table when that needs no
   // decision of worker 0's (no node claim live, the node under half its byte limit, this
   // connection under its limits here); false (nothing changed) hands the request to worker 0.

@@ -119,6 +119,28 @@ struct UcxTransport::Impl {
     op->done = std::move(done);
     return op;
   }
+  // The parameters of an active-message send completing `op`. COPY_HEADER: UCX keeps its own
+  // copy of the header while the send is in flight.
+  static ucp_request_param_t SendParams(Op* op) {
+    ucp_request_param_t p{};
+    p.op_attr_mask =
+        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_COPY_HEADER;
+    p.cb.send = &OnSendDone;
+    p.user_data = op;
+    return p;
+  }
+  // What a UCX call that started `op` returned: done at once (completed now), failed at once,
+  // or in flight until its callback's completion runs.
+  void Started(Op* op, void* req, const char* what) {
+    if (req == nullptr) {
+      FinishOp(op, Status::OK());
+    } else if (UCS_PTR_IS_ERR(req)) {
+      FinishOp(op, FromUcs(UCS_PTR_STATUS(req), what));
+    } else {
+      ops_in_flight++;
+    }
+  }
   // Runs an operation's completion and recycles it (emptied first: what its captures hold goes).
   void FinishOp(Op* op, const Status& s) {
     std::function<void(Status)> done = std::move(op->done);
@@ -282,16 +304,44 @@ struct UcxTransport::Impl {
     return Status::OK();
   }
 
-  // Whether the endpoint's lanes include a shared-memory transport (same host). Worker thread.
-  static bool OverSharedMemory(ucp_ep_h ep) {
-    ucp_transport_entry_t entries[16];
+  // `done`, completed on `current`'s thread (a send or receive handed to another worker): here
+  // when that worker has stopped (only at Stop, after its loop ended).
+  static std::function<void(Status)> CompleteOn(Impl* current, std::function<void(Status)> done) {
+    return [current, done = std::move(done)](Status s) {
+      if (!current->PostTask([done, s] { done(s); })) done(s);
+    };
+  }
+  // The endpoint a send on `conn` with this header may use, or null after `done` got why not.
+  // Worker thread.
+  ucp_ep_h SendableEp(ConnId conn, size_t header_size, const std::function<void(Status)>& done) {
+    auto it = conns.find(conn);
+    if (it == conns.end() || it->second.failed) {
+      done(Status::Unavailable("connection is closed"));
+      return nullptr;
+    }
+    if (header_size > max_header) {
+      done(Status::InvalidArgument("message header of " + std::to_string(header_size) +
+                                   " bytes exceeds the transport's limit of " +
+                                   std::to_string(max_header)));
+      return nullptr;
+    }
+    return it->second.ep;
+  }
+
+  // The endpoint's lanes: up to 16 (transport, device) entries; 0 when UCX cannot say.
+  static unsigned QueryLanes(ucp_ep_h ep, ucp_transport_entry_t (&entries)[16]) {
     ucp_ep_attr_t attr{};
     attr.field_mask = UCP_EP_ATTR_FIELD_TRANSPORTS;
     attr.transports.entries = entries;
     attr.transports.num_entries = 16;
     attr.transports.entry_size = sizeof(ucp_transport_entry_t);
-    if (ucp_ep_query(ep, &attr) != UCS_OK) return false;
-    for (unsigned i = 0; i < attr.transports.num_entries; ++i) {
+    return ucp_ep_query(ep, &attr) == UCS_OK ? attr.transports.num_entries : 0;
+  }
+  // Whether the endpoint's lanes include a shared-memory transport (same host). Worker thread.
+  static bool OverSharedMemory(ucp_ep_h ep) {
+    ucp_transport_entry_t entries[16];
+    const unsigned n = QueryLanes(ep, entries);
+    for (unsigned i = 0; i < n; ++i) {
       const std::string_view name = entries[i].transport_name ? entries[i].transport_name : "";
       for (std::string_view shm : {"sysv", "posix", "xpmem", "cma", "knem"}) {
         if (name == shm) return true;
@@ -1374,14 +1424,9 @@ std::string UcxTransport::Transports(ConnId conn) const {
   auto it = owner->conns.find(conn);
   if (it == owner->conns.end() || it->second.failed) return "";
   ucp_transport_entry_t entries[16];
-  ucp_ep_attr_t attr{};
-  attr.field_mask = UCP_EP_ATTR_FIELD_TRANSPORTS;
-  attr.transports.entries = entries;
-  attr.transports.num_entries = 16;
-  attr.transports.entry_size = sizeof(ucp_transport_entry_t);
-  if (ucp_ep_query(it->second.ep, &attr) != UCS_OK) return "";
+  const unsigned n = Impl::QueryLanes(it->second.ep, entries);
   std::string out;
-  for (unsigned i = 0; i < attr.transports.num_entries; ++i) {
+  for (unsigned i = 0; i < n; ++i) {
     const std::string one =
         std::string(entries[i].transport_name ? entries[i].transport_name : "?") + "/" +
         (entries[i].device_name ? entries[i].device_name : "?");
@@ -1406,26 +1451,14 @@ void UcxTransport::Send(ConnId conn, unsigned am_id, std::string_view header, co
     // contract allows its buffer's reuse), completed back on this one.
     auto hop = [this, conn, am_id, h = std::string(header), payload, size, kind, current,
                 done]() mutable {
-      Send(conn, am_id, h, payload, size, kind, [current, done](Status s) {
-        // That worker has stopped (only at Stop, after its loop ended): completed here.
-        if (!current->PostTask([done, s] { done(s); })) done(s);
-      });
+      Send(conn, am_id, h, payload, size, kind, Impl::CompleteOn(current, done));
     };
     if (!owner->PostTask(std::move(hop))) done(Status::Unavailable("the transport is stopping"));
     return;
   }
   Impl& I = *owner;
-  auto it = I.conns.find(conn);
-  if (it == I.conns.end() || it->second.failed) {
-    done(Status::Unavailable("connection is closed"));
-    return;
-  }
-  if (header.size() > I.max_header) {
-    done(Status::InvalidArgument("message header of " + std::to_string(header.size()) +
-                                 " bytes exceeds the transport's limit of " +
-                                 std::to_string(I.max_header)));
-    return;
-  }
+  ucp_ep_h ep = I.SendableEp(conn, header.size(), done);
+  if (ep == nullptr) return;
   if (kind == MemoryKind::kDevice && !I.cuda_supported) {
     done(Status::NotSupported("this UCX cannot send device memory; stage through host memory"));
     return;
@@ -1435,27 +1468,15 @@ void UcxTransport::Send(ConnId conn, unsigned am_id, std::string_view header, co
     return;
   }
   Impl::Op* op = I.NewOp(std::move(done));
-  ucp_request_param_t p{};
-  p.op_attr_mask =
-      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
-  // COPY_HEADER: UCX keeps its own copy of the header while the send is in flight.
-  p.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_COPY_HEADER;
-  p.cb.send = &Impl::OnSendDone;
-  p.user_data = op;
+  ucp_request_param_t p = Impl::SendParams(op);
   if (kind == MemoryKind::kDevice && !I.fake_device_memory) {
     p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMORY_TYPE;
     p.memory_type = UCS_MEMORY_TYPE_CUDA;
   }
   I.AttachRegistration(payload, size, &p);
-  void* req = ucp_am_send_nbx(it->second.ep, am_id, header.data(), header.size(),
-                              size ? payload : nullptr, size, &p);
-  if (req == nullptr) {
-    I.FinishOp(op, Status::OK());
-  } else if (UCS_PTR_IS_ERR(req)) {
-    I.FinishOp(op, FromUcs(UCS_PTR_STATUS(req), "send"));
-  } else {
-    I.ops_in_flight++;  // until OnSendDone's completion runs
-  }
+  void* req =
+      ucp_am_send_nbx(ep, am_id, header.data(), header.size(), size ? payload : nullptr, size, &p);
+  I.Started(op, req, "send");
 }
 
 void UcxTransport::SendGather(ConnId conn, unsigned am_id, std::string_view header,
@@ -1469,32 +1490,21 @@ void UcxTransport::SendGather(ConnId conn, unsigned am_id, std::string_view head
   if (current != nullptr && current != owner) {  // as Send's
     auto hop = [this, conn, am_id, h = std::string(header), segments = std::move(segments), current,
                 done]() mutable {
-      SendGather(conn, am_id, h, std::move(segments), [current, done](Status s) {
-        if (!current->PostTask([done, s] { done(s); })) done(s);
-      });
+      SendGather(conn, am_id, h, std::move(segments), Impl::CompleteOn(current, done));
     };
     if (!owner->PostTask(std::move(hop))) done(Status::Unavailable("the transport is stopping"));
     return;
   }
   Impl& I = *owner;
-  auto it = I.conns.find(conn);
-  if (it == I.conns.end() || it->second.failed) {
-    done(Status::Unavailable("connection is closed"));
-    return;
-  }
-  if (header.size() > I.max_header) {
-    done(Status::InvalidArgument("message header of " + std::to_string(header.size()) +
-                                 " bytes exceeds the transport's limit of " +
-                                 std::to_string(I.max_header)));
-    return;
-  }
+  ucp_ep_h ep = I.SendableEp(conn, header.size(), done);
+  if (ep == nullptr) return;
   // Over shared memory UCX gathers the segments itself, and that measured faster than copying
   // them into one buffer first (bench/mget_ab.sh); over a network transport UCX's
   // protocols offer zero-copy rendezvous (tcp's, RDMA's) for one contiguous buffer only, and
   // there the copy measured faster: the segments are copied into one buffer here.
   size_t used = 0;
   for (const Segment& s : segments) used += s.size > 0 ? 1 : 0;
-  if (used > 1 && !I.OverSharedMemory(it->second.ep)) {
+  if (used > 1 && !I.OverSharedMemory(ep)) {
     size_t total = 0;
     for (const Segment& s : segments) total += s.size;
     auto join = [segments = std::move(segments), total] {
@@ -1526,12 +1536,7 @@ void UcxTransport::SendGather(ConnId conn, unsigned am_id, std::string_view head
   for (const Segment& s : segments) {
     if (s.size > 0) op->iov.push_back({const_cast<void*>(s.data), s.size});
   }
-  ucp_request_param_t p{};
-  p.op_attr_mask =
-      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
-  p.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_COPY_HEADER;
-  p.cb.send = &Impl::OnSendDone;
-  p.user_data = op;
+  ucp_request_param_t p = Impl::SendParams(op);
   void* buffer = nullptr;
   size_t count = 0;
   if (!op->iov.empty()) {
@@ -1540,15 +1545,8 @@ void UcxTransport::SendGather(ConnId conn, unsigned am_id, std::string_view head
     buffer = op->iov.data();
     count = op->iov.size();  // with the iov datatype: the number of entries
   }
-  void* req =
-      ucp_am_send_nbx(it->second.ep, am_id, header.data(), header.size(), buffer, count, &p);
-  if (req == nullptr) {
-    I.FinishOp(op, Status::OK());
-  } else if (UCS_PTR_IS_ERR(req)) {
-    I.FinishOp(op, FromUcs(UCS_PTR_STATUS(req), "send"));
-  } else {
-    I.ops_in_flight++;  // until OnSendDone's completion runs
-  }
+  void* req = ucp_am_send_nbx(ep, am_id, header.data(), header.size(), buffer, count, &p);
+  I.Started(op, req, "send");
 }
 
 void UcxTransport::Receive(std::unique_ptr<Incoming> msg, void* dst, MemoryKind kind,
@@ -1560,9 +1558,7 @@ void UcxTransport::Receive(std::unique_ptr<Incoming> msg, void* dst, MemoryKind 
     // (A task dropped unrun at Stop frees the message with the holder.)
     auto held = std::make_shared<std::unique_ptr<Incoming>>(std::move(msg));
     auto hop = [this, held, dst, kind, current, done]() mutable {
-      Receive(std::move(*held), dst, kind, [current, done](Status s) {
-        if (!current->PostTask([done, s] { done(s); })) done(s);  // as Send's
-      });
+      Receive(std::move(*held), dst, kind, Impl::CompleteOn(current, done));
     };
     if (!owner->PostTask(std::move(hop))) done(Status::Unavailable("the transport is stopping"));
     return;
@@ -1613,13 +1609,7 @@ void UcxTransport::Receive(std::unique_ptr<Incoming> msg, void* dst, MemoryKind 
   }
   I.AttachRegistration(dst, msg->length_, &p);
   void* req = ucp_am_recv_data_nbx(I.worker, desc, dst, msg->length_, &p);
-  if (req == nullptr) {
-    I.FinishOp(op, Status::OK());
-  } else if (UCS_PTR_IS_ERR(req)) {
-    I.FinishOp(op, FromUcs(UCS_PTR_STATUS(req), "receive"));
-  } else {
-    I.ops_in_flight++;  // until OnRecvDone's completion runs
-  }
+  I.Started(op, req, "receive");
 }
 
 void UcxTransport::Close(ConnId conn, bool force) {
