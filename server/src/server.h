@@ -44,8 +44,8 @@ struct ServerOptions {
   GpuPlacement gpu_placement = GpuPlacement::kAuto;
   int executor_threads = 4;
   // UCX workers, each with its own I/O thread; 0: DefaultIoThreads(). Connections are spread
-  // over them; worker 0 also runs everything that is not a GET served from memory
-  // (docs/ARCHITECTURE.md, "Threads").
+  // over them; each serves the GETs from memory and the PUTs of its connections, and worker 0
+  // also runs everything else (docs/ARCHITECTURE.md, "Threads").
   int io_threads = 0;
   std::string listen_host;   // default: the node's host from the cluster file
   uint16_t listen_port = 0;  // default: the node's port from the cluster file

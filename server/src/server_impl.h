@@ -9,9 +9,10 @@
 //   handoff.cc      moving keys to their new owners when the ring changes, and repair of copies
 // Threading: everything here runs on the transport's worker 0 (the I/O thread, or control
 // thread) unless a comment says "executor" (executors hand results back with PostReply) or
-// "any I/O worker". With --io-threads N > 1 the other workers serve the fast GET of their own
-// connections (ServeHere) and hand every other message to worker 0 (docs/ARCHITECTURE.md,
-// "Threads"); the per-connection state they touch is in IoWorker, one per worker.
+// "any I/O worker". With --io-threads N > 1 the other workers serve the GETs from memory and the
+// PUTs of their own connections (ServeHere) and hand every other message to worker 0
+// (docs/ARCHITECTURE.md, "Threads"); the per-connection state they touch is in IoWorker, one
+// per worker.
 #pragma once
 
 #include <httplib.h>
