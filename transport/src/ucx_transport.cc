@@ -104,6 +104,8 @@ struct UcxTransport::Impl {
   // SendGather over a network transport: payloads up to this size are joined on the worker's
   // thread, larger ones on the copy thread.
   static constexpr size_t kInlineJoin = 256 << 10;
+  // SendGather gathers with UCX's iov only when its segments average at least this much.
+  static constexpr size_t kMinGatherAverage = 16 << 10;
   // One send or receive in flight: UCX's user data. Made and freed on the worker thread (under
   // drive_mu) and recycled (ops_free) so that steady traffic allocates none. A send's header is
   // copied by UCX (UCP_AM_SEND_FLAG_COPY_HEADER, UCX >= 1.14), so the operation does not keep it.
@@ -1513,11 +1515,15 @@ void UcxTransport::SendGather(ConnId conn, unsigned am_id, std::string_view head
   // them into one buffer first (bench/mget_ab.sh); over a network transport UCX's
   // protocols offer zero-copy rendezvous (tcp's, RDMA's) for one contiguous buffer only, and
   // there the copy measured faster: the segments are copied into one buffer here.
+  // Small segments (under kMinGatherAverage on average, e.g. a batch of embeddings) are joined
+  // too: UCX's cost per iov entry then outweighs the copy.
   size_t used = 0;
-  for (const Segment& s : segments) used += s.size > 0 ? 1 : 0;
-  if (used > 1 && !I.OverSharedMemory(ep)) {
-    size_t total = 0;
-    for (const Segment& s : segments) total += s.size;
+  size_t total = 0;
+  for (const Segment& s : segments) {
+    used += s.size > 0 ? 1 : 0;
+    total += s.size;
+  }
+  if (used > 1 && (total / used < Impl::kMinGatherAverage || !I.OverSharedMemory(ep))) {
     auto join = [segments = std::move(segments), total] {
       auto whole = std::make_shared<std::string>();
       whole->reserve(total);

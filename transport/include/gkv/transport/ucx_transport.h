@@ -242,9 +242,10 @@ class UcxTransport {
     size_t size = 0;
   };
   // Send with a payload gathered from `segments` (host memory): the peer receives their
-  // concatenation as one payload. Over shared memory UCX gathers them itself (its iov
-  // datatype) and nothing copies them into one buffer first; over a network transport they are
-  // copied into one buffer (UCX's zero-copy rendezvous takes contiguous buffers only). Each
+  // concatenation as one payload. Over shared memory, segments of 16 KiB or more on average
+  // are gathered by UCX itself (its iov datatype) and nothing copies them into one buffer
+  // first; otherwise (a network transport: UCX's zero-copy rendezvous takes contiguous buffers
+  // only; small segments: UCX's cost per entry) they are copied into one buffer. Each
   // segment must stay valid until `done` runs; empty ones are skipped. Memory registrations
   // are not passed (UCX registers what a rendezvous needs).
   void SendGather(ConnId conn, unsigned am_id, std::string_view header,
