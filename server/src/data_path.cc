@@ -300,32 +300,26 @@ bool Server::Impl::ServeHere(std::unique_ptr<Incoming>& msg) {
     return true;
   }
   CountRow();
-  if (replication_on()) {
-    // As CountRead: the sketch here, the decision (rarely needed) on worker 0, at most one
-    // hand-off per worker every 200 us.
-    const uint64_t hash = HashKey(key);
-    if (ws.ring->OwnerForHash(hash) == self_index) {
-      const uint32_t est = sketch.Add(hash);
-      const auto now = r.start;
-      if (est >= copy_floor.load(std::memory_order_relaxed) && now >= ws.next_copy_handoff) {
-        ws.next_copy_handoff = now + std::chrono::microseconds(200);
-        transport->Post([this, k = key, est] { ConsiderCopying(k, est); });
-      }
-    }
-  }
+  if (replication_on()) CountRead(key);
+  static const std::vector<uint16_t> kNoHint;  // a key with copies went to worker 0
+  ReplyFromMemory(r, fp, std::move(fast), kNoHint);
+  return true;
+}
+
+void Server::Impl::ReplyFromMemory(const Req& r, TieredCache::FastPath fp, ReadHandle fast,
+                                   const std::vector<uint16_t>& hint) {
   if (fp == TieredCache::FastPath::kMiss) {
     Status nf = Status::NotFound("key not found");
-    Reply(r, nf, w::EncodeObjectReply(nf, {}), nullptr, 0, MemoryKind::kHost, nullptr);
-    return true;
+    return Reply(r, nf, w::EncodeObjectReply(nf, {}), nullptr, 0, MemoryKind::kHost, nullptr);
   }
+  // Sent straight from the tier; the reply keeps the pin until UCX is done with the bytes.
+  // The body is encoded into this thread's buffer (Reply copies it into the message).
   static thread_local std::string reply_body;
-  static const std::vector<uint16_t> kNoHint;
-  w::EncodeObjectReplyTo(&reply_body, Status::OK(), ToWire(fast.info()), kNoHint);
+  w::EncodeObjectReplyTo(&reply_body, Status::OK(), ToWire(fast.info()), hint);
   const void* data = fast.data();
   const size_t size = fast.size();
   const MemoryKind kind = fast.memory_kind();
   Reply(r, Status::OK(), reply_body, data, size, kind, nullptr, std::move(fast));
-  return true;
 }
 
 void Server::Impl::HandleGet(const Req& r, std::string_view body) {
@@ -346,21 +340,13 @@ void Server::Impl::HandleGet(const Req& r, std::string_view body) {
   {
     ReadHandle fast;
     auto fp = cache->TryAcquireFromMemory(key, &fast, device_zero_copy());
-    if (fp == TieredCache::FastPath::kMiss) {
-      Status nf = Status::NotFound("key not found");
-      return Reply(r, nf, w::EncodeObjectReply(nf, {}), nullptr, 0, MemoryKind::kHost, nullptr);
-    }
-    if (fp == TieredCache::FastPath::kServed &&
-        (fast.memory_kind() == MemoryKind::kHost || device_zero_copy())) {
-      // Sent straight from the tier; the reply keeps the pin until UCX is done with the bytes.
-      // The body is encoded into this thread's buffer (Reply copies it into the message).
-      static thread_local std::string reply_body;
-      w::EncodeObjectReplyTo(&reply_body, Status::OK(), ToWire(fast.info()),
-                             HintFor(key, fast.info().version));
-      const void* data = fast.data();
-      const size_t size = fast.size();
-      const MemoryKind kind = fast.memory_kind();
-      return Reply(r, Status::OK(), reply_body, data, size, kind, nullptr, std::move(fast));
+    if (fp == TieredCache::FastPath::kMiss ||
+        (fp == TieredCache::FastPath::kServed &&
+         (fast.memory_kind() == MemoryKind::kHost || device_zero_copy()))) {
+      const std::vector<uint16_t> hint = fp == TieredCache::FastPath::kMiss
+                                             ? std::vector<uint16_t>{}
+                                             : HintFor(key, fast.info().version);
+      return ReplyFromMemory(r, fp, std::move(fast), hint);
     }
   }
   ReadOnExecutor(r, cache.get(), key, std::nullopt,

@@ -40,8 +40,17 @@ void Server::Impl::CountRead(const std::string& key) {
   // with ClientOptions::replicas > 1) is not this node's to copy, and its versions are not the
   // primary's.
   const uint64_t hash = HashKey(key);  // once: for the ring and the sketch
-  if (ring->OwnerForHash(hash) != self_index) return;
-  ConsiderCopying(key, sketch.Add(hash));
+  if (RingHere()->OwnerForHash(hash) != self_index) return;
+  const uint32_t est = sketch.Add(hash);
+  if (OnControlThread()) return ConsiderCopying(key, est);
+  // Another I/O worker: worker 0 decides. Only a key it could start copying now (copy_floor) is
+  // handed to it, at most one every 200 us from each worker.
+  if (est < copy_floor.load(std::memory_order_relaxed)) return;
+  IoWorker& ws = W();
+  const auto now = Clock::now();
+  if (now < ws.next_copy_handoff) return;
+  ws.next_copy_handoff = now + std::chrono::microseconds(200);
+  transport->Post([this, key, est] { ConsiderCopying(key, est); });
 }
 
 void Server::Impl::ConsiderCopying(const std::string& key, uint32_t est) {

@@ -613,7 +613,7 @@ struct Server::Impl {
     Clock::time_point last_send_check = Clock::now();
     std::unordered_set<ConnId> peer_conns;  // workers > 0: connections that said PEER_HELLO
     RingPtr ring;                           // workers > 0: posted by worker 0 (SetRing)
-    Clock::time_point next_copy_handoff{};  // workers > 0: see ServeHere
+    Clock::time_point next_copy_handoff{};  // workers > 0: see CountRead
   };
   std::vector<std::unique_ptr<IoWorker>> io;  // one per transport worker (made before it)
   // The calling I/O worker's state (worker 0's outside the workers: Start, tests).
@@ -691,8 +691,11 @@ struct Server::Impl {
   // ---------------- adaptive replication (I/O thread unless noted) ----------------
 
   // Counts a read of a key this node serves as primary (replication on); starts copying it when
-  // it turns hot.
+  // it turns hot. Any I/O worker (the decision is worker 0's).
   void CountRead(const std::string& key);
+  // A GET answered from memory (fast path): not found, or the pinned value with `hint`.
+  void ReplyFromMemory(const Req& r, TieredCache::FastPath fp, ReadHandle fast,
+                       const std::vector<uint16_t>& hint);
   // Counts a row served of any kind (the node's load): every get, batch row and replica read.
   // On another I/O worker the row is added to node_read_count by worker 0's next tick.
   void CountRow() {
