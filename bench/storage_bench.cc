@@ -11,6 +11,7 @@
 //   PromoteDiskToHost/SIZE         second reads of disk objects: RocksDB read + move to host
 //   DurablePut/SIZE/threads:N      durable puts (synced write-through) of distinct keys, N threads
 //   DurablePutBatch/SIZE           durable CommitBatch of 64 objects (one RocksDB write, one sync)
+//   FastPathThreads/P/threads:N    fast-path gets of 64 B objects from N threads (P=1: 1 in 8 a put)
 //   IndexOverhead                  heap bytes of index metadata per cached object (measured)
 //   Gpu* (only with a usable GPU)  cudaMemcpy H2D/D2H next to GPU put/get, GPU->host spill and
 //                                  host->GPU promotion
@@ -255,6 +256,66 @@ BENCHMARK(BM_DurablePutBatch)
     ->UseRealTime()
     ->Setup(DurableSetup)
     ->Teardown(DurableTeardown);
+
+// The node's I/O-thread paths from N threads on one cache: fast-path gets (TryAcquireFromMemory
+// and release) of 64 B host-tier objects, and with Arg 1 one put (TryReserveInMemory +
+// TryCommitInMemory) in every 8 operations. What readers on different threads share shows here.
+std::unique_ptr<TieredCache> fast_cache;
+std::vector<std::string> fast_keys;
+
+void FastSetup(const benchmark::State&) {
+  fast_cache = OpenCache(0, 64ull << 20, "", 0);
+  fast_keys.clear();
+  std::string v(64, 'v');
+  for (int i = 0; i < 4096; ++i) {
+    fast_keys.push_back("key/" + std::to_string(i));
+    (void)fast_cache->Put(fast_keys.back(), v.data(), v.size());
+  }
+}
+void FastTeardown(const benchmark::State&) {
+  fast_cache.reset();
+  fast_keys.clear();
+}
+
+void BM_FastPathThreads(benchmark::State& state) {
+  const bool with_puts = state.range(0) != 0;
+  Random rng(state.thread_index() + 11);
+  std::string v(64, 'p');
+  ReadHandle rh;
+  WriteHandle wh;
+  uint64_t i = 0, slow = 0;
+  for (auto _ : state) {
+    const std::string& key = fast_keys[rng.Uniform(0, fast_keys.size() - 1)];
+    if (with_puts && (++i & 7) == 0) {
+      uint64_t version = 0;
+      if (fast_cache->TryReserveInMemory(key, v.size(), {}, &wh) ==
+          TieredCache::FastPath::kServed) {
+        std::memcpy(wh.data(), v.data(), v.size());
+        (void)fast_cache->TryCommitInMemory(&wh, &version);
+      }
+      continue;
+    }
+    const auto got = fast_cache->TryAcquireFromMemory(key, &rh, false);
+    if (got == TieredCache::FastPath::kMiss) {
+      state.SkipWithError("a fast get missed");
+      break;
+    }
+    // (kNeedsSlowPath: the key was being replaced at that moment; a node would take its slow
+    // path, counted here.)
+    if (got == TieredCache::FastPath::kNeedsSlowPath) ++slow;
+    benchmark::DoNotOptimize(rh.data());
+    rh = ReadHandle();
+  }
+  state.SetItemsProcessed(state.iterations());
+  state.counters["slow_path"] = benchmark::Counter(slow, benchmark::Counter::kAvgIterations);
+}
+BENCHMARK(BM_FastPathThreads)
+    ->Arg(0)
+    ->Arg(1)
+    ->ThreadRange(1, 4)
+    ->UseRealTime()
+    ->Setup(FastSetup)
+    ->Teardown(FastTeardown);
 
 void BM_IndexOverhead(benchmark::State& state) {
   for (auto _ : state) {
