@@ -42,21 +42,33 @@ struct Entry : std::enable_shared_from_this<Entry> {
   uint64_t version = 0;
   TensorMeta tensor;
 
-  // Placement: guarded by Impl::mu.
+  // Placement: written under Impl::mu, and `tier`, `arena` and `data` only while no reader's
+  // pin is held and none can be taken (the pin protocol, see Impl::TryPin). A reader that holds
+  // a pin reads them without the placement lock.
   Tier tier = Tier::kHost;
   MemoryArena* arena = nullptr;  // memory tiers
   std::byte* data = nullptr;     // memory tiers
-  int pins = 0;
-  bool live = true;      // false once deleted, replaced or dropped
-  bool on_disk = false;  // the disk tier holds this version
-  bool durable = false;  // committed durable (a disk copy that capacity eviction keeps)
+  // Holds on the bytes at `data`: readers' (taken with no placement lock, under the key's shard
+  // lock) and placement's own (under the placement lock). Bit Impl::kFrozen: placement is
+  // changing where the bytes are; no pin is taken while it is set. It is set and cleared within
+  // one hold of the placement lock, so holders of that lock never see it.
+  std::atomic<uint32_t> pins{0};
+  std::atomic<bool> live{true};      // false once deleted, replaced or dropped; never true again
+  std::atomic<bool> on_disk{false};  // the disk tier holds this version
+  bool durable = false;  // committed durable (a disk copy that capacity eviction keeps); fixed
   // Writes of this version to the disk tier in flight (spill, Flush, write-through). While
   // > 0 the version may land on disk at any moment: whoever replaces or deletes it must see to
   // that copy (Impl::writeback_done signals the end of each).
   int writebacks = 0;
-  std::list<Entry*>::iterator lru;
-  Clock::time_point last_read{};
-  uint32_t reads_in_tier = 0;
+  std::list<Entry*>::iterator lru;  // placement lock
+  // Read since the eviction scan last passed it (CLOCK's reference bit): a read sets it
+  // without the placement lock, and the scan gives such an entry a second chance (to the front
+  // of its list) instead of moving it down. Reads thus never reorder a list.
+  std::atomic<bool> referenced{false};
+  // The admission rule's read history (heuristics: relaxed, a lost update only delays a
+  // promotion).
+  std::atomic<Clock::rep> last_read{0};  // Clock ticks since its epoch
+  std::atomic<uint32_t> reads_in_tier{0};
 };
 
 struct TierState {
@@ -64,9 +76,8 @@ struct TierState {
   uint64_t capacity = 0;  // per arena for memory tiers
   std::vector<std::unique_ptr<MemoryArena>> arenas;
   size_t next_arena = 0;
-  std::list<Entry*> lru;  // front = most recently used
+  std::list<Entry*> lru;  // front = most recently placed or given a second chance
   uint64_t objects = 0;
-  uint64_t hits = 0;
 };
 
 // Work found under the placement lock that needs the shard lock or disk I/O, done afterwards
@@ -77,9 +88,14 @@ struct PendingOp {
   uint64_t version;
 };
 
-struct Shard {
+// Aligned so that two shards' locks and counters never share a cache line.
+struct alignas(64) Shard {
   std::mutex mu;
   std::unordered_map<std::string, std::shared_ptr<Entry>> map;
+  // Reads of this shard's keys, summed by GetStats: counted here rather than on counters every
+  // reader of the node shares (relaxed).
+  std::atomic<uint64_t> hits[kTierCount] = {};
+  std::atomic<uint64_t> misses{0};
 };
 
 }  // namespace
@@ -127,7 +143,7 @@ struct TieredCache::Impl {
   mutable std::mutex mu;                   // placement lock
   std::condition_variable writeback_done;  // with mu: some Entry::writebacks went down
   TierState tiers[kTierCount];
-  CacheStats counters;             // guarded by mu (tiers[] fields filled in GetStats)
+  CacheStats counters;             // guarded by mu (tiers[], hits and misses filled in GetStats)
   std::vector<PendingOp> pending;  // guarded by mu
 
   Shard& ShardFor(std::string_view key) { return *shards[HashKey(key) % shards.size()]; }
@@ -226,7 +242,44 @@ struct TieredCache::Impl {
     return it == s.map.end() ? nullptr : it->second;
   }
 
+  // --- the pin protocol ---
+  // A reader pins an entry with no placement lock (TryPin, under the key's shard lock) and
+  // releases it with none (ReleaseReadPin). Placement, under the placement lock, changes where
+  // an entry's bytes are (Relocate) or drops it only after Freeze(e, own) succeeded: the pins
+  // are exactly its own `own`, and none can be taken until Thaw. Kill and the last release of a
+  // dead entry's pin decide who frees its memory: Kill stores live=false and then reads the
+  // pins; a release drops its pin and then reads live (both sequentially consistent), so at
+  // least one of them sees the other and frees, under the placement lock (FreeMemory is
+  // idempotent).
+  static constexpr uint32_t kFrozen = uint32_t{1} << 31;
+
+  static bool TryPin(Entry* e) {
+    uint32_t p = e->pins.load(std::memory_order_relaxed);
+    do {
+      if (p & kFrozen) return false;
+    } while (!e->pins.compare_exchange_weak(p, p + 1, std::memory_order_seq_cst,
+                                            std::memory_order_relaxed));
+    return true;
+  }
+
+  // A reader's release. REQUIRES: no lock held.
+  void ReleaseReadPin(Entry* e) {
+    if (e->pins.fetch_sub(1) != 1 || e->live.load()) return;
+    std::lock_guard<std::mutex> lock(mu);
+    if (PinCount(e) == 0) FreeMemory(e);
+  }
+
   // --- placement helpers; all REQUIRE mu held ---
+
+  static uint32_t PinCount(const Entry* e) { return e->pins.load() & ~kFrozen; }
+  static void Pin(Entry* e) { e->pins.fetch_add(1); }
+  // Succeeds when the only pins are the caller's `own`; then no pin is taken until Thaw, which
+  // must follow before the placement lock is released.
+  static bool Freeze(Entry* e, uint32_t own) {
+    uint32_t expected = own;
+    return e->pins.compare_exchange_strong(expected, own | kFrozen);
+  }
+  static void Thaw(Entry* e) { e->pins.fetch_and(~kFrozen); }
 
   // List nodes unlinked from an LRU list are kept here (up to kSpareLruNodes) and spliced back
   // in by the next LinkLru: an overwrite or a move between tiers allocates no list node.
@@ -278,12 +331,33 @@ struct TieredCache::Impl {
     if (!e->live) return;
     e->live = false;
     UnlinkLru(e);
-    if (e->pins == 0) FreeMemory(e);
+    if (PinCount(e) == 0) FreeMemory(e);
   }
 
+  // Releases placement's own pin.
   void Unpin(Entry* e) {
-    e->pins--;
-    if (!e->live && e->pins == 0) FreeMemory(e);
+    if (e->pins.fetch_sub(1) == 1 && !e->live) FreeMemory(e);
+  }
+
+  // The least recently used unpinned entry of `t`, giving entries read since the last scan a
+  // second chance first (to the front, reference cleared; at most once each per call, so a
+  // stream of reads cannot keep the scan going). nullptr when every entry is pinned.
+  static Entry* PickVictim(TierState& t) {
+    size_t chances = t.lru.size();
+    auto it = t.lru.end();
+    while (it != t.lru.begin()) {
+      auto cur = std::prev(it);
+      Entry* e = *cur;
+      if (chances > 0 && e->referenced.load(std::memory_order_relaxed)) {
+        chances--;
+        e->referenced.store(false, std::memory_order_relaxed);
+        t.lru.splice(t.lru.begin(), t.lru, cur);  // `it` stays valid: its predecessor is next
+        continue;
+      }
+      if (PinCount(e) == 0) return e;
+      it = cur;
+    }
+    return nullptr;
   }
 
   std::byte* TryAllocate(Tier tier, uint64_t size, MemoryArena** arena) {
@@ -308,13 +382,7 @@ struct TieredCache::Impl {
     if (!t.enabled || size > t.capacity) return nullptr;
     for (;;) {
       if (std::byte* p = TryAllocate(tier, size, arena)) return p;
-      Entry* victim = nullptr;
-      for (auto it = t.lru.rbegin(); it != t.lru.rend(); ++it) {
-        if ((*it)->pins == 0) {
-          victim = *it;
-          break;
-        }
-      }
+      Entry* victim = PickVictim(t);
       if (!victim) return nullptr;
       MoveDown(victim, lock);
     }
@@ -330,7 +398,7 @@ struct TieredCache::Impl {
     // Fast memory tier -> slow one.
     const TierState& slow = tiers[static_cast<int>(slow_tier)];
     if (from == fast_tier && slow.enabled && e->size <= slow.capacity) {
-      e->pins++;  // keeps the victim in place while the lock is released
+      Pin(e);  // keeps the victim in place while the lock is released
       MemoryArena* dst_arena = nullptr;
       std::byte* dst = AllocateIn(slow_tier, e->size, &dst_arena, lock);
       if (dst) {
@@ -341,8 +409,9 @@ struct TieredCache::Impl {
         lock.lock();
         // Readers that pinned the entry meanwhile hold pointers into the old block: then the
         // move is abandoned and the entry stays where it is.
-        if (s.ok() && e->live && e->pins == 1) {
+        if (s.ok() && e->live && Freeze(e, 1)) {
           Relocate(e, slow_tier, dst_arena, dst);
+          Thaw(e);
           Unpin(e);
           return;
         }
@@ -354,20 +423,26 @@ struct TieredCache::Impl {
       }
       Unpin(e);
       if (!e->live || e->tier != from) return;
-      if (e->pins > 0) {
+      if (PinCount(e) > 0) {
         // Someone pinned it while we were away; it can't move now. Let the caller pick again
         // by touching it (it is in use, after all).
         Touch(e);
         return;
       }
     }
-    // Memory -> disk.
+    // Memory -> disk. (Readers may pin the victim at any moment: each change below is made
+    // frozen, and a reader that got in first keeps the entry where it is.)
     if (e->on_disk) {
+      if (!Freeze(e, 0)) {
+        Touch(e);
+        return;
+      }
       Relocate(e, Tier::kDisk, nullptr, nullptr);
+      Thaw(e);
       return;
     }
     if (disk && e->size + e->key.size() <= disk->capacity()) {
-      e->pins++;
+      Pin(e);
       e->writebacks++;
       const std::byte* src = e->data;
       MemoryArena* src_arena = e->arena;
@@ -391,10 +466,11 @@ struct TieredCache::Impl {
       Unpin(e);
       if (s.ok() && !written) {
         // A newer version of the key is already on disk: this one is superseded, drop it.
-        if (e->live && e->tier == from && e->pins == 0) {
+        if (e->live && e->tier == from && Freeze(e, 0)) {
           counters.dropped++;
           RemoveFromIndexLater(e);
           Kill(e);
+          Thaw(e);
         }
         return;
       }
@@ -406,10 +482,12 @@ struct TieredCache::Impl {
           pending.push_back({PendingOp::kDeleteStaleDiskCopy, key, meta.version});
           return;
         }
-        if (e->tier == from && e->pins == 0)
+        if (e->tier == from && Freeze(e, 0)) {
           Relocate(e, Tier::kDisk, nullptr, nullptr);
-        else if (e->tier == from)
+          Thaw(e);
+        } else if (e->tier == from) {
           Touch(e);
+        }
         return;
       }
       if (s.code() == StatusCode::kNoSpace) {
@@ -418,15 +496,16 @@ struct TieredCache::Impl {
         GKV_LOG_WARN("spill {} -> disk of '{}' failed: {}", TierName(from), key, s.ToString());
       }
       if (!e->live || e->tier != from) return;
-      if (e->pins > 0) {
-        Touch(e);
-        return;
-      }
+    }
+    if (!Freeze(e, 0)) {
+      Touch(e);
+      return;
     }
     // Nowhere to go: a cache may drop what it can't keep (it was never promised durable).
     counters.dropped++;
     RemoveFromIndexLater(e);
     Kill(e);
+    Thaw(e);
   }
 
   // `e` replaced `old`, whose version is on disk or on its way there, and `e` is not on disk.
@@ -491,7 +570,7 @@ struct TieredCache::Impl {
     e->tier = to;
     e->arena = arena;
     e->data = data;
-    e->reads_in_tier = 0;
+    e->reads_in_tier.store(0, std::memory_order_relaxed);
     LinkLru(e);
   }
 
@@ -575,18 +654,31 @@ struct TieredCache::Impl {
     return true;
   }
 
-  bool WouldPromote(const Entry* e, Clock::time_point now) const {
-    return options.promote_on_read && e->reads_in_tier >= 1 &&
-           now - e->last_read <= options.promotion_window &&
-           Rank(TopMemoryTierFor(e->size)) < Rank(e->tier);
+  // Whether a read now falls within the window of an earlier one (the admission rule).
+  bool ReadAgainWithinWindow(const Entry* e, Clock::time_point now) const {
+    return options.promote_on_read && e->reads_in_tier.load(std::memory_order_relaxed) >= 1 &&
+           now - Clock::time_point(Clock::duration(e->last_read.load(std::memory_order_relaxed))) <=
+               options.promotion_window;
   }
 
+  bool WouldPromote(const Entry* e, Clock::time_point now) const {
+    return ReadAgainWithinWindow(e, now) && Rank(TopMemoryTierFor(e->size)) < Rank(e->tier);
+  }
+
+  // Records a read; returns whether it promotes (tier permitting). No lock needed.
   bool Admit(Entry* e, Clock::time_point now) {
-    bool promote = options.promote_on_read && e->reads_in_tier >= 1 &&
-                   now - e->last_read <= options.promotion_window;
-    e->reads_in_tier++;
-    e->last_read = now;
+    const bool promote = ReadAgainWithinWindow(e, now);
+    e->reads_in_tier.fetch_add(1, std::memory_order_relaxed);
+    e->last_read.store(now.time_since_epoch().count(), std::memory_order_relaxed);
     return promote;
+  }
+
+  // Marks a read for the eviction scan (CLOCK's reference bit), without writing the entry's
+  // line when it is marked already.
+  static void MarkReferenced(Entry* e) {
+    if (!e->referenced.load(std::memory_order_relaxed)) {
+      e->referenced.store(true, std::memory_order_relaxed);
+    }
   }
 
   // The memory tiers in placement order: new objects and promotions go to `fast_tier` first,
@@ -627,11 +719,7 @@ ReadHandle& ReadHandle::operator=(ReadHandle&& o) noexcept {
 ReadHandle::~ReadHandle() { Release(); }
 
 void ReadHandle::Release() {
-  if (cache_ && entry_) {
-    auto* impl = cache_->impl_.get();
-    std::lock_guard<std::mutex> lock(impl->mu);
-    impl->Unpin(static_cast<Entry*>(entry_.get()));
-  }
+  if (cache_ && entry_) cache_->impl_->ReleaseReadPin(static_cast<Entry*>(entry_.get()));
   entry_.reset();
   cache_ = nullptr;
   data_ = nullptr;
@@ -968,7 +1056,7 @@ uint64_t TieredCache::Publish(WriteHandle& h, std::shared_ptr<void> entry) {
     // Pinned and marked so that the write-through below can read its bytes and a later commit
     // sees the copy coming.
     if (replaces_disk_copy) {
-      e->pins++;
+      I.Pin(e.get());
       e->writebacks++;
     }
   }
@@ -1075,10 +1163,10 @@ Result<ReadHandle> TieredCache::Acquire(std::string_view key) {
   Impl& I = *impl_;
   std::string retry_reason;
   for (int attempt = 0; attempt < 8; ++attempt) {
+    Shard& shard = I.ShardFor(key);
     std::shared_ptr<Entry> sp = I.Lookup(key);
     if (!sp) {
-      std::lock_guard<std::mutex> lock(I.mu);
-      I.counters.misses++;
+      shard.misses.fetch_add(1, std::memory_order_relaxed);
       return Status::NotFound("key not found");
     }
     Entry* e = sp.get();
@@ -1088,8 +1176,7 @@ Result<ReadHandle> TieredCache::Acquire(std::string_view key) {
       // index until its queued removal runs, and a read of it is a miss, not a retry.
       lock.unlock();
       if (I.Lookup(key) == sp) {
-        std::lock_guard<std::mutex> l(I.mu);
-        I.counters.misses++;
+        shard.misses.fetch_add(1, std::memory_order_relaxed);
         return Status::NotFound("key not found");
       }
       retry_reason = "replaced";
@@ -1099,9 +1186,9 @@ Result<ReadHandle> TieredCache::Acquire(std::string_view key) {
     const bool promote = I.Admit(e, now) && I.Rank(I.TopMemoryTierFor(e->size)) < I.Rank(e->tier);
 
     if (e->tier != Tier::kDisk) {
-      if (promote && e->pins == 0) {
+      if (promote && I.PinCount(e) == 0) {
         // Slow memory tier -> fast one. The entry is pinned while its new home is prepared.
-        e->pins++;
+        I.Pin(e);
         MemoryArena* arena = nullptr;
         std::byte* dst = I.AllocateIn(I.fast_tier, e->size, &arena, lock);
         if (dst) {
@@ -1110,28 +1197,31 @@ Result<ReadHandle> TieredCache::Acquire(std::string_view key) {
           lock.unlock();
           Status s = I.Copy(dst, arena->kind(), src, sk, e->size);
           lock.lock();
-          if (s.ok() && e->live && e->pins == 1 && e->tier == I.slow_tier) {
+          // Frozen: no reader pinned it meanwhile (one would hold the old block).
+          if (s.ok() && e->live && e->tier == I.slow_tier && I.Freeze(e, 1)) {
             I.Relocate(e, I.fast_tier, arena, dst);
+            I.Thaw(e);
           } else {
             arena->Free(dst);
           }
         }
-        e->pins--;
+        I.Unpin(e);
         if (!e->live) {
-          if (e->pins == 0) I.FreeMemory(e);
           retry_reason = "replaced during promotion";
           continue;
         }
       }
       ReadHandle h;
-      PinForRead(sp, &h);
+      I.Pin(e);
+      shard.hits[static_cast<int>(e->tier)].fetch_add(1, std::memory_order_relaxed);
+      FillReadHandle(std::move(sp), &h);
       lock.unlock();
       I.DrainEvictions();
       return h;
     }
 
     // Disk tier: read without any lock held.
-    I.tiers[2].hits++;
+    shard.hits[2].fetch_add(1, std::memory_order_relaxed);
     const uint64_t version = e->version;
     lock.unlock();
     ReadHandle h;
@@ -1169,16 +1259,19 @@ Result<ReadHandle> TieredCache::Acquire(std::string_view key) {
       MemoryArena* arena = nullptr;
       std::byte* dst = nullptr;
       if (e->live && e->tier == Tier::kDisk && e->version == version) {
-        e->pins++;
+        I.Pin(e);
         dst = I.AllocateIn(target, e->size, &arena, lock);
-        e->pins--;
+        I.Unpin(e);
       }
       if (dst) {
         lock.unlock();
         Status cs = I.Copy(dst, arena->kind(), h.owned_.data(), MemoryKind::kHost, e->size);
         lock.lock();
-        if (cs.ok() && e->live && e->tier == Tier::kDisk && e->version == version) {
+        // Frozen: a fast-path reader may be looking at the entry (it leaves a disk entry alone).
+        if (cs.ok() && e->live && e->tier == Tier::kDisk && e->version == version &&
+            I.Freeze(e, 0)) {
           I.Relocate(e, target, arena, dst);  // the disk copy stays as a clean copy
+          I.Thaw(e);
         } else {
           arena->Free(dst);
         }
@@ -1191,38 +1284,46 @@ Result<ReadHandle> TieredCache::Acquire(std::string_view key) {
   return Status::Aborted("key kept changing during the read (" + retry_reason + "); try again");
 }
 
-void TieredCache::PinForRead(const std::shared_ptr<void>& entry, ReadHandle* out) {
-  Impl& I = *impl_;
+void TieredCache::FillReadHandle(std::shared_ptr<void> entry, ReadHandle* out) {
   Entry* e = static_cast<Entry*>(entry.get());
-  I.Touch(e);
-  I.tiers[static_cast<int>(e->tier)].hits++;
-  e->pins++;
+  Impl::MarkReferenced(e);
   out->cache_ = this;
   out->data_ = e->data;
   out->kind_ = e->arena->kind();
   out->info_ = ObjectInfo{e->size, e->version, e->tensor, e->tier, e->on_disk, e->durable};
-  out->entry_ = entry;
+  out->entry_ = std::move(entry);
 }
 
 TieredCache::FastPath TieredCache::TryAcquireFromMemory(std::string_view key, ReadHandle* out,
                                                         bool device_ok) {
   Impl& I = *impl_;
-  // Released before the placement lock is taken: releasing a pin takes that lock.
   *out = ReadHandle();
-  std::shared_ptr<Entry> sp = I.Lookup(key);
-  std::lock_guard<std::mutex> lock(I.mu);
-  if (!sp) {
-    I.counters.misses++;
-    return FastPath::kMiss;
+  // No placement lock: the pin is taken under the shard lock (the entry cannot be replaced
+  // meanwhile) and placement never moves a pinned entry (the pin protocol in Impl).
+  Shard& s = I.ShardFor(key);
+  std::shared_ptr<Entry> sp;
+  {
+    std::lock_guard<std::mutex> shard_lock(s.mu);
+    auto it = s.map.find(std::string(key));
+    if (it == s.map.end()) {
+      s.misses.fetch_add(1, std::memory_order_relaxed);
+      return FastPath::kMiss;
+    }
+    if (!Impl::TryPin(it->second.get())) return FastPath::kNeedsSlowPath;  // being moved
+    sp = it->second;
   }
   Entry* e = sp.get();
   const auto now = Clock::now();
-  if (!e->live || e->tier == Tier::kDisk || I.WouldPromote(e, now)) return FastPath::kNeedsSlowPath;
   // Not counted here when the slow path will serve it: a second Admit there would count one
   // read twice (and promote on the first read).
-  if (!device_ok && e->arena->kind() == MemoryKind::kDevice) return FastPath::kNeedsSlowPath;
+  if (!e->live || e->tier == Tier::kDisk || I.WouldPromote(e, now) ||
+      (!device_ok && e->arena->kind() == MemoryKind::kDevice)) {
+    I.ReleaseReadPin(e);
+    return FastPath::kNeedsSlowPath;
+  }
   I.Admit(e, now);
-  PinForRead(sp, out);
+  s.hits[static_cast<int>(e->tier)].fetch_add(1, std::memory_order_relaxed);
+  FillReadHandle(std::move(sp), out);
   return FastPath::kServed;
 }
 
@@ -1339,7 +1440,7 @@ Status TieredCache::Flush() {
     std::lock_guard<std::mutex> lock(I.mu);
     for (auto& [k, e] : s->map) {
       if (e->live && !e->on_disk && e->tier != Tier::kDisk) {
-        e->pins++;
+        I.Pin(e.get());
         e->writebacks++;
         dirty.push_back(e);
       }
@@ -1380,12 +1481,17 @@ CacheStats TieredCache::GetStats() const {
   const Impl& I = *impl_;
   std::lock_guard<std::mutex> lock(I.mu);
   CacheStats st = I.counters;
+  for (const auto& s : I.shards) {
+    st.misses += s->misses.load(std::memory_order_relaxed);
+    for (int t = 0; t < kTierCount; ++t) {
+      st.tiers[t].hits += s->hits[t].load(std::memory_order_relaxed);
+    }
+  }
   for (int t = 0; t < kTierCount; ++t) {
     const TierState& ts = I.tiers[t];
     TierStats& o = st.tiers[t];
     o.enabled = ts.enabled;
     o.objects = ts.objects;
-    o.hits = ts.hits;
     if (t < 2) {
       for (const auto& a : ts.arenas) {
         o.capacity += a->capacity();

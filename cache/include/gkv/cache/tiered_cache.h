@@ -2,7 +2,8 @@
 //
 // Placement:
 //  - A put lands in the highest tier whose capacity can hold the object; when that tier is full,
-//    its least recently used unpinned entries move one tier down (GPU -> host -> disk) until the
+//    its least recently used unpinned entries (CLOCK: a read marks its entry, and the eviction
+//    scan gives a marked entry a second chance) move one tier down (GPU -> host -> disk) until the
 //    new object fits. An object larger than a tier skips it; one larger than every tier is
 //    refused with NoSpace. The disk tier drops its oldest cache-only objects past its own
 //    capacity; durable objects are never dropped (they have their own budget, see DiskTier).
@@ -25,14 +26,16 @@
 // Invariants (held under the placement lock):
 //  - Bytes allocated in a tier never exceed its capacity (the arena is exactly that big).
 //  - An entry with pins > 0 is never moved or freed; a deleted or replaced entry keeps its
-//    memory until its last pin is released.
+//    memory until its last pin is released. Readers pin and release without the placement lock
+//    (an atomic pin count that placement freezes while it moves an entry; see Impl).
 //  - Every live memory-tier entry is in exactly one LRU list, that of its tier.
 //  - The index maps a key to the entry with the highest version committed for it.
 //
 // Thread-safety: all methods are thread-safe. The index is sharded by key hash (one mutex per
-// shard); tier placement (LRU lists, arenas, pins) is under one placement mutex. Lock order:
-// shard mutex, then placement mutex. Byte copies and disk I/O run with no lock held; the entries
-// involved are pinned meanwhile.
+// shard); tier placement (LRU lists, arenas, moves) is under one placement mutex. Lock order:
+// shard mutex, then placement mutex. TryAcquireFromMemory and releasing a ReadHandle take no
+// placement lock (only the key's shard mutex), so readers on many threads share no lock. Byte
+// copies and disk I/O run with no lock held; the entries involved are pinned meanwhile.
 #pragma once
 
 #include <chrono>
@@ -319,9 +322,9 @@ class TieredCache {
   // Publishes a committed entry (an Entry) as the newest version of its key; the part of a
   // commit that cannot fail.
   uint64_t Publish(WriteHandle& h, std::shared_ptr<void> entry);
-  // Pins a live memory-tier entry for a read: LRU touch, hit count, pin, handle fields.
-  // REQUIRES: the placement lock; `out` holds nothing.
-  void PinForRead(const std::shared_ptr<void>& entry, ReadHandle* out);
+  // Fills `out` from a live memory-tier entry (an Entry) already pinned for it, and marks the
+  // entry read for the eviction scan. REQUIRES: `out` holds nothing.
+  void FillReadHandle(std::shared_ptr<void> entry, ReadHandle* out);
   std::unique_ptr<Impl> impl_;
 };
 
