@@ -11,8 +11,9 @@
 //   PromoteDiskToHost/SIZE         second reads of disk objects: RocksDB read + move to host
 //   DurablePut/SIZE/threads:N      durable puts (synced write-through) of distinct keys, N threads
 //   DurablePutBatch/SIZE           durable CommitBatch of 64 objects (one RocksDB write, one sync)
-//   FastPathThreads/P/threads:N    fast-path gets of 64 B objects from N threads (P=1: 1 in 8 a
-//   put) IndexOverhead                  heap bytes of index metadata per cached object (measured)
+//   FastPathThreads/P/threads:N    fast-path gets of 64 B objects from N threads
+//                                  (P=1: one operation in 8 is a put)
+//   IndexOverhead                  heap bytes of index metadata per cached object (measured)
 //   Gpu* (only with a usable GPU)  cudaMemcpy H2D/D2H next to GPU put/get, GPU->host spill and
 //                                  host->GPU promotion
 // Run: build/bin/gkv-storage-bench [--benchmark_filter=REGEX]

@@ -48,8 +48,9 @@ struct Entry : std::enable_shared_from_this<Entry> {
   Tier tier = Tier::kHost;
   MemoryArena* arena = nullptr;  // memory tiers
   std::byte* data = nullptr;     // memory tiers
-  // Holds on the bytes at `data`: readers' (taken with no placement lock, under the key's shard
-  // lock) and placement's own (under the placement lock). Bit Impl::kFrozen: placement is
+  // Holds on the bytes at `data`: readers' (the fast path's under the key's shard lock and no
+  // placement lock, Acquire's under the placement lock) and placement's own (under the
+  // placement lock). Bit Impl::kFrozen: placement is
   // changing where the bytes are; no pin is taken while it is set. It is set and cleared within
   // one hold of the placement lock, so holders of that lock never see it.
   std::atomic<uint32_t> pins{0};
@@ -280,6 +281,12 @@ struct TieredCache::Impl {
     return e->pins.compare_exchange_strong(expected, own | kFrozen);
   }
   static void Thaw(Entry* e) { e->pins.fetch_and(~kFrozen); }
+  // Thaws at the end of its scope, so that a throw (bad_alloc linking a list node) between
+  // Freeze and Thaw cannot leave an entry frozen for good.
+  struct Frozen {
+    Entry* e;
+    ~Frozen() { Thaw(e); }
+  };
 
   // List nodes unlinked from an LRU list are kept here (up to kSpareLruNodes) and spliced back
   // in by the next LinkLru: an overwrite or a move between tiers allocates no list node.
@@ -340,8 +347,9 @@ struct TieredCache::Impl {
   }
 
   // The least recently used unpinned entry of `t`, giving entries read since the last scan a
-  // second chance first (to the front, reference cleared; at most once each per call, so a
-  // stream of reads cannot keep the scan going). nullptr when every entry is pinned.
+  // second chance first (to the front, reference cleared). At most as many second chances per
+  // call as the list has entries, so a stream of reads cannot keep the scan going. nullptr when
+  // every entry is pinned.
   static Entry* PickVictim(TierState& t) {
     size_t chances = t.lru.size();
     auto it = t.lru.end();
@@ -389,7 +397,8 @@ struct TieredCache::Impl {
   }
 
   // Moves one unpinned live entry out of its memory tier: to the next memory tier with room,
-  // else to disk, else drops it. Always removes it from its current tier (progress guarantee).
+  // else to disk, else drops it. Progress: the entry leaves its tier, or (a reader pinned it
+  // meanwhile) goes to the front of its LRU list, so the caller's next pick is another one.
   void MoveDown(Entry* e, std::unique_lock<std::mutex>& lock) {
     // A live entry in an LRU list is owned by the index right now (we hold the placement lock);
     // keep it alive across the unlocked copy below even if it is replaced or deleted meanwhile.
@@ -397,6 +406,7 @@ struct TieredCache::Impl {
     const Tier from = e->tier;
     // Fast memory tier -> slow one.
     const TierState& slow = tiers[static_cast<int>(slow_tier)];
+    bool read_meanwhile = false;
     if (from == fast_tier && slow.enabled && e->size <= slow.capacity) {
       Pin(e);  // keeps the victim in place while the lock is released
       MemoryArena* dst_arena = nullptr;
@@ -410,11 +420,16 @@ struct TieredCache::Impl {
         // Readers that pinned the entry meanwhile hold pointers into the old block: then the
         // move is abandoned and the entry stays where it is.
         if (s.ok() && e->live && Freeze(e, 1)) {
-          Relocate(e, slow_tier, dst_arena, dst);
-          Thaw(e);
+          {
+            Frozen frozen{e};
+            Relocate(e, slow_tier, dst_arena, dst);
+          }
           Unpin(e);
           return;
         }
+        // (A reader's pin refused the freeze; it may be released already, but the entry was
+        // in use: it stays, rather than going on to disk below.)
+        read_meanwhile = s.ok() && e->live;
         dst_arena->Free(dst);
         if (!s.ok()) {
           GKV_LOG_WARN("spill {} -> {} of '{}' failed: {}", TierName(from), TierName(slow_tier),
@@ -423,7 +438,7 @@ struct TieredCache::Impl {
       }
       Unpin(e);
       if (!e->live || e->tier != from) return;
-      if (PinCount(e) > 0) {
+      if (read_meanwhile || PinCount(e) > 0) {
         // Someone pinned it while we were away; it can't move now. Let the caller pick again
         // by touching it (it is in use, after all).
         Touch(e);
@@ -437,8 +452,8 @@ struct TieredCache::Impl {
         Touch(e);
         return;
       }
+      Frozen frozen{e};
       Relocate(e, Tier::kDisk, nullptr, nullptr);
-      Thaw(e);
       return;
     }
     if (disk && e->size + e->key.size() <= disk->capacity()) {
@@ -466,11 +481,15 @@ struct TieredCache::Impl {
       Unpin(e);
       if (s.ok() && !written) {
         // A newer version of the key is already on disk: this one is superseded, drop it.
-        if (e->live && e->tier == from && Freeze(e, 0)) {
+        if (e->live && e->tier == from) {
+          if (!Freeze(e, 0)) {
+            Touch(e);
+            return;
+          }
+          Frozen frozen{e};
           counters.dropped++;
           RemoveFromIndexLater(e);
           Kill(e);
-          Thaw(e);
         }
         return;
       }
@@ -483,8 +502,8 @@ struct TieredCache::Impl {
           return;
         }
         if (e->tier == from && Freeze(e, 0)) {
+          Frozen frozen{e};
           Relocate(e, Tier::kDisk, nullptr, nullptr);
-          Thaw(e);
         } else if (e->tier == from) {
           Touch(e);
         }
@@ -502,10 +521,10 @@ struct TieredCache::Impl {
       return;
     }
     // Nowhere to go: a cache may drop what it can't keep (it was never promised durable).
+    Frozen frozen{e};
     counters.dropped++;
     RemoveFromIndexLater(e);
     Kill(e);
-    Thaw(e);
   }
 
   // `e` replaced `old`, whose version is on disk or on its way there, and `e` is not on disk.
@@ -1186,7 +1205,10 @@ Result<ReadHandle> TieredCache::Acquire(std::string_view key) {
     const bool promote = I.Admit(e, now) && I.Rank(I.TopMemoryTierFor(e->size)) < I.Rank(e->tier);
 
     if (e->tier != Tier::kDisk) {
-      if (promote && I.PinCount(e) == 0) {
+      if (promote && I.PinCount(e) > 0) {
+        // Being read elsewhere: not now (see below).
+        e->reads_in_tier.store(0, std::memory_order_relaxed);
+      } else if (promote) {
         // Slow memory tier -> fast one. The entry is pinned while its new home is prepared.
         I.Pin(e);
         MemoryArena* arena = nullptr;
@@ -1199,10 +1221,13 @@ Result<ReadHandle> TieredCache::Acquire(std::string_view key) {
           lock.lock();
           // Frozen: no reader pinned it meanwhile (one would hold the old block).
           if (s.ok() && e->live && e->tier == I.slow_tier && I.Freeze(e, 1)) {
+            Impl::Frozen frozen{e};
             I.Relocate(e, I.fast_tier, arena, dst);
-            I.Thaw(e);
           } else {
             arena->Free(dst);
+            // Read by others meanwhile: start the admission count again, so that the next
+            // reads are served where the entry is (fast path) instead of each trying again.
+            if (s.ok() && e->live) e->reads_in_tier.store(0, std::memory_order_relaxed);
           }
         }
         I.Unpin(e);
@@ -1270,8 +1295,8 @@ Result<ReadHandle> TieredCache::Acquire(std::string_view key) {
         // Frozen: a fast-path reader may be looking at the entry (it leaves a disk entry alone).
         if (cs.ok() && e->live && e->tier == Tier::kDisk && e->version == version &&
             I.Freeze(e, 0)) {
+          Impl::Frozen frozen{e};
           I.Relocate(e, target, arena, dst);  // the disk copy stays as a clean copy
-          I.Thaw(e);
         } else {
           arena->Free(dst);
         }

@@ -26,15 +26,19 @@
 // Invariants (held under the placement lock):
 //  - Bytes allocated in a tier never exceed its capacity (the arena is exactly that big).
 //  - An entry with pins > 0 is never moved or freed; a deleted or replaced entry keeps its
-//    memory until its last pin is released. Readers pin and release without the placement lock
-//    (an atomic pin count that placement freezes while it moves an entry; see Impl).
+//    memory until its last pin is released. The fast path pins and every handle releases
+//    without the placement lock (an atomic pin count that placement freezes while it moves an
+//    entry; see Impl).
 //  - Every live memory-tier entry is in exactly one LRU list, that of its tier.
 //  - The index maps a key to the entry with the highest version committed for it.
 //
 // Thread-safety: all methods are thread-safe. The index is sharded by key hash (one mutex per
 // shard); tier placement (LRU lists, arenas, moves) is under one placement mutex. Lock order:
-// shard mutex, then placement mutex. TryAcquireFromMemory and releasing a ReadHandle take no
-// placement lock (only the key's shard mutex), so readers on many threads share no lock. Byte
+// shard mutex, then placement mutex. TryAcquireFromMemory takes only the key's shard mutex and
+// releasing a ReadHandle takes no lock, so readers on many threads share no lock; the one
+// exception is the last release of a dead entry's pin (replaced, deleted or dropped while
+// read), which frees its memory under the placement mutex. So never release a handle while
+// holding the placement mutex. Byte
 // copies and disk I/O run with no lock held; the entries involved are pinned meanwhile.
 #pragma once
 
