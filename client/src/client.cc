@@ -534,7 +534,7 @@ struct Client::Impl {
   // misrouted).
   void StartGet(const GetCallPtr& call) {
     auto route = Route();
-    call->nodes = route->ring->Owners(call->key, options.replicas);
+    route->ring->Owners(call->key, options.replicas, &call->nodes);
     // While keys may be moving, the previous rings' owners are asked after the current ones.
     call->first_previous = call->nodes.size();
     call->moving = route->Moving();
@@ -1066,10 +1066,16 @@ struct Client::Impl {
   void DoPutOnce(std::string key, const void* data, size_t size, MemoryKind kind,
                  std::shared_ptr<std::byte[]> keepalive, const PutOptions& o,
                  Clock::time_point deadline, std::function<void(Result<uint64_t>)> done) {
-    auto nodes = Route()->ring->Owners(key, options.replicas);
-    if (nodes.empty()) return done(Status::Unavailable("the ring has no members"));
-    if (nodes.size() == 1)
-      return PutOnNode(nodes[0], key, data, size, kind, keepalive, o, deadline, 0, done);
+    // Reused, so that a put with one owner lists it without allocating. Copied before anything
+    // is issued: PutOnNode may fail at once and a retry come back here.
+    static thread_local std::vector<int> owners;
+    Route()->ring->Owners(key, options.replicas, &owners);
+    if (owners.empty()) return done(Status::Unavailable("the ring has no members"));
+    if (owners.size() == 1) {
+      const int node = owners[0];
+      return PutOnNode(node, key, data, size, kind, keepalive, o, deadline, 0, done);
+    }
+    const std::vector<int> nodes = owners;
     struct Fan {
       std::vector<Result<uint64_t>> results;
       size_t remaining;

@@ -209,13 +209,18 @@ int HashRing::NodeForHash(uint64_t hash) const { return points_[Find(hash)].node
 
 std::vector<int> HashRing::NodesFor(std::string_view key, int count) const {
   std::vector<int> out;
+  NodesFor(key, count, &out);
+  return out;
+}
+
+void HashRing::NodesFor(std::string_view key, int count, std::vector<int>* out) const {
+  out->clear();
   count = std::min(count, node_count_);
   size_t i = Find(HashKey(key));
-  for (size_t step = 0; step < points_.size() && static_cast<int>(out.size()) < count; ++step) {
+  for (size_t step = 0; step < points_.size() && static_cast<int>(out->size()) < count; ++step) {
     int node = points_[(i + step) % points_.size()].node;
-    if (std::find(out.begin(), out.end(), node) == out.end()) out.push_back(node);
+    if (std::find(out->begin(), out->end(), node) == out->end()) out->push_back(node);
   }
-  return out;
 }
 
 std::vector<double> HashRing::Shares() const {

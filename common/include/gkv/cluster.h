@@ -81,6 +81,8 @@ class HashRing {
   int NodeForHash(uint64_t hash) const;
   // Up to `count` distinct nodes clockwise from the key's position, the owner first.
   std::vector<int> NodesFor(std::string_view key, int count) const;
+  // The same into `*out` (cleared first), which allocates nothing once it has the capacity.
+  void NodesFor(std::string_view key, int count, std::vector<int>* out) const;
   int node_count() const { return node_count_; }
   // Fraction of the 64-bit hash space each node owns.
   std::vector<double> Shares() const;

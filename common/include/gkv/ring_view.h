@@ -49,9 +49,15 @@ class RingView {
   // Up to `count` distinct owners clockwise from the key, the primary first.
   std::vector<int> Owners(std::string_view key, int count) const {
     std::vector<int> out;
-    if (empty_) return out;
-    for (int p : hash_.NodesFor(key, count)) out.push_back(slots_[p]);
+    Owners(key, count, &out);
     return out;
+  }
+  // The same into `*out` (cleared first), which allocates nothing once it has the capacity.
+  void Owners(std::string_view key, int count, std::vector<int>* out) const {
+    out->clear();
+    if (empty_) return;
+    hash_.NodesFor(key, count, out);
+    for (int& p : *out) p = slots_[p];
   }
   // Share of the key space of each node table index (0 for non-members).
   std::vector<double> SharesByIndex() const {
