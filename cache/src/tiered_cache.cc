@@ -9,6 +9,7 @@
 #include <new>
 #include <unordered_map>
 
+#include "gkv/block_pool.h"
 #include "gkv/hash.h"
 #include "gkv/hybrid_clock.h"
 #include "gkv/log.h"
@@ -867,7 +868,7 @@ Result<std::unique_ptr<TieredCache>> TieredCache::Open(const CacheOptions& optio
     impl->tiers[2].capacity = options.disk_capacity;
     uint64_t max_version = 0;
     GKV_RETURN_IF_ERROR(impl->disk->ForEach([&](std::string_view key, const StoredObjectMeta& m) {
-      auto e = std::make_shared<Entry>();
+      auto e = MakePooledShared<Entry>();
       e->key = std::string(key);
       e->size = m.size;
       e->version = m.version;
@@ -979,7 +980,7 @@ std::vector<Result<uint64_t>> TieredCache::CommitBatch(std::vector<WriteHandle> 
       results[i] = Status::NotSupported("durable put needs a disk tier");
       continue;
     }
-    auto e = std::make_shared<Entry>();
+    auto e = MakePooledShared<Entry>();
     e->key = h.key_;
     e->size = h.size_;
     e->tensor = h.tensor_;
@@ -1144,7 +1145,7 @@ TieredCache::FastPath TieredCache::TryCommitInMemory(WriteHandle* h, uint64_t* v
     if (it != s.map.end() && (it->second->on_disk || it->second->writebacks > 0)) {
       return FastPath::kNeedsSlowPath;
     }
-    auto e = std::make_shared<Entry>();
+    auto e = MakePooledShared<Entry>();
     e->key = h->key_;
     e->size = h->size_;
     e->tensor = h->tensor_;

@@ -10,9 +10,11 @@
 #include <mutex>
 #include <queue>
 #include <random>
+#include <span>
 #include <thread>
 #include <unordered_map>
 
+#include "gkv/block_pool.h"
 #include "gkv/cuda.h"
 #include "gkv/hash.h"
 #include "gkv/hybrid_clock.h"
@@ -238,7 +240,12 @@ struct Client::Impl {
 
   std::vector<ConnId> node_conn;
   std::unordered_map<ConnId, int> node_of_conn;
-  std::unordered_map<uint64_t, PendingPtr> pending;
+  // Requests in flight by id. Its nodes, the Pending objects and the closures a request's steps
+  // keep come from the block pool (gkv/block_pool.h): a get or a put allocates nothing once the
+  // pool is warm.
+  std::unordered_map<uint64_t, PendingPtr, std::hash<uint64_t>, std::equal_to<uint64_t>,
+                     PoolAllocator<std::pair<const uint64_t, PendingPtr>>>
+      pending;
   std::priority_queue<std::pair<Clock::time_point, uint64_t>,
                       std::vector<std::pair<Clock::time_point, uint64_t>>, std::greater<>>
       deadlines;
@@ -251,10 +258,12 @@ struct Client::Impl {
 
   // Records the operation's outcome; it runs when no transport operation holds our buffers.
   // The first outcome wins; later replies for the id are dropped.
-  void Complete(const PendingPtr& p, std::function<void()> outcome) {
+  // (The outcome's closure is kept in a pooled block: see gkv/block_pool.h.)
+  template <class Outcome>
+  void Complete(const PendingPtr& p, Outcome&& outcome) {
     if (p->finished || p->ready) return;
     pending.erase(p->id);
-    p->ready = std::move(outcome);
+    p->ready = Pooled(std::forward<Outcome>(outcome));
     Settle(p);
   }
 
@@ -384,7 +393,7 @@ struct Client::Impl {
   }
 
   // Sends one request (worker thread). `payload` must stay valid until the pending completes.
-  void Issue(int node, w::Opcode op, uint16_t flags, std::string body, const void* payload,
+  void Issue(int node, w::Opcode op, uint16_t flags, std::string_view body, const void* payload,
              size_t size, MemoryKind kind, Clock::time_point deadline,
              std::function<void(const PendingPtr&, std::unique_ptr<Incoming>)> on_reply,
              std::function<void(Status)> on_error, Clock::time_point transfer_deadline = {}) {
@@ -399,7 +408,7 @@ struct Client::Impl {
     }
     auto conn = EnsureConn(node);
     if (!conn.ok()) return on_error(conn.status());
-    auto p = std::make_shared<Pending>();
+    auto p = MakePooledShared<Pending>();
     p->id = next_id.fetch_add(1, std::memory_order_relaxed);
     p->node = node;
     p->conn = *conn;
@@ -418,23 +427,24 @@ struct Client::Impl {
     // The transport copies the header before Send returns: one buffer per thread serves all.
     static thread_local std::string message;
     w::EncodeMessageTo(&message, h, body);
-    transport->Send(*conn, w::kAmRequest, message, payload, size, kind, [this, p](Status s) {
+    transport->Send(*conn, w::kAmRequest, message, payload, size, kind, Pooled([this, p](Status s) {
       p->io--;
       // Aborted: the server refused the payload; its reply says why.
       if (!s.ok() && s.code() != StatusCode::kAborted) Fail(p, s);
       Settle(p);
-    });
+    }));
   }
 
   // Receives a reply's payload into `dst`, then runs `then` (worker thread).
   void ReceivePayload(const PendingPtr& p, std::unique_ptr<Incoming> msg, void* dst,
                       MemoryKind kind, std::function<void(Status)> then) {
     p->io++;
-    transport->Receive(std::move(msg), dst, kind, [this, p, then = std::move(then)](Status s) {
-      p->io--;
-      then(s);
-      Settle(p);
-    });
+    transport->Receive(std::move(msg), dst, kind,
+                       Pooled([this, p, then = std::move(then)](Status s) {
+                         p->io--;
+                         then(s);
+                         Settle(p);
+                       }));
   }
 
   // --- membership (worker thread) ---
@@ -508,7 +518,7 @@ struct Client::Impl {
     std::function<void(Result<Value>)> done;
     Accept accept;
     // The nodes asked, in order, and what was learnt on the way (reset by each attempt).
-    std::vector<int> nodes;
+    std::vector<int, PoolAllocator<int>> nodes;
     size_t first_previous = 0;  // nodes from here on are previous rings' owners (asked as such)
     bool moving = false;        // keys may be moving (Routing::Moving): a miss asks the next node
     Status failure;             // the first node failure (unavailable, timeout) so far
@@ -518,7 +528,7 @@ struct Client::Impl {
   void DoGet(std::string key, void* user_dst, size_t capacity, MemoryKind dst_kind,
              Clock::time_point deadline, bool fail_open, std::function<void(Result<Value>)> done,
              Accept accept = {}) {
-    auto call = std::make_shared<GetCall>();
+    auto call = MakePooledShared<GetCall>();
     call->key = std::move(key);
     call->user_dst = user_dst;
     call->capacity = capacity;
@@ -540,16 +550,17 @@ struct Client::Impl {
     call->moving = route->Moving();
     call->failure = Status::OK();
     if (call->moving) {
-      for (int n : route->PreviousOwners(call->key, options.replicas, call->nodes)) {
+      for (int n :
+           route->PreviousOwners(call->key, options.replicas,
+                                 std::vector<int>(call->nodes.begin(), call->nodes.end()))) {
         call->nodes.push_back(n);
       }
     }
     if (call->nodes.empty()) return call->done(Status::Unavailable("the ring has no members"));
     if (!hints.empty() &&
-        TryReplicaRead(
-            call->key, call->user_dst, call->capacity, call->dst_kind, call->deadline,
-            [this, call](Result<Value> r) { EndGet(*call, std::move(r)); },
-            [this, call] { GetFrom(call, 0); }, call->accept)) {
+        TryReplicaRead(call->key, call->user_dst, call->capacity, call->dst_kind, call->deadline,
+                       Pooled([this, call](Result<Value> r) { EndGet(*call, std::move(r)); }),
+                       Pooled([this, call] { GetFrom(call, 0); }), call->accept)) {
       return;
     }
     GetFrom(call, 0);
@@ -572,10 +583,10 @@ struct Client::Impl {
   }
 
   void GetFrom(const GetCallPtr& call, size_t i) {
-    GetOnNode(
-        call->nodes[i], call->key, call->user_dst, call->capacity, call->dst_kind, call->deadline,
-        [this, call, i](Result<Value> r) { OnGetAnswer(call, i, std::move(r)); }, 0, call->accept,
-        {}, i >= call->first_previous ? w::kFlagPreviousOwner : uint16_t{0});
+    GetOnNode(call->nodes[i], call->key, call->user_dst, call->capacity, call->dst_kind,
+              call->deadline,
+              Pooled([this, call, i](Result<Value> r) { OnGetAnswer(call, i, std::move(r)); }), 0,
+              call->accept, {}, i >= call->first_previous ? w::kFlagPreviousOwner : uint16_t{0});
   }
 
   // The answer of call->nodes[i]: the get's outcome, or ask the next node.
@@ -614,7 +625,7 @@ struct Client::Impl {
   // one differs. A push is REPAIR to the node holding the newer copy, which sends it with
   // HANDOFF_PUT (the receiver keeps the newer version, and refuses one older than a delete it
   // remembers). Nothing here waits or reports to the caller.
-  void MaybeReadRepair(const std::string& key, const std::vector<int>& owners, uint64_t version) {
+  void MaybeReadRepair(const std::string& key, std::span<const int> owners, uint64_t version) {
     if (options.read_repair_chance <= 0 || owners.size() < 2) return;
     if (std::uniform_real_distribution<double>(0, 1)(hint_rng) >= options.read_repair_chance) {
       return;
@@ -685,64 +696,68 @@ struct Client::Impl {
     const Clock::time_point sent = Clock::now();
     // Held once and shared by the callbacks below: copying the caller's callback into each of
     // them would allocate a copy of it every time.
-    auto shared_done = std::make_shared<std::function<void(Result<Value>)>>(std::move(done));
-    auto on_reply = [this, node, key, replica_version, user_dst, capacity, dst_kind, shared_done,
-                     accept, sent](const PendingPtr& p, std::unique_ptr<Incoming> msg) {
-      w::ObjectMeta meta;
-      std::vector<uint16_t> hint;
-      Status s = ParseReply(*msg, [&](std::string_view body, w::ReplyStatus* rs) {
-        return w::DecodeObjectReply(body, rs, &meta, &hint);
-      });
-      // Versions are per node: only the key's own node's count (a failover read is not).
-      if (s.ok() && replica_version == 0 && node == Route()->ring->Owner(key)) {
-        RememberHint(key, meta.version, std::move(hint), sent);
-      }
-      if (s.ok()) write_clock.Observe(meta.version);
-      if (s.ok() && meta.size != msg->payload_size()) {
-        s = Status::ProtocolError("reply carries a payload of the wrong size");
-      }
-      if (s.ok() && user_dst && capacity < meta.size) {
-        s = Status::InvalidArgument("buffer of " + std::to_string(capacity) +
-                                    " bytes is smaller than the value (" +
-                                    std::to_string(meta.size) + " bytes)");
-      }
-      if (s.ok() && accept) s = accept(ToInfo(meta));
-      if (!s.ok()) return Fail(p, s);
-      auto value = std::make_shared<Value>();
-      value->info_ = ToInfo(meta);
-      void* dst = user_dst;
-      MemoryKind kind = dst_kind;
-      // No caller buffer, or a device one this UCX cannot receive into: the bytes land in the
-      // value's own host buffer. For a device buffer the caller's thread copies them over
-      // (GetInto), never this I/O thread: a synchronous CUDA copy here would stall every
-      // request of this client behind the GPU's queue.
-      if (!user_dst) {
-        value->bytes_.reset(new std::byte[meta.size ? meta.size : 1]);
-        dst = value->bytes_.get();
-        kind = MemoryKind::kHost;
-      } else if (kind == MemoryKind::kDevice && !transport->device_memory_supported()) {
-        // A pinned buffer when the pool has one cached; allocating one here would be a
-        // synchronous CUDA call on this thread, so otherwise ordinary memory, and GetInto puts
-        // a pinned buffer of this size in the pool for next time (on the caller's thread).
-        value->staged_ = staging_pool->TryAcquireCached(meta.size);
-        if (!value->staged_) value->bytes_.reset(new std::byte[meta.size ? meta.size : 1]);
-        dst = value->mutable_data();
-        kind = MemoryKind::kHost;
-      }
-      ReceivePayload(p, std::move(msg), dst, kind, [this, p, value, shared_done](Status rs2) {
-        if (!rs2.ok()) return Fail(p, rs2);
-        Complete(p, [value, shared_done] { (*shared_done)(std::move(*value)); });
-      });
-    };
-    auto on_fail = [shared_done](Status s) { (*shared_done)(s); };
+    auto shared_done = MakePooledShared<std::function<void(Result<Value>)>>(std::move(done));
+    auto on_reply =
+        Pooled([this, node, key, replica_version, user_dst, capacity, dst_kind, shared_done, accept,
+                sent](const PendingPtr& p, std::unique_ptr<Incoming> msg) {
+          w::ObjectMeta meta;
+          std::vector<uint16_t> hint;
+          Status s = ParseReply(*msg, [&](std::string_view body, w::ReplyStatus* rs) {
+            return w::DecodeObjectReply(body, rs, &meta, &hint);
+          });
+          // Versions are per node: only the key's own node's count (a failover read is not).
+          if (s.ok() && replica_version == 0 && node == Route()->ring->Owner(key)) {
+            RememberHint(key, meta.version, std::move(hint), sent);
+          }
+          if (s.ok()) write_clock.Observe(meta.version);
+          if (s.ok() && meta.size != msg->payload_size()) {
+            s = Status::ProtocolError("reply carries a payload of the wrong size");
+          }
+          if (s.ok() && user_dst && capacity < meta.size) {
+            s = Status::InvalidArgument("buffer of " + std::to_string(capacity) +
+                                        " bytes is smaller than the value (" +
+                                        std::to_string(meta.size) + " bytes)");
+          }
+          if (s.ok() && accept) s = accept(ToInfo(meta));
+          if (!s.ok()) return Fail(p, s);
+          auto value = MakePooledShared<Value>();
+          value->info_ = ToInfo(meta);
+          void* dst = user_dst;
+          MemoryKind kind = dst_kind;
+          // No caller buffer, or a device one this UCX cannot receive into: the bytes land in the
+          // value's own host buffer. For a device buffer the caller's thread copies them over
+          // (GetInto), never this I/O thread: a synchronous CUDA copy here would stall every
+          // request of this client behind the GPU's queue.
+          if (!user_dst) {
+            value->bytes_.reset(new std::byte[meta.size ? meta.size : 1]);
+            dst = value->bytes_.get();
+            kind = MemoryKind::kHost;
+          } else if (kind == MemoryKind::kDevice && !transport->device_memory_supported()) {
+            // A pinned buffer when the pool has one cached; allocating one here would be a
+            // synchronous CUDA call on this thread, so otherwise ordinary memory, and GetInto puts
+            // a pinned buffer of this size in the pool for next time (on the caller's thread).
+            value->staged_ = staging_pool->TryAcquireCached(meta.size);
+            if (!value->staged_) value->bytes_.reset(new std::byte[meta.size ? meta.size : 1]);
+            dst = value->mutable_data();
+            kind = MemoryKind::kHost;
+          }
+          ReceivePayload(p, std::move(msg), dst, kind,
+                         Pooled([this, p, value, shared_done](Status rs2) {
+                           if (!rs2.ok()) return Fail(p, rs2);
+                           Complete(p, [value, shared_done] { (*shared_done)(std::move(*value)); });
+                         }));
+        });
+    auto on_fail = Pooled([shared_done](Status s) { (*shared_done)(s); });
     if (replica_version != 0) {
       Issue(node, w::Opcode::kGet, w::kFlagReplicaRead, w::EncodeReplicaGet(key, replica_version),
             nullptr, 0, MemoryKind::kHost, deadline, std::move(on_reply), std::move(on_fail),
             transfer_deadline);
       return;
     }
-    Issue(node, w::Opcode::kGet, flags, w::EncodeKeyRequest(key), nullptr, 0, MemoryKind::kHost,
-          deadline, std::move(on_reply), std::move(on_fail));
+    static thread_local std::string request_body;  // Issue is done with it when it returns
+    w::EncodeKeyRequestTo(&request_body, key);
+    Issue(node, w::Opcode::kGet, flags, request_body, nullptr, 0, MemoryKind::kHost, deadline,
+          std::move(on_reply), std::move(on_fail));
   }
 
   // --- hot-key hints: which nodes hold a copy of which version (worker thread) ---
@@ -1049,16 +1064,16 @@ struct Client::Impl {
              std::shared_ptr<std::byte[]> keepalive, const PutOptions& o,
              Clock::time_point deadline, std::function<void(Result<uint64_t>)> done) {
     // Refused as misrouted by the key's primary: the rings differ; again soon, with ours then.
-    auto retry = [this, key, data, size, kind, keepalive, o, deadline,
-                  done](Result<uint64_t> r) mutable {
-      if (!r.ok() && Misrouted(r.status()) && Clock::now() + kWrongNodeRetry < deadline) {
-        return AddTimer(Clock::now() + kWrongNodeRetry,
-                        [this, key, data, size, kind, keepalive, o, deadline, done] {
-                          DoPut(key, data, size, kind, keepalive, o, deadline, done);
-                        });
-      }
-      done(std::move(r));
-    };
+    auto retry = Pooled(
+        [this, key, data, size, kind, keepalive, o, deadline, done](Result<uint64_t> r) mutable {
+          if (!r.ok() && Misrouted(r.status()) && Clock::now() + kWrongNodeRetry < deadline) {
+            return AddTimer(Clock::now() + kWrongNodeRetry,
+                            [this, key, data, size, kind, keepalive, o, deadline, done] {
+                              DoPut(key, data, size, kind, keepalive, o, deadline, done);
+                            });
+          }
+          done(std::move(r));
+        });
     DoPutOnce(std::move(key), data, size, kind, std::move(keepalive), o, deadline,
               std::move(retry));
   }
@@ -1100,23 +1115,25 @@ struct Client::Impl {
                  Clock::time_point deadline, uint64_t client_version,
                  std::function<void(Result<uint64_t>)> done) {
     w::PutRequest req{key, o.tensor, size};
-    auto on_reply = [this, done, keepalive](const PendingPtr& p, std::unique_ptr<Incoming> msg) {
-      uint64_t version = 0;
-      Status s = ParseReply(*msg, [&](std::string_view body, w::ReplyStatus* rs) {
-        return w::DecodePutReply(body, rs, &version);
-      });
-      if (!s.ok()) return Fail(p, s);
-      write_clock.Observe(version);
-      Complete(p, [done, version] { done(version); });
-    };
+    auto on_reply =
+        Pooled([this, done, keepalive](const PendingPtr& p, std::unique_ptr<Incoming> msg) {
+          uint64_t version = 0;
+          Status s = ParseReply(*msg, [&](std::string_view body, w::ReplyStatus* rs) {
+            return w::DecodePutReply(body, rs, &version);
+          });
+          if (!s.ok()) return Fail(p, s);
+          write_clock.Observe(version);
+          Complete(p, [done, version] { done(version); });
+        });
     uint16_t flags = o.durable ? w::kFlagDurable : 0;
-    std::string body = w::EncodePutRequest(req);
+    static thread_local std::string request_body;  // Issue is done with it when it returns
+    w::EncodePutRequestTo(&request_body, req);
     if (client_version != 0) {
       flags |= w::kFlagClientVersion;
-      w::AppendVersion(&body, client_version);
+      w::AppendVersion(&request_body, client_version);
     }
-    Issue(node, w::Opcode::kPut, flags, std::move(body), data, size, kind, deadline, on_reply,
-          [done](Status s) { done(s); });
+    Issue(node, w::Opcode::kPut, flags, request_body, data, size, kind, deadline,
+          std::move(on_reply), Pooled([done](Status s) { done(s); }));
   }
 
   // Replies whose payload is a block to read fully (batches, stats).
@@ -1251,11 +1268,12 @@ void Client::Impl::QueueGet(std::string_view key, const GetOptions& o,
                             std::function<void(Result<Value>)> callback, bool synchronous) {
   const auto deadline = DeadlineFrom(o.timeout);
   const bool fail_open = o.fail_open;
-  Enqueue(
-      [this, key = std::string(key), deadline, fail_open, cb = std::move(callback)]() mutable {
-        DoGet(std::move(key), nullptr, 0, MemoryKind::kHost, deadline, fail_open, std::move(cb));
-      },
-      synchronous);
+  Enqueue(Pooled([this, key = std::string(key), deadline, fail_open,
+                  cb = std::move(callback)]() mutable {
+            DoGet(std::move(key), nullptr, 0, MemoryKind::kHost, deadline, fail_open,
+                  std::move(cb));
+          }),
+          synchronous);
 }
 
 void Client::GetAsync(std::string_view key, const GetOptions& o,
@@ -1272,7 +1290,8 @@ std::future<Result<Value>> Client::GetAsync(std::string_view key, const GetOptio
 }
 
 Result<Value> Client::Get(std::string_view key, const GetOptions& o) {
-  std::promise<Result<Value>> promise;
+  // (Its shared state from the block pool, as the rest of the call's.)
+  std::promise<Result<Value>> promise(std::allocator_arg, PoolAllocator<char>());
   auto future = promise.get_future();
   impl_->QueueGet(
       key, o, [&promise](Result<Value> r) { promise.set_value(std::move(r)); }, true);
@@ -1293,13 +1312,13 @@ Result<ValueInfo> Client::GetInto(std::string_view key, void* dst, size_t capaci
   // Nothing still reading the destination when the bytes land (see PutOptions).
   if (kind == MemoryKind::kDevice) GKV_RETURN_IF_ERROR(CudaSyncStream(o.cuda_stream, dst));
   auto deadline = I->DeadlineFrom(o.timeout);
-  std::promise<Result<Value>> promise;
+  std::promise<Result<Value>> promise(std::allocator_arg, PoolAllocator<char>());
   auto future = promise.get_future();
-  I->Submit([&, key = std::string(key)]() mutable {
+  I->Submit(Pooled([&, key = std::string(key)]() mutable {
     I->DoGet(
         std::move(key), dst, capacity, kind, deadline, o.fail_open,
         [&promise](Result<Value> r) { promise.set_value(std::move(r)); }, o.accept);
-  });
+  }));
   Result<Value> r = I->Await(future);
   if (!r.ok()) return r.status();
   // Staged through a pinned buffer (a device buffer this UCX cannot receive into): the copy to
@@ -1338,12 +1357,11 @@ void Client::Impl::QueuePut(std::string_view key, const void* data, size_t size,
     kind = MemoryKind::kHost;
   }
   auto deadline = I->DeadlineFrom(o.timeout);
-  Enqueue(
-      [I, key = std::string(key), data, size, kind, staging, o, deadline,
-       cb = std::move(callback)]() mutable {
-        I->DoPut(std::move(key), data, size, kind, staging, o, deadline, std::move(cb));
-      },
-      synchronous);
+  Enqueue(Pooled([I, key = std::string(key), data, size, kind, staging, o, deadline,
+                  cb = std::move(callback)]() mutable {
+            I->DoPut(std::move(key), data, size, kind, staging, o, deadline, std::move(cb));
+          }),
+          synchronous);
 }
 
 void Client::PutAsync(std::string_view key, const void* data, size_t size, const PutOptions& o,
@@ -1363,7 +1381,7 @@ std::future<Result<uint64_t>> Client::PutAsync(std::string_view key, const void*
 
 Result<uint64_t> Client::Put(std::string_view key, const void* data, size_t size,
                              const PutOptions& o) {
-  std::promise<Result<uint64_t>> promise;
+  std::promise<Result<uint64_t>> promise(std::allocator_arg, PoolAllocator<char>());
   auto future = promise.get_future();
   impl_->QueuePut(
       key, data, size, o, [&promise](Result<uint64_t> r) { promise.set_value(std::move(r)); },

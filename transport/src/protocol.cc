@@ -136,11 +136,16 @@ Status DecodeMessage(const void* data, size_t size, Header* h, std::string_view*
 
 std::string EncodePutRequest(const PutRequest& p) {
   std::string out;
-  ByteWriter w(&out);
+  EncodePutRequestTo(&out, p);
+  return out;
+}
+
+void EncodePutRequestTo(std::string* out, const PutRequest& p) {
+  out->clear();
+  ByteWriter w(out);
   w.String(p.key);
   w.Tensor(p.tensor);
   w.U64(p.size);
-  return out;
 }
 
 Status DecodePutRequest(std::string_view body, PutRequest* p) {
@@ -154,8 +159,13 @@ Status DecodePutRequest(std::string_view body, PutRequest* p) {
 
 std::string EncodeKeyRequest(std::string_view key) {
   std::string out;
-  ByteWriter(&out).String(key);
+  EncodeKeyRequestTo(&out, key);
   return out;
+}
+
+void EncodeKeyRequestTo(std::string* out, std::string_view key) {
+  out->clear();
+  ByteWriter(out).String(key);
 }
 
 Status DecodeKeyRequest(std::string_view body, std::string* key) {

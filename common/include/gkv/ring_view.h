@@ -52,12 +52,15 @@ class RingView {
     Owners(key, count, &out);
     return out;
   }
-  // The same into `*out` (cleared first), which allocates nothing once it has the capacity.
-  void Owners(std::string_view key, int count, std::vector<int>* out) const {
+  // The same into `*out` (any vector of int, cleared first), which allocates nothing once it
+  // has the capacity.
+  template <class Vector>
+  void Owners(std::string_view key, int count, Vector* out) const {
     out->clear();
     if (empty_) return;
-    hash_.NodesFor(key, count, out);
-    for (int& p : *out) p = slots_[p];
+    static thread_local std::vector<int> positions;
+    hash_.NodesFor(key, count, &positions);
+    for (int p : positions) out->push_back(slots_[p]);
   }
   // Share of the key space of each node table index (0 for non-members).
   std::vector<double> SharesByIndex() const {

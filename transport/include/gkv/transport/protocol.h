@@ -111,10 +111,13 @@ struct PutRequest {
   uint64_t size = 0;  // must equal the payload length
 };
 std::string EncodePutRequest(const PutRequest& r);
+// The same into *out (cleared first): a buffer reused per thread allocates nothing.
+void EncodePutRequestTo(std::string* out, const PutRequest& r);
 Status DecodePutRequest(std::string_view body, PutRequest* r);
 
 // Get, Delete, Stat.
 std::string EncodeKeyRequest(std::string_view key);
+void EncodeKeyRequestTo(std::string* out, std::string_view key);
 Status DecodeKeyRequest(std::string_view body, std::string* key);
 
 // Hello: the cluster secret.
