@@ -316,6 +316,8 @@ TEST(PinnedBufferPoolTest, ReleasedBuffersAreHandedOutAgainWithinTheCap) {
 }  // namespace
 }  // namespace gkv
 
+#include <malloc.h>
+
 #include <array>
 #include <functional>
 #include <thread>
@@ -342,6 +344,41 @@ TEST(BlockPoolTest, AFreedBlockIsReusedForItsSizeClass) {
   void* big = BlockPool::Allocate(4096);  // above kMaxBlock: plain operator new
   std::memset(big, 1, 4096);
   BlockPool::Free(big, 4096);
+}
+
+// Every block of a class holds the class's largest size, whichever size it was first taken for
+// (a block made for 33 bytes is later handed out for 64), and alignment is operator new's.
+TEST(BlockPoolTest, EveryBlockHoldsItsWholeClass) {
+  std::thread fresh([] {  // a thread of its own: its lists start empty
+    std::vector<void*> blocks;
+    for (int i = 0; i < 300; ++i) blocks.push_back(BlockPool::Allocate(33 + i % 32));
+    for (void* b : blocks) {
+      EXPECT_GE(malloc_usable_size(b), BlockPool::kKeep == 0 ? 33u : 64u);
+      EXPECT_EQ(reinterpret_cast<uintptr_t>(b) % __STDCPP_DEFAULT_NEW_ALIGNMENT__, 0u);
+    }
+    for (size_t i = 0; i < blocks.size(); ++i) BlockPool::Free(blocks[i], 33 + i % 32);
+  });
+  fresh.join();
+}
+
+// Blocks dropped while a thread exits, after its pool is gone (another thread_local's
+// destructor), are freed (not kept on the destroyed lists): the memory comes back.
+TEST(BlockPoolTest, BlocksDroppedAfterAThreadsPoolIsGoneAreFreed) {
+  struct DropsLate {
+    std::vector<std::shared_ptr<int>> held;
+    ~DropsLate() { held.clear(); }
+  };
+  constexpr int kHeld = 20000;  // 20000 x 48 bytes: far above what a thread's start costs
+  auto in_use = [] { return mallinfo2().uordblks; };
+  const size_t before = in_use();
+  std::thread t([] {
+    static thread_local DropsLate late;  // constructed first, so destroyed after the pool
+    late.held.reserve(kHeld);
+    for (int i = 0; i < kHeld; ++i) late.held.push_back(MakePooledShared<int>(i));
+  });
+  t.join();
+  const size_t after = in_use();
+  EXPECT_LT(after, before + 256 * 1024) << "blocks dropped after the pool went were kept";
 }
 
 // Closures a std::function keeps on the heap, shared_ptrs and containers on PoolAllocator work

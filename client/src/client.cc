@@ -258,12 +258,17 @@ struct Client::Impl {
 
   // Records the operation's outcome; it runs when no transport operation holds our buffers.
   // The first outcome wins; later replies for the id are dropped.
-  // (The outcome's closure is kept in a pooled block: see gkv/block_pool.h.)
+  // (A closure's copy is kept in a pooled block: see gkv/block_pool.h. A std::function is kept
+  // as it is: wrapped, an empty one would become a non-empty one that throws.)
   template <class Outcome>
   void Complete(const PendingPtr& p, Outcome&& outcome) {
     if (p->finished || p->ready) return;
     pending.erase(p->id);
-    p->ready = Pooled(std::forward<Outcome>(outcome));
+    if constexpr (std::is_convertible_v<std::decay_t<Outcome>*, std::function<void()>*>) {
+      p->ready = std::forward<Outcome>(outcome);
+    } else {
+      p->ready = Pooled(std::forward<Outcome>(outcome));
+    }
     Settle(p);
   }
 
@@ -754,7 +759,9 @@ struct Client::Impl {
             transfer_deadline);
       return;
     }
-    static thread_local std::string request_body;  // Issue is done with it when it returns
+    // One buffer per thread serves every call: Issue reads it (into the message) before it
+    // calls anything that could issue again, and its early failures return without reading it.
+    static thread_local std::string request_body;
     w::EncodeKeyRequestTo(&request_body, key);
     Issue(node, w::Opcode::kGet, flags, request_body, nullptr, 0, MemoryKind::kHost, deadline,
           std::move(on_reply), std::move(on_fail));
@@ -1126,7 +1133,9 @@ struct Client::Impl {
           Complete(p, [done, version] { done(version); });
         });
     uint16_t flags = o.durable ? w::kFlagDurable : 0;
-    static thread_local std::string request_body;  // Issue is done with it when it returns
+    // One buffer per thread serves every call: Issue reads it (into the message) before it
+    // calls anything that could issue again, and its early failures return without reading it.
+    static thread_local std::string request_body;
     w::EncodePutRequestTo(&request_body, req);
     if (client_version != 0) {
       flags |= w::kFlagClientVersion;

@@ -15,6 +15,7 @@
 // Thread-safe. A thread's own blocks are freed when it exits.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <memory>
 #include <mutex>
@@ -35,7 +36,7 @@ class BlockPool {
   static constexpr size_t kSharedKeep = 1024;  // per class in the shared lists
 
   static void* Allocate(size_t size) {
-    if (size > kMaxBlock || kKeep == 0) return ::operator new(size);
+    if (size > kMaxBlock || kKeep == 0 || ThreadGone()) return ::operator new(size);
     const size_t c = ClassOf(size);
     Lists& l = Mine();
     if (l.head[c] == nullptr) Refill(l, c);
@@ -49,7 +50,7 @@ class BlockPool {
 
   static void Free(void* p, size_t size) noexcept {
     if (p == nullptr) return;
-    if (size > kMaxBlock || kKeep == 0) return ::operator delete(p);
+    if (size > kMaxBlock || kKeep == 0 || ThreadGone()) return ::operator delete(p);
     const size_t c = ClassOf(size);
     Lists& l = Mine();
     auto* b = static_cast<Block*>(p);
@@ -67,6 +68,7 @@ class BlockPool {
     Block* head[kClasses] = {};
     size_t count[kClasses] = {};
     ~Lists() {
+      ThreadGone() = true;  // blocks freed after this (other thread_locals) go to delete
       for (Block*& h : head) {
         while (h) {
           Block* next = h->next;
@@ -81,12 +83,19 @@ class BlockPool {
   struct Shared {
     std::mutex mu;
     Block* head[kClasses] = {};
-    size_t count[kClasses] = {};
+    // Written under mu; read without it to skip the lock when a class has nothing to give.
+    std::atomic<size_t> count[kClasses] = {};
   };
   static size_t ClassOf(size_t size) { return size == 0 ? 0 : (size - 1) / kGranule; }
   static Lists& Mine() {
     static thread_local Lists lists;
     return lists;
+  }
+  // Set once this thread's lists are destroyed (at its exit): trivially destructible, so it
+  // stays readable while the thread's other thread_locals are destroyed after them.
+  static bool& ThreadGone() {
+    static thread_local bool gone = false;
+    return gone;
   }
   static Shared& Common() {
     static Shared* shared = new Shared;  // never destroyed: threads may exit after statics go
@@ -95,6 +104,7 @@ class BlockPool {
   // Moves up to kBatch blocks of class c from the shared lists to this thread's.
   static void Refill(Lists& l, size_t c) {
     Shared& g = Common();
+    if (g.count[c].load(std::memory_order_relaxed) == 0) return;
     std::lock_guard<std::mutex> lock(g.mu);
     for (size_t i = 0; i < kBatch && g.head[c]; ++i) {
       Block* b = g.head[c];
@@ -159,6 +169,8 @@ struct PoolAllocator {
 // std::function's `new` of it finds this class's operator new.
 template <class F>
 struct PooledCallable : F {
+  // Blocks are aligned as operator new's are, no more.
+  static_assert(alignof(F) <= __STDCPP_DEFAULT_NEW_ALIGNMENT__, "an over-aligned capture");
   explicit PooledCallable(F f) : F(std::move(f)) {}
   static void* operator new(size_t size) { return BlockPool::Allocate(size); }
   static void operator delete(void* p, size_t size) noexcept { BlockPool::Free(p, size); }
