@@ -64,7 +64,8 @@ struct ServerCounters {
   }
 
   // `stripe`: the recording I/O worker's index. Each worker records into a stripe of its own
-  // (its mutex is contended only by a stats or metrics read), which LatencyOf merges.
+  // (its mutex is contended only by a stats or metrics read), which LatencyOf merges; one per
+  // I/O thread up to kIoSlots (the default is at most 16), so workers share none below that.
   void RecordLatency(wire::Opcode op, uint64_t ns, int stripe = 0) {
     Stripe& s = stripes_[static_cast<size_t>(stripe) % kStripes];
     std::lock_guard<std::mutex> lock(s.mu);
@@ -80,7 +81,7 @@ struct ServerCounters {
   }
 
  private:
-  static constexpr size_t kStripes = 4;  // 256 KiB each
+  static constexpr size_t kStripes = kIoSlots;  // 256 KiB each
   struct alignas(64) Stripe {
     mutable std::mutex mu;
     Histogram latency[kOpSlots];
