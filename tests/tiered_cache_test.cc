@@ -836,6 +836,50 @@ TEST(TieredCacheConcurrencyTest, FastPathReadersHoldWholeValuesWhileEntriesMoveA
               static_cast<unsigned long long>(puts.load()));
 }
 
+// A reader that pins an entry (fast path, no placement lock) while the entry's bytes are being
+// copied down a tier keeps it where it is: the move is abandoned, the reader's bytes stay valid
+// and unchanged, the entry is not dropped or sent to disk, and the put that needed room gets it
+// from another entry. Deterministic: the test hook pins at exactly that moment.
+TEST(TieredCacheFastPathTest, AReaderThatPinsDuringASpillKeepsTheEntryInPlace) {
+  testing::TempDir dir;
+  CacheOptions o = SmallOptions(dir.path(), 64 * kKiB, 64 * kKiB, 8 << 20);
+  TieredCache* cache = nullptr;
+  ReadHandle held;
+  std::string pinned_key;
+  o.test_after_spill_copy = [&](const std::string& key) {
+    if (!pinned_key.empty()) return;  // once
+    pinned_key = key;
+    ASSERT_EQ(cache->TryAcquireFromMemory(key, &held), TieredCache::FastPath::kServed);
+  };
+  auto c = MustOpen(o);
+  ASSERT_TRUE(c);
+  cache = c.get();
+  Random rng(testing::TestSeed());
+  std::vector<std::string> values;
+  for (int i = 0; i < 4; ++i) {  // fills the 64 KiB GPU tier
+    values.push_back(ValueFor(rng, 16 * kKiB));
+    ASSERT_TRUE(c->Put("k" + std::to_string(i), values[i].data(), values[i].size()).ok());
+  }
+  std::string v(16 * kKiB, 'n');
+  ASSERT_TRUE(c->Put("k4", v.data(), v.size()).ok());  // spills one; the hook pins the first
+  ASSERT_EQ(pinned_key, "k0");                         // the least recently used
+  ASSERT_NE(held.data(), nullptr);
+  EXPECT_EQ(held.info().tier, Tier::kGpu);
+  EXPECT_EQ(TierOf(*c, "k0"), Tier::kGpu) << "the pinned entry was moved anyway";
+  EXPECT_EQ(TierOf(*c, "k1"), Tier::kHost) << "the put's room should come from the next one";
+  EXPECT_EQ(TierOf(*c, "k4"), Tier::kGpu);
+  EXPECT_EQ(0, std::memcmp(held.data(), values[0].data(), values[0].size()));
+  auto st = c->GetStats();
+  EXPECT_EQ(st.dropped, 0u);
+  EXPECT_EQ(st.moves[0][1], 1u);
+  held = ReadHandle();
+  // Unpinned, it moves as usual.
+  std::string out;
+  ASSERT_TRUE(c->Put("k5", v.data(), v.size()).ok());
+  ASSERT_TRUE(c->Get("k0", &out).ok());
+  EXPECT_EQ(out, values[0]);
+}
+
 // A fast-path read (which never takes the placement lock, so never reorders an LRU list) still
 // keeps the entry from being the next to move down: the eviction scan gives it a second chance.
 TEST(TieredCacheFastPathTest, AFastReadKeepsAnEntryFromBeingTheNextToMove) {

@@ -417,6 +417,7 @@ struct TieredCache::Impl {
         std::byte* src = e->data;
         lock.unlock();
         Status s = Copy(dst, dst_arena->kind(), src, src_arena->kind(), e->size);
+        if (options.test_after_spill_copy) options.test_after_spill_copy(e->key);
         lock.lock();
         // Readers that pinned the entry meanwhile hold pointers into the old block: then the
         // move is abandoned and the entry stays where it is.

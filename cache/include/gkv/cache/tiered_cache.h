@@ -45,6 +45,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -89,6 +90,10 @@ struct CacheOptions {
   double disk_durable_share = 0.5;
   // Tests only: the disk tier's files go through this crash-simulating file system.
   std::shared_ptr<SimulatedCrashFs> disk_crash_fs;
+  // Tests only: called with the key of an entry being moved from the fast memory tier to the
+  // slow one, after its bytes were copied and before the placement lock is taken again (no lock
+  // held): a reader can pin the entry at exactly that moment.
+  std::function<void(const std::string& key)> test_after_spill_copy;
 
   uint64_t max_key_size = 1024;
   int index_shards = 16;
