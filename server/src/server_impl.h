@@ -718,30 +718,46 @@ struct Server::Impl {
   // Keys in `registry` (any state), readable by every I/O worker: a worker other than 0 hands a
   // GET of such a key to worker 0 (its reply carries hints). Worker 0 adds a key before it
   // starts copying it and removes it when the registry entry goes.
+  // A set of keys sharded by hash. MaybeContains is the GET path's question ("does this key
+  // have copies?"), asked on every I/O worker: a 64-bit filter per shard (a bit per key hash,
+  // set while a key with that bit is in the shard) answers most keys "no" without the shard's
+  // mutex. A key's bit is set, under the shard's mutex, before Add returns, and stays set while
+  // the key is in the set (Remove recomputes the filter from the keys left).
   class KeySet {
    public:
     bool MaybeContains(const std::string& key) const {
       if (size_.load(std::memory_order_acquire) == 0) return false;
-      Shard& s = shards_[HashKey(key) % kShards];
+      const uint64_t h = HashKey(key);
+      Shard& s = shards_[h % kShards];
+      if ((s.filter.load(std::memory_order_acquire) & BitOf(h)) == 0) return false;
       std::lock_guard<std::mutex> lock(s.mu);
       return s.keys.count(key) > 0;
     }
     void Add(const std::string& key) {
-      Shard& s = shards_[HashKey(key) % kShards];
+      const uint64_t h = HashKey(key);
+      Shard& s = shards_[h % kShards];
       std::lock_guard<std::mutex> lock(s.mu);
+      s.filter.fetch_or(BitOf(h), std::memory_order_acq_rel);
       if (s.keys.insert(key).second) size_.fetch_add(1, std::memory_order_acq_rel);
     }
     void Remove(const std::string& key) {
       Shard& s = shards_[HashKey(key) % kShards];
       std::lock_guard<std::mutex> lock(s.mu);
-      if (s.keys.erase(key) > 0) size_.fetch_sub(1, std::memory_order_acq_rel);
+      if (s.keys.erase(key) == 0) return;
+      size_.fetch_sub(1, std::memory_order_acq_rel);
+      uint64_t filter = 0;
+      for (const std::string& k : s.keys) filter |= BitOf(HashKey(k));
+      s.filter.store(filter, std::memory_order_release);
     }
 
    private:
     static constexpr size_t kShards = 16;
-    struct Shard {
+    // (The shard index uses the hash's low bits; the filter bit comes from higher ones.)
+    static uint64_t BitOf(uint64_t hash) { return uint64_t{1} << ((hash >> 32) & 63); }
+    struct alignas(64) Shard {
       std::mutex mu;
       std::unordered_set<std::string> keys;
+      std::atomic<uint64_t> filter{0};
     };
     mutable Shard shards_[kShards];
     std::atomic<size_t> size_{0};
