@@ -1182,6 +1182,19 @@ Result<uint64_t> TieredCache::Put(std::string_view key, const void* data, uint64
 
 Result<ReadHandle> TieredCache::Acquire(std::string_view key) {
   Impl& I = *impl_;
+  // From memory without the placement lock where it can (it counts nothing when it leaves the
+  // read to the code below); under that lock for disk, promotion and entries being moved.
+  {
+    ReadHandle fast;
+    switch (TryAcquireFromMemory(key, &fast)) {
+      case FastPath::kServed:
+        return fast;
+      case FastPath::kMiss:
+        return Status::NotFound("key not found");
+      case FastPath::kNeedsSlowPath:
+        break;
+    }
+  }
   std::string retry_reason;
   for (int attempt = 0; attempt < 8; ++attempt) {
     Shard& shard = I.ShardFor(key);

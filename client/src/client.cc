@@ -397,6 +397,14 @@ struct Client::Impl {
           DeadlineFrom({}), on_reply, [](Status) {});
   }
 
+  // A buffer to encode a request's body into for Issue, one per thread: Issue reads the body
+  // (into the message) before it calls anything that could issue again, and its early failures
+  // return without reading it.
+  static std::string& RequestBody() {
+    static thread_local std::string body;
+    return body;
+  }
+
   // Sends one request (worker thread). `payload` must stay valid until the pending completes.
   void Issue(int node, w::Opcode op, uint16_t flags, std::string_view body, const void* payload,
              size_t size, MemoryKind kind, Clock::time_point deadline,
@@ -759,9 +767,7 @@ struct Client::Impl {
             transfer_deadline);
       return;
     }
-    // One buffer per thread serves every call: Issue reads it (into the message) before it
-    // calls anything that could issue again, and its early failures return without reading it.
-    static thread_local std::string request_body;
+    std::string& request_body = RequestBody();
     w::EncodeKeyRequestTo(&request_body, key);
     Issue(node, w::Opcode::kGet, flags, request_body, nullptr, 0, MemoryKind::kHost, deadline,
           std::move(on_reply), std::move(on_fail));
@@ -1133,9 +1139,7 @@ struct Client::Impl {
           Complete(p, [done, version] { done(version); });
         });
     uint16_t flags = o.durable ? w::kFlagDurable : 0;
-    // One buffer per thread serves every call: Issue reads it (into the message) before it
-    // calls anything that could issue again, and its early failures return without reading it.
-    static thread_local std::string request_body;
+    std::string& request_body = RequestBody();
     w::EncodePutRequestTo(&request_body, req);
     if (client_version != 0) {
       flags |= w::kFlagClientVersion;

@@ -467,20 +467,7 @@ void Server::Impl::ServeMultiGet(const Req& r, std::shared_ptr<std::vector<Batch
     } else if (row.held_back) {
       got = HeldBackStatus();
     } else if (row.replica_version == 0) {
-      // From memory without the cache's placement lock where it can (see TieredCache); the
-      // slow path otherwise (disk, promotion).
-      ReadHandle fast;
-      switch (cache->TryAcquireFromMemory(row.key, &fast)) {
-        case TieredCache::FastPath::kServed:
-          got = std::move(fast);
-          break;
-        case TieredCache::FastPath::kMiss:
-          got = Status::NotFound("key not found");
-          break;
-        case TieredCache::FastPath::kNeedsSlowPath:
-          got = cache->Acquire(row.key);
-          break;
-      }
+      got = cache->Acquire(row.key);
     } else if (!row.replica_key.empty()) {
       from = replica_cache.get();
       got = replica_cache->Acquire(row.replica_key);

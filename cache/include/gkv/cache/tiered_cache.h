@@ -262,6 +262,8 @@ class TieredCache {
                        MemoryKind src_kind = MemoryKind::kHost);
 
   // A pinned view of the newest version; may promote the object (see the admission rule).
+  // Served as TryAcquireFromMemory serves it when it can; only disk, promotion and an entry
+  // being moved take the placement lock.
   Result<ReadHandle> Acquire(std::string_view key);
   // The non-blocking subset of Acquire, for I/O threads that must not wait on disk or on
   // eviction: kServed (and *out set) when the object is in a memory tier and this read would not
