@@ -354,9 +354,21 @@ TEST(GuaranteesTest, OversizeValuesAreRefusedWithInvalidArgument) {
   auto put = client->Put("big", big.data(), big.size());
   EXPECT_EQ(put.status().code(), StatusCode::kInvalidArgument) << put.status().ToString();
   EXPECT_NE(put.status().ToString().find("maximum value size"), std::string::npos);
-  std::vector<PutItem> items = {{"small", "s", 1, {}}, {"big", big.data(), big.size(), {}}};
+  // In a batch the refused item's bytes go nowhere, and the items around it land whole.
+  std::string after(300 << 10, '\0');
+  Random rng(testing::TestSeed());
+  rng.Fill(after.data(), after.size());
+  std::vector<PutItem> items = {{"small", "s", 1, {}},
+                                {"big", big.data(), big.size(), {}},
+                                {"after", after.data(), after.size(), {}}};
   auto many = client->MultiPut(items);
+  EXPECT_TRUE(many[0].ok()) << many[0].status().ToString();
   EXPECT_EQ(many[1].status().code(), StatusCode::kInvalidArgument) << many[1].status().ToString();
+  EXPECT_TRUE(many[2].ok()) << many[2].status().ToString();
+  EXPECT_EQ(client->Get("small")->view(), "s");
+  auto got = client->Get("after");
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  EXPECT_TRUE(got->view() == after);
   EXPECT_TRUE(client->Put("fits", big.data(), 1 << 20).ok());
   EXPECT_EQ(client->Get("big").status().code(), StatusCode::kNotFound);
 }

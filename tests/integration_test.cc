@@ -306,6 +306,50 @@ TEST(IntegrationTest, MultiGetIntoWritesRowsInPlaceAndLeavesOthersUntouched) {
   EXPECT_TRUE(client->MultiGetInto({}, nullptr, kRow, kRow).empty());
 }
 
+// A reply's block travels in the reply's header when it fits, and each value is then received
+// straight into its place (wire::kFlagBlockInHeader, UcxTransport::ReceiveScatter); a block too
+// large for a header leads the payload instead. Both arrive whole, for MultiGet and
+// MultiGetInto: many small rows (a block of tens of KiB: the payload form) and a few large
+// values (rendezvous, scattered into the rows).
+TEST(IntegrationTest, BatchesOfManyRowsAndOfLargeValuesArriveWhole) {
+  Cluster cluster(3);
+  auto client = cluster.NewClient();
+  ASSERT_TRUE(client);
+  Random rng(testing::TestSeed());
+  for (const auto& [rows, row_bytes] : {std::pair<int, size_t>{2400, 64}, {12, 300 << 10}}) {
+    SCOPED_TRACE(std::to_string(rows) + " rows of " + std::to_string(row_bytes) + " bytes");
+    std::vector<std::string> keys, values;
+    std::vector<PutItem> items;
+    for (int i = 0; i < rows; ++i) {
+      keys.push_back("big/" + std::to_string(row_bytes) + "/" + std::to_string(i));
+      values.push_back(RandomValue(rng, row_bytes));
+    }
+    for (int i = 0; i < rows; ++i) {
+      if (i % 5 == 2) continue;  // misses
+      items.push_back({keys[i], values[i].data(), row_bytes, {}});
+    }
+    for (auto& r : client->MultiPut(items)) ASSERT_TRUE(r.ok()) << r.status().ToString();
+    auto got = client->MultiGet(keys);
+    ASSERT_EQ(got.size(), keys.size());
+    std::string dst(keys.size() * row_bytes, '\x5a');
+    auto into = client->MultiGetInto(keys, dst.data(), row_bytes, row_bytes);
+    ASSERT_EQ(into.size(), keys.size());
+    for (int i = 0; i < rows; ++i) {
+      std::string_view row(dst.data() + i * row_bytes, row_bytes);
+      if (i % 5 == 2) {
+        EXPECT_EQ(got[i].status().code(), StatusCode::kNotFound) << i;
+        EXPECT_EQ(into[i].code(), StatusCode::kNotFound) << i;
+        EXPECT_TRUE(row == std::string(row_bytes, '\x5a')) << i;
+        continue;
+      }
+      ASSERT_TRUE(got[i].ok()) << i << ": " << got[i].status().ToString();
+      EXPECT_TRUE(got[i]->view() == values[i]) << i;
+      ASSERT_TRUE(into[i].ok()) << i << ": " << into[i].ToString();
+      EXPECT_TRUE(row == values[i]) << i;
+    }
+  }
+}
+
 TEST(IntegrationTest, MultiGetIntoReportsADeadNodeAndServesTheOthers) {
   Cluster cluster(3);
   auto client = cluster.NewClient(std::chrono::milliseconds(800));

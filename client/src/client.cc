@@ -405,22 +405,62 @@ struct Client::Impl {
     return body;
   }
 
+  // The completion of a request's send.
+  auto SendDone(const PendingPtr& p) {
+    return Pooled([this, p](Status s) {
+      p->io--;
+      // Aborted: the server refused the payload; its reply says why.
+      if (!s.ok() && s.code() != StatusCode::kAborted) Fail(p, s);
+      Settle(p);
+    });
+  }
+
   // Sends one request (worker thread). `payload` must stay valid until the pending completes.
   void Issue(int node, w::Opcode op, uint16_t flags, std::string_view body, const void* payload,
              size_t size, MemoryKind kind, Clock::time_point deadline,
              std::function<void(const PendingPtr&, std::unique_ptr<Incoming>)> on_reply,
              std::function<void(Status)> on_error, Clock::time_point transfer_deadline = {}) {
+    std::string_view message;
+    PendingPtr p = Begin(node, op, flags, body, deadline, std::move(on_reply), std::move(on_error),
+                         transfer_deadline, &message);
+    if (p) transport->Send(p->conn, w::kAmRequest, message, payload, size, kind, SendDone(p));
+  }
+
+  // The same with a payload gathered from `segments` (host memory, valid until the pending
+  // completes; UcxTransport::SendGather).
+  void IssueGather(int node, w::Opcode op, uint16_t flags, std::string_view body,
+                   std::vector<UcxTransport::Segment> segments, Clock::time_point deadline,
+                   std::function<void(const PendingPtr&, std::unique_ptr<Incoming>)> on_reply,
+                   std::function<void(Status)> on_error) {
+    std::string_view message;
+    PendingPtr p = Begin(node, op, flags, body, deadline, std::move(on_reply), std::move(on_error),
+                         {}, &message);
+    if (p) transport->SendGather(p->conn, w::kAmRequest, message, std::move(segments), SendDone(p));
+  }
+
+  // A request's pending entry, with its message encoded into *message (this thread's buffer,
+  // valid until the next call); null after `on_error` got why it cannot be sent.
+  PendingPtr Begin(int node, w::Opcode op, uint16_t flags, std::string_view body,
+                   Clock::time_point deadline,
+                   std::function<void(const PendingPtr&, std::unique_ptr<Incoming>)> on_reply,
+                   std::function<void(Status)> on_error, Clock::time_point transfer_deadline,
+                   std::string_view* message) {
     if (node < 0 || static_cast<size_t>(node) >= nodes.size()) {
-      return on_error(Status::Unavailable("no node owns the key: the ring has no members"));
+      on_error(Status::Unavailable("no node owns the key: the ring has no members"));
+      return nullptr;
     }
     if (IsDown(node)) {
       auto left = std::chrono::duration_cast<std::chrono::milliseconds>(health[node].down_until -
                                                                         Clock::now());
-      return on_error(Status::Unavailable("node " + nodes[node].id + " is down; reconnecting in " +
-                                          std::to_string(left.count()) + " ms"));
+      on_error(Status::Unavailable("node " + nodes[node].id + " is down; reconnecting in " +
+                                   std::to_string(left.count()) + " ms"));
+      return nullptr;
     }
     auto conn = EnsureConn(node);
-    if (!conn.ok()) return on_error(conn.status());
+    if (!conn.ok()) {
+      on_error(conn.status());
+      return nullptr;
+    }
     auto p = MakePooledShared<Pending>();
     p->id = next_id.fetch_add(1, std::memory_order_relaxed);
     p->node = node;
@@ -438,14 +478,10 @@ struct Client::Impl {
     const uint32_t budget = static_cast<uint32_t>(std::clamp<int64_t>(left, 1, UINT32_MAX));
     w::Header h{op, flags, p->id, budget};
     // The transport copies the header before Send returns: one buffer per thread serves all.
-    static thread_local std::string message;
-    w::EncodeMessageTo(&message, h, body);
-    transport->Send(*conn, w::kAmRequest, message, payload, size, kind, Pooled([this, p](Status s) {
-      p->io--;
-      // Aborted: the server refused the payload; its reply says why.
-      if (!s.ok() && s.code() != StatusCode::kAborted) Fail(p, s);
-      Settle(p);
-    }));
+    static thread_local std::string buffer;
+    w::EncodeMessageTo(&buffer, h, body);
+    *message = buffer;
+    return p;
   }
 
   // Receives a reply's payload into `dst`, then runs `then` (worker thread).
@@ -458,6 +494,19 @@ struct Client::Impl {
                          then(s);
                          Settle(p);
                        }));
+  }
+
+  // The same into `parts` (UcxTransport::ReceiveScatter).
+  void ReceivePayload(const PendingPtr& p, std::unique_ptr<Incoming> msg,
+                      std::vector<UcxTransport::Destination> parts,
+                      std::function<void(Status)> then) {
+    p->io++;
+    transport->ReceiveScatter(std::move(msg), std::move(parts),
+                              Pooled([this, p, then = std::move(then)](Status s) {
+                                p->io--;
+                                then(s);
+                                Settle(p);
+                              }));
   }
 
   // --- membership (worker thread) ---
@@ -913,9 +962,15 @@ struct Client::Impl {
   struct BatchRead {
     const std::vector<std::string>* keys = nullptr;
     Clock::time_point deadline;
-    // One row's outcome; `bytes` (the value) is valid during the call only.
-    std::function<void(size_t i, const Status& s, const w::ObjectMeta* meta, const char* bytes)>
-        row;
+    // Where row i's value (described by `meta`) goes: meta.size bytes of host memory that stay
+    // valid until the batch is done, or null when the row refuses the value (place has then
+    // recorded the row's outcome, e.g. a value of the wrong size). Called before any byte of
+    // the value is there. A row whose copy failed is asked of its primary and placed again.
+    std::function<std::byte*(size_t i, const w::ObjectMeta& meta)> place;
+    // Row i's outcome: OK once its value is in place, else why it has none. A row whose value
+    // was placed and whose transfer then failed gets the failure (its place may hold part of
+    // the value then).
+    std::function<void(size_t i, const Status& s)> row;
     std::function<void()> done;
     int remaining = 0;  // parts in flight, plus one per IssueBatchRead loop still running
   };
@@ -950,7 +1005,7 @@ struct Client::Impl {
         node = ring->Owner(key);
       }
       if (node < 0) {
-        b->row(i, Status::Unavailable("the ring has no members"), nullptr, nullptr);
+        b->row(i, Status::Unavailable("the ring has no members"));
         continue;
       }
       by_node[node].push_back(i);
@@ -990,61 +1045,141 @@ struct Client::Impl {
         });
       }
       b->remaining++;
-      IssueWithPayloadReply(
+      const bool primary = primary_rows[n];
+      auto on_reply = [this, b, part, n, primary, sent](const PendingPtr& p,
+                                                        std::unique_ptr<Incoming> msg) {
+        w::Header h;
+        std::string_view body;
+        w::ReplyStatus rs;
+        std::string_view block;
+        Status s = w::DecodeMessage(msg->header().data(), msg->header().size(), &h, &body);
+        if (s.ok()) s = w::DecodeStatusPrefix(body, &rs, &block);
+        if (s.ok()) s = rs.ToStatus();
+        if (s.ok() && (h.flags & w::kFlagBlockInHeader) == 0) {
+          if (!block.empty()) s = Status::ProtocolError("unexpected bytes after a batch status");
+          if (!s.ok()) return Fail(p, s);
+          // The block leads the payload: everything lands in one buffer, then each value is
+          // copied to its place.
+          auto buf = std::make_shared<std::string>();
+          buf->resize(msg->payload_size());
+          return ReceivePayload(p, std::move(msg), buf->data(), MemoryKind::kHost,
+                                [this, p, buf, b, part, n, primary, sent](Status s2) {
+                                  if (!s2.ok()) return Fail(p, s2);
+                                  Complete(p, [this, buf, b, part, n, primary, sent] {
+                                    auto res = std::make_shared<std::vector<w::BatchGetResult>>();
+                                    size_t at = 0;
+                                    Status ds = w::DecodeBatchGetBlock(*buf, res.get(), &at);
+                                    AnswerBatchPart(b, part, n, primary, sent, ds, *res,
+                                                    buf->data() + at, nullptr);
+                                  });
+                                });
+        }
+        // The block came in the header: every value is placed before any byte of it arrives
+        // and received straight there. From here the part counts as answered: no hedge now.
+        auto res = std::make_shared<std::vector<w::BatchGetResult>>();
+        if (s.ok()) s = w::DecodeBatchGetHead(block, msg->payload_size(), res.get());
+        if (s.ok() && res->size() != part->idx.size()) {
+          s = Status::ProtocolError("batch reply has the wrong number of results");
+        }
+        if (!s.ok()) return Fail(p, s);
+        part->answered = true;
+        auto placed = std::make_shared<std::vector<uint8_t>>(res->size(), 0);
+        std::vector<UcxTransport::Destination> parts;
+        parts.reserve(res->size());
+        size_t sink_size = 0;  // values nobody takes land in one sink
+        for (size_t j = 0; j < res->size(); ++j) {
+          const w::BatchGetResult& row = (*res)[j];
+          if (row.code != StatusCode::kOk) continue;
+          std::byte* dst = nullptr;
+          if (part->vers[j] == 0 || !part->hedged) dst = b->place(part->idx[j], row.meta);
+          (*placed)[j] = dst != nullptr;
+          if (dst == nullptr) sink_size = std::max<size_t>(sink_size, row.meta.size);
+          parts.push_back({dst, row.meta.size});
+        }
+        std::shared_ptr<std::byte[]> sink;
+        if (sink_size > 0) {
+          sink.reset(new std::byte[sink_size]);
+          for (UcxTransport::Destination& d : parts) {
+            if (d.data == nullptr) d.data = sink.get();
+          }
+        }
+        ReceivePayload(p, std::move(msg), std::move(parts),
+                       [this, p, res, placed, sink, b, part, n, primary, sent](Status s2) {
+                         if (!s2.ok()) return Fail(p, s2);
+                         Complete(p, [this, res, placed, b, part, n, primary, sent] {
+                           AnswerBatchPart(b, part, n, primary, sent, Status::OK(), *res, nullptr,
+                                           placed.get());
+                         });
+                       });
+      };
+      auto on_error = [this, b, part, n, primary, sent](Status s) {
+        std::vector<w::BatchGetResult> none;
+        AnswerBatchPart(b, part, n, primary, sent, s, none, nullptr, nullptr);
+      };
+      Issue(
           static_cast<int>(n), w::Opcode::kMultiGet, any_copy ? w::kFlagVersionedKeys : 0, "",
-          payload, deadline, primary_rows[n] ? Clock::time_point{} : b->deadline,
-          [this, b, part, n, primary = static_cast<bool>(primary_rows[n]),
-           sent](Result<std::shared_ptr<std::string>> r) {
-            part->answered = true;
-            const std::vector<size_t>& idx = part->idx;
-            const std::vector<uint64_t>& vers = part->vers;
-            std::vector<w::BatchGetResult> res;
-            size_t block = 0;
-            Status s = r.status();
-            if (!primary && s.code() == StatusCode::kTimeout) AvoidCopiesOn(static_cast<int>(n));
-            if (s.ok()) s = w::DecodeBatchGetBlock(**r, &res, &block);
-            if (s.ok() && res.size() != idx.size()) {
-              s = Status::ProtocolError("batch reply has the wrong number of results");
-            }
-            size_t off = block;
-            std::vector<size_t> again;  // copy rows that missed: asked of their primaries now
-            for (size_t j = 0; j < idx.size(); ++j) {
-              const size_t i = idx[j];
-              const bool copy = vers[j] != 0;
-              if (copy && part->hedged) {  // asked of its primary already
-                if (s.ok() && res[j].code == StatusCode::kOk) off += res[j].meta.size;
-                continue;
-              }
-              if (copy && (!s.ok() || res[j].code != StatusCode::kOk)) {
-                again.push_back(i);  // not the caller's miss: ask the primary
-                DropCopies((*b->keys)[i], static_cast<int>(n));
-                continue;
-              }
-              if (!s.ok()) {
-                b->row(i, s, nullptr, nullptr);
-                continue;
-              }
-              if (res[j].code != StatusCode::kOk) {
-                static const Status kMiss = Status::NotFound("key not found");
-                b->row(i,
-                       res[j].code == StatusCode::kNotFound
-                           ? kMiss
-                           : Status(res[j].code, "batch get failed"),
-                       nullptr, nullptr);
-                continue;
-              }
-              if (!copy) {
-                RememberHint((*b->keys)[i], res[j].meta.version, std::move(res[j].hint), sent);
-              }
-              b->row(i, Status::OK(), &res[j].meta, (*r)->data() + off);
-              off += res[j].meta.size;
-            }
-            // At once, not after the slowest node answered: a stalled node elsewhere in the
-            // batch must not use up these rows' time.
-            if (!again.empty()) IssueBatchRead(b, again, /*use_copies=*/false);
-            FinishBatchPart(b);
-          });
+          payload->data(), payload->size(), MemoryKind::kHost, deadline,
+          [on_reply, payload](const PendingPtr& p, std::unique_ptr<Incoming> msg) {
+            on_reply(p, std::move(msg));
+          },
+          on_error, primary ? Clock::time_point{} : b->deadline);
     }
+    FinishBatchPart(b);
+  }
+
+  // A node's answer to one part of a batch read: `s`, its failure, or `res` (one per row of the
+  // part) with the values either at `values` (consecutive, in row order: each is placed and
+  // copied here) or already in place where `placed[j]` says so.
+  void AnswerBatchPart(const std::shared_ptr<BatchRead>& b, const std::shared_ptr<BatchPart>& part,
+                       size_t n, bool primary, Clock::time_point sent, Status s,
+                       std::vector<w::BatchGetResult>& res, const char* values,
+                       const std::vector<uint8_t>* placed) {
+    part->answered = true;
+    const std::vector<size_t>& idx = part->idx;
+    const std::vector<uint64_t>& vers = part->vers;
+    if (!primary && s.code() == StatusCode::kTimeout) AvoidCopiesOn(static_cast<int>(n));
+    if (s.ok() && res.size() != idx.size()) {
+      s = Status::ProtocolError("batch reply has the wrong number of results");
+    }
+    size_t off = 0;
+    std::vector<size_t> again;  // copy rows that missed: asked of their primaries now
+    for (size_t j = 0; j < idx.size(); ++j) {
+      const size_t i = idx[j];
+      const bool copy = vers[j] != 0;
+      const bool found = s.ok() && res[j].code == StatusCode::kOk;
+      const char* bytes = found && values ? values + off : nullptr;
+      if (found) off += res[j].meta.size;
+      if (copy && part->hedged) continue;  // asked of its primary already
+      if (copy && !found) {
+        again.push_back(i);  // not the caller's miss: ask the primary
+        DropCopies((*b->keys)[i], static_cast<int>(n));
+        continue;
+      }
+      if (!s.ok()) {
+        b->row(i, s);
+        continue;
+      }
+      if (res[j].code != StatusCode::kOk) {
+        static const Status kMiss = Status::NotFound("key not found");
+        b->row(i, res[j].code == StatusCode::kNotFound ? kMiss
+                                                       : Status(res[j].code, "batch get failed"));
+        continue;
+      }
+      if (!copy) {
+        RememberHint((*b->keys)[i], res[j].meta.version, std::move(res[j].hint), sent);
+      }
+      if (placed != nullptr) {
+        if ((*placed)[j]) b->row(i, Status::OK());  // else refused: place gave its outcome
+        continue;
+      }
+      std::byte* dst = b->place(i, res[j].meta);
+      if (dst == nullptr) continue;
+      if (res[j].meta.size > 0) std::memcpy(dst, bytes, res[j].meta.size);
+      b->row(i, Status::OK());
+    }
+    // At once, not after the slowest node answered: a stalled node elsewhere in the batch must
+    // not use up these rows' time.
+    if (!again.empty()) IssueBatchRead(b, again, /*use_copies=*/false);
     FinishBatchPart(b);
   }
 
@@ -1065,6 +1200,7 @@ struct Client::Impl {
     if (--b->remaining > 0) return;
     auto done = std::move(b->done);
     b->row = nullptr;
+    b->place = nullptr;
     done();
   }
 
@@ -1154,8 +1290,20 @@ struct Client::Impl {
                              std::shared_ptr<std::string> request_payload,
                              Clock::time_point deadline, Clock::time_point transfer_deadline,
                              std::function<void(Result<std::shared_ptr<std::string>>)> done) {
-    auto on_reply = [this, done, request_payload](const PendingPtr& p,
-                                                  std::unique_ptr<Incoming> msg) {
+    const void* data = request_payload ? request_payload->data() : nullptr;
+    size_t size = request_payload ? request_payload->size() : 0;
+    Issue(
+        node, op, flags, std::move(body), data, size, MemoryKind::kHost, deadline,
+        PayloadReplyHandler(done, request_payload), [done](Status s) { done(s); },
+        transfer_deadline);
+  }
+
+  // What IssueWithPayloadReply does with the reply: its payload is read into one buffer, which
+  // `done` gets. `keep` lives as long as the request.
+  std::function<void(const PendingPtr&, std::unique_ptr<Incoming>)> PayloadReplyHandler(
+      std::function<void(Result<std::shared_ptr<std::string>>)> done, std::shared_ptr<void> keep) {
+    return [this, done = std::move(done), keep = std::move(keep)](const PendingPtr& p,
+                                                                  std::unique_ptr<Incoming> msg) {
       Status s = ParseReply(*msg, [&](std::string_view body, w::ReplyStatus* rs) {
         return w::DecodeStatusReply(body, rs);
       });
@@ -1168,11 +1316,6 @@ struct Client::Impl {
                        Complete(p, [buf, done] { done(buf); });
                      });
     };
-    const void* data = request_payload ? request_payload->data() : nullptr;
-    size_t size = request_payload ? request_payload->size() : 0;
-    Issue(
-        node, op, flags, std::move(body), data, size, MemoryKind::kHost, deadline, on_reply,
-        [done](Status s) { done(s); }, transfer_deadline);
   }
 };
 
@@ -1550,16 +1693,16 @@ std::vector<Result<Value>> Client::MultiGet(const std::vector<std::string>& keys
   auto batch = std::make_shared<Impl::BatchRead>();
   batch->keys = &keys;
   batch->deadline = I->DeadlineFrom(o.timeout);
-  batch->row = [&results](size_t i, const Status& s, const w::ObjectMeta* meta, const char* bytes) {
-    if (!s.ok()) {
-      results[i] = s;
-      return;
-    }
+  batch->place = [&results](size_t i, const w::ObjectMeta& meta) {
     Value v;
-    v.info_ = ToInfo(*meta);
+    v.info_ = ToInfo(meta);
     v.bytes_.reset(new std::byte[v.info_.size ? v.info_.size : 1]);
-    std::memcpy(v.bytes_.get(), bytes, v.info_.size);
+    std::byte* at = v.bytes_.get();
     results[i] = std::move(v);
+    return at;
+  };
+  batch->row = [&results](size_t i, const Status& s) {
+    if (!s.ok()) results[i] = s;
   };
   I->RunBatchRead(batch);
   // Keys whose node failed: one by one through Get, which tries the other replicas. So are keys
@@ -1660,57 +1803,67 @@ std::vector<Result<uint64_t>> Client::MultiPut(const std::vector<PutItem>& items
   // Replicated: item i's version is first_version + i * kStep on every node it goes to.
   const bool versioned = I->options.replicas > 1;
   const uint64_t first_version = versioned ? I->write_clock.Take(items.size()) : 0;
-  // Each node's message: metadata block, then the values (gathered here, in the caller).
+  // Each node's message: the metadata block, in the header when it fits (the node then places
+  // every value before it arrives: kFlagBlockInHeader), else ahead of the values; the values
+  // are gathered from where they are (UcxTransport::SendGather), not copied here.
+  const size_t header_room = I->transport->max_header_size();
+  std::vector<uint8_t> in_header(batch->by_node.size(), 0);
+  std::vector<std::vector<UcxTransport::Segment>> segments(batch->by_node.size());
   for (size_t n = 0; n < batch->by_node.size(); ++n) {
     if (batch->by_node[n].empty()) continue;
     std::vector<w::BatchPutItem> meta;
-    size_t total = 0;
+    meta.reserve(batch->by_node[n].size());
     for (size_t i : batch->by_node[n]) {
       meta.push_back({items[i].key, items[i].tensor, items[i].size,
                       versioned ? first_version + i * HybridClock::kStep : 0});
-      total += items[i].size;
     }
-    auto p = std::make_shared<std::string>(w::EncodeBatchPutBlock(meta, versioned));
-    p->reserve(p->size() + total);
+    batch->payloads[n] = std::make_shared<std::string>(w::EncodeBatchPutBlock(meta, versioned));
+    in_header[n] = w::kFixedHeaderSize + batch->payloads[n]->size() <= header_room;
+    if (!in_header[n])
+      segments[n].push_back({batch->payloads[n]->data(), batch->payloads[n]->size()});
     for (size_t i : batch->by_node[n]) {
-      const char* src = staged[i] ? reinterpret_cast<const char*>(staged[i].get())
-                                  : static_cast<const char*>(items[i].data);
-      if (items[i].size) p->append(src, items[i].size);
+      const void* src = staged[i] ? static_cast<const void*>(staged[i].get()) : items[i].data;
+      segments[n].push_back({src, items[i].size});
     }
-    batch->payloads[n] = p;
     batch->remaining++;
   }
   if (batch->remaining == 0) return std::move(batch->results);
   auto done = batch->all_done.get_future();
-  I->Submit([I, batch, deadline = I->DeadlineFrom(o.timeout),
+  // The caller waits below until every node has answered and every send is done, so the
+  // segments may point at its items (and at `staged`).
+  I->Submit([I, batch, &segments, &in_header, deadline = I->DeadlineFrom(o.timeout),
              flags = static_cast<uint16_t>((o.durable ? w::kFlagDurable : 0) |
                                            (versioned ? w::kFlagClientVersion : 0))] {
     for (size_t n = 0; n < batch->by_node.size(); ++n) {
       if (batch->by_node[n].empty()) continue;
-      I->IssueWithPayloadReply(
-          static_cast<int>(n), w::Opcode::kMultiPut, flags, "", batch->payloads[n], deadline, {},
-          [I, batch, n](Result<std::shared_ptr<std::string>> r) {
-            const std::vector<size_t>& idx = batch->by_node[n];
-            std::vector<w::BatchPutResult> res;
-            Status s = r.status();
-            if (s.ok()) s = w::DecodeBatchPutResults(**r, &res);
-            if (s.ok() && res.size() != idx.size()) {
-              s = Status::ProtocolError("batch reply has the wrong number of results");
-            }
-            for (size_t j = 0; j < idx.size(); ++j) {
-              // As for Put: the primary's answer is the item's outcome.
-              if (batch->primary[idx[j]] != static_cast<int>(n)) continue;
-              Result<uint64_t>& out = batch->results[idx[j]];
-              if (!s.ok())
-                out = s;
-              else if (res[j].code != StatusCode::kOk)
-                out = Status(res[j].code, "batch put failed");
-              else
-                out = res[j].version;
-              if (out.ok()) I->write_clock.Observe(*out);
-            }
-            if (--batch->remaining == 0) batch->all_done.set_value();
-          });
+      auto answered = [I, batch, n](Result<std::shared_ptr<std::string>> r) {
+        const std::vector<size_t>& idx = batch->by_node[n];
+        std::vector<w::BatchPutResult> res;
+        Status s = r.status();
+        if (s.ok()) s = w::DecodeBatchPutResults(**r, &res);
+        if (s.ok() && res.size() != idx.size()) {
+          s = Status::ProtocolError("batch reply has the wrong number of results");
+        }
+        for (size_t j = 0; j < idx.size(); ++j) {
+          // As for Put: the primary's answer is the item's outcome.
+          if (batch->primary[idx[j]] != static_cast<int>(n)) continue;
+          Result<uint64_t>& out = batch->results[idx[j]];
+          if (!s.ok())
+            out = s;
+          else if (res[j].code != StatusCode::kOk)
+            out = Status(res[j].code, "batch put failed");
+          else
+            out = res[j].version;
+          if (out.ok()) I->write_clock.Observe(*out);
+        }
+        if (--batch->remaining == 0) batch->all_done.set_value();
+      };
+      const std::string_view body = in_header[n] ? *batch->payloads[n] : std::string_view();
+      I->IssueGather(static_cast<int>(n), w::Opcode::kMultiPut,
+                     flags | (in_header[n] ? w::kFlagBlockInHeader : 0), body,
+                     std::move(segments[n]), deadline,
+                     I->PayloadReplyHandler(answered, batch->payloads[n]),
+                     [answered](Status s) { answered(s); });
     }
   });
   I->Await(done);
@@ -1762,14 +1915,11 @@ std::vector<Status> Client::MultiGetInto(const std::vector<std::string>& keys, v
   auto batch = std::make_shared<Impl::BatchRead>();
   batch->keys = &keys;
   batch->deadline = I->DeadlineFrom(o.timeout);
-  batch->row = [&](size_t i, const Status& s, const w::ObjectMeta* meta, const char* bytes) {
-    if (!s.ok()) {
-      results[i] = s;
-      return;
-    }
-    results[i] = check(ToInfo(*meta));
-    if (results[i].ok()) std::memcpy(rows + i * row_stride, bytes, meta->size);
+  batch->place = [&](size_t i, const w::ObjectMeta& meta) -> std::byte* {
+    results[i] = check(ToInfo(meta));
+    return results[i].ok() ? rows + i * row_stride : nullptr;
   };
+  batch->row = [&](size_t i, const Status& s) { results[i] = s; };
   I->RunBatchRead(batch);
   if (staging) {
     // Runs of consecutive hits, one copy each (all rows at once when everything hit).

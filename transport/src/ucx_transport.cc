@@ -1629,6 +1629,106 @@ void UcxTransport::Receive(std::unique_ptr<Incoming> msg, void* dst, MemoryKind 
   I.Started(op, req, "receive");
 }
 
+void UcxTransport::ReceiveScatter(std::unique_ptr<Incoming> msg, std::vector<Destination> parts,
+                                  std::function<void(Status)> done) {
+  Impl* owner = static_cast<Impl*>(msg->transport_);
+  Impl* current = Current();
+  if (current != nullptr && current != owner) {  // as Receive's
+    auto held = std::make_shared<std::unique_ptr<Incoming>>(std::move(msg));
+    auto hop = [this, held, parts = std::move(parts), current, done]() mutable {
+      ReceiveScatter(std::move(*held), std::move(parts), Impl::CompleteOn(current, done));
+    };
+    if (!owner->PostTask(std::move(hop))) done(Status::Unavailable("the transport is stopping"));
+    return;
+  }
+  Impl& I = *owner;
+  size_t total = 0;
+  size_t used = 0;
+  const Destination* only = nullptr;  // the one non-empty part, when there is one
+  for (const Destination& d : parts) {
+    if (d.size == 0) continue;
+    if (Status ks = CheckMemoryKind(d.data, d.size, MemoryKind::kHost); !ks.ok()) {
+      done(ks);  // fake-device mode only
+      return;
+    }
+    total += d.size;
+    used++;
+    only = &d;
+  }
+  if (total != msg->length_) {
+    done(Status::InvalidArgument("scattered receive of " + std::to_string(total) +
+                                 " bytes for a payload of " + std::to_string(msg->length_)));
+    return;
+  }
+  if (used <= 1) {
+    Receive(std::move(msg), only ? only->data : nullptr, MemoryKind::kHost, std::move(done));
+    return;
+  }
+  if (!msg->rndv_) {
+    const char* from = msg->payload().data();
+    for (const Destination& d : parts) {
+      if (d.size == 0) continue;
+      std::memcpy(d.data, from, d.size);
+      from += d.size;
+    }
+    done(Status::OK());
+    return;
+  }
+  auto conn = I.conns.find(msg->conn_);
+  const bool by_ucx = conn != I.conns.end() && !conn->second.failed &&
+                      total / used >= Impl::kMinGatherAverage &&
+                      Impl::OverSharedMemory(conn->second.ep);
+  if (!by_ucx) {
+    std::shared_ptr<char[]> whole(new (std::nothrow) char[total]);
+    if (!whole) {
+      done(Status::NoSpace("cannot allocate " + std::to_string(total) +
+                           " bytes to receive a payload into"));
+      return;
+    }
+    auto scatter = [whole, parts = std::move(parts)] {
+      const char* from = whole.get();
+      for (const Destination& d : parts) {
+        if (d.size == 0) continue;
+        std::memcpy(d.data, from, d.size);
+        from += d.size;
+      }
+    };
+    Receive(std::move(msg), whole.get(), MemoryKind::kHost,
+            [&I, total, scatter = std::move(scatter), done = std::move(done)](Status s) mutable {
+              if (!s.ok()) return done(s);
+              if (total <= Impl::kInlineJoin) {
+                scatter();
+                return done(Status::OK());
+              }
+              // A large one is copied out on the copy thread, not on this worker's.
+              I.ops_in_flight++;
+              I.copy_thread->Submit([&I, scatter = std::move(scatter), done]() mutable {
+                scatter();
+                I.PostTask([&I, done = std::move(done)] {
+                  I.ops_in_flight--;
+                  done(Status::OK());
+                });
+              });
+            });
+    return;
+  }
+  void* desc = msg->ucx_data_;
+  msg->ucx_data_ = nullptr;  // the descriptor is consumed by the receive
+  Impl::Op* op = I.NewOp(std::move(done));
+  for (const Destination& d : parts) {
+    if (d.size > 0) op->iov.push_back({d.data, d.size});
+  }
+  ucp_request_param_t p{};
+  p.op_attr_mask =
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE;
+  p.cb.recv_am = &Impl::OnRecvDone;
+  p.user_data = op;
+  p.datatype = ucp_dt_make_iov();
+  // With the iov datatype the count is the number of entries.
+  void* req = ucp_am_recv_data_nbx(I.worker, desc, op->iov.data(), op->iov.size(), &p);
+  I.Started(op, req, "receive");
+}
+
 void UcxTransport::Close(ConnId conn, bool force) {
   Impl* owner = Owner(conn);
   if (owner == nullptr) return;
