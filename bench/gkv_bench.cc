@@ -29,8 +29,8 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 enum class KeyDist { kUniform, kZipf, kSequential, kShuffle };
-enum Op { kGet = 0, kPut = 1, kMultiGet = 2, kOpCount = 3 };
-constexpr const char* kOpNames[kOpCount] = {"get", "put", "mget"};
+enum Op { kGet = 0, kPut = 1, kMultiGet = 2, kMultiPut = 3, kOpCount = 4 };
+constexpr const char* kOpNames[kOpCount] = {"get", "put", "mget", "mput"};
 
 struct Config {
   std::string cluster_file;
@@ -48,6 +48,7 @@ struct Config {
   double zipf_theta = 0.99;
   uint64_t value_min = 4096, value_max = 4096;
   int batch_min = 1, batch_max = 1;
+  int put_batch_min = 1, put_batch_max = 1;  // puts sent as MultiPut when above 1
   bool cuda = false;
   double rate = 0;  // total ops/s, 0 = closed loop
   bool validate = false;
@@ -153,6 +154,7 @@ struct Stats {
   uint64_t ops[kOpCount] = {};
   uint64_t bytes = 0;
   uint64_t hits = 0, misses = 0;
+  uint64_t batch_writes = 0;  // items written by MultiPut (acknowledged or not)
   std::map<std::string, uint64_t> errors;
   uint64_t validation_failures = 0;
   void Merge(const Stats& o) {
@@ -163,6 +165,7 @@ struct Stats {
     bytes += o.bytes;
     hits += o.hits;
     misses += o.misses;
+    batch_writes += o.batch_writes;
     for (auto& [k, v] : o.errors) errors[k] += v;
     validation_failures += o.validation_failures;
   }
@@ -501,8 +504,9 @@ class Bench {
         t0 = Clock::now();
       }
       const bool is_get = rng.Uniform(1, c_.ratio_get + c_.ratio_put) <= uint64_t(c_.ratio_get);
-      Op op = is_get ? (c_.batch_max > 1 ? kMultiGet : kGet) : kPut;
-      uint64_t bytes = 0, hits = 0, misses = 0, bad = 0;
+      Op op = is_get ? (c_.batch_max > 1 ? kMultiGet : kGet)
+                     : (c_.put_batch_max > 1 ? kMultiPut : kPut);
+      uint64_t bytes = 0, hits = 0, misses = 0, bad = 0, written = 0;
       std::string error;
       if (op == kPut) {
         uint64_t k = chooser_.Next(rng, cursor, epoch);
@@ -546,6 +550,54 @@ class Bench {
           bytes = value.size();
         } else {
           error = StatusCodeName(r.status().code());
+        }
+      } else if (op == kMultiPut) {
+        const int n = c_.put_batch_min == c_.put_batch_max
+                          ? c_.put_batch_min
+                          : static_cast<int>(rng.Uniform(c_.put_batch_min, c_.put_batch_max));
+        std::vector<uint64_t> ids, seqs;
+        std::vector<std::string> keys;
+        for (int i = 0; i < n; ++i) {
+          uint64_t k = chooser_.Next(rng, cursor, epoch);
+          if (c_.validate) {  // as for a put: one writing worker per key
+            const uint64_t workers = workers_.size();
+            k = k - k % workers + idx;
+            if (k >= c_.keys) k = idx % c_.keys;
+          }
+          ids.push_back(k);
+          keys.push_back(KeyName(c_, k));
+          seqs.push_back(key_state_[k].next_seq.fetch_add(1) + 1);
+        }
+        // Without validation every item's bytes come from one buffer filled once (the bench
+        // measures gkv, not its value generator); with it each item has its own.
+        if (buf.size() < c_.value_max) {
+          buf.resize(c_.value_max);
+          rng.Fill(buf.data(), buf.size());
+        }
+        std::vector<std::string> own(c_.validate ? n : 0);
+        std::vector<PutItem> items;
+        for (int i = 0; i < n; ++i) {
+          const uint64_t size = ValueSize(rng);
+          const char* data = buf.data();
+          if (c_.validate) {
+            own[i].resize(size);
+            FillValue(own[i].data(), size, HashKey(keys[i]), seqs[i]);
+            data = own[i].data();
+          }
+          items.push_back({keys[i], data, size, {}});
+        }
+        auto res = gkv_client->MultiPut(items);
+        written = res.size();
+        for (size_t i = 0; i < res.size(); ++i) {
+          if (res[i].ok()) {
+            // A key twice in one batch: either item may land last, so only the lower is acked.
+            bool repeated = false;
+            for (size_t j = 0; j < ids.size(); ++j) repeated |= j != i && ids[j] == ids[i];
+            if (!repeated) AckSeq(ids[i], seqs[i]);
+            bytes += items[i].size;
+          } else if (error.empty()) {
+            error = StatusCodeName(res[i].status().code());
+          }
         }
       } else if (op == kGet) {
         uint64_t k = chooser_.Next(rng, cursor, epoch);
@@ -652,6 +704,7 @@ class Bench {
         s->bytes += bytes;
         s->hits += hits;
         s->misses += misses;
+        s->batch_writes += written;
         s->validation_failures += bad;
         if (!error.empty()) s->errors[error]++;
       }
@@ -702,8 +755,8 @@ class Bench {
     for (auto& [k, v] : s.errors) errs += v;
     std::printf("\n== gkv-bench report ==\n");
     std::printf("duration %.1f s, %llu ops, %.0f ops/s, %.0f keys/s, %.3f GB/s\n", secs,
-                (unsigned long long)ops, ops / secs, (s.hits + s.misses + s.ops[kPut]) / secs,
-                s.bytes / secs / 1e9);
+                (unsigned long long)ops, ops / secs,
+                (s.hits + s.misses + s.ops[kPut] + s.batch_writes) / secs, s.bytes / secs / 1e9);
     std::printf("%-5s %10s %10s %10s %10s %10s %10s %10s\n", "op", "count", "p50 us", "p90 us",
                 "p99 us", "p99.9 us", "max us", "mean us");
     for (int i = 0; i < kOpCount; ++i) {
@@ -727,7 +780,7 @@ class Bench {
     f << "{\n  \"workload\": \"" << (c_.workload.empty() ? "custom" : c_.workload) << "\",\n";
     f << "  \"duration_s\": " << secs << ",\n  \"ops\": " << ops << ",\n";
     f << "  \"ops_per_s\": " << ops / secs
-      << ",\n  \"keys_per_s\": " << (s.hits + s.misses + s.ops[kPut]) / secs
+      << ",\n  \"keys_per_s\": " << (s.hits + s.misses + s.ops[kPut] + s.batch_writes) / secs
       << ",\n  \"gb_per_s\": " << s.bytes / secs / 1e9 << ",\n";
     f << "  \"bytes\": " << s.bytes << ",\n  \"hits\": " << s.hits
       << ",\n  \"misses\": " << s.misses << ",\n";
@@ -785,6 +838,8 @@ int main(int argc, char** argv) {
       app.add_option("--key-dist", key_dist, "uniform | zipf:THETA | sequential | shuffle");
   auto* o_size = app.add_option("--value-size", value_size, "SIZE or MIN-MAX");
   auto* o_batch = app.add_option("--batch", batch_range, "N or MIN-MAX: gets sent as MultiGet");
+  std::string put_batch_range;
+  app.add_option("--put-batch", put_batch_range, "N or MIN-MAX: puts sent as MultiPut");
   app.add_option("--memory", memory, "host | cuda: where the client's buffers live");
   app.add_option("--rate", c.rate, "open loop: total ops/s (latency from intended send time)");
   app.add_flag("--validate", c.validate,
@@ -849,6 +904,15 @@ int main(int argc, char** argv) {
     c.batch_min = static_cast<int>(lo);
     c.batch_max = static_cast<int>(hi);
   }
+  if (!put_batch_range.empty()) {
+    uint64_t lo, hi;
+    if (!ParseRange(put_batch_range, &lo, &hi, false) || lo < 1) {
+      std::fprintf(stderr, "gkv-bench: bad --put-batch '%s'\n", put_batch_range.c_str());
+      return 2;
+    }
+    c.put_batch_min = static_cast<int>(lo);
+    c.put_batch_max = static_cast<int>(hi);
+  }
   if (key_dist == "uniform")
     c.dist = KeyDist::kUniform;
   else if (key_dist == "sequential")
@@ -875,10 +939,11 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "gkv-bench: --protocol is gkv, redis or memcached\n");
     return 2;
   }
-  if (c.protocol != "gkv" && (c.batch_max > 1 || memory != "host" || c.server.empty())) {
+  if (c.protocol != "gkv" &&
+      (c.batch_max > 1 || c.put_batch_max > 1 || memory != "host" || c.server.empty())) {
     std::fprintf(stderr,
                  "gkv-bench: redis/memcached need --server and support neither"
-                 " --batch nor --memory cuda\n");
+                 " --batch, --put-batch nor --memory cuda\n");
     return 2;
   }
   if (memory != "host" && memory != "cuda") {
@@ -892,13 +957,14 @@ int main(int argc, char** argv) {
   }
   std::printf(
       "gkv-bench: %s | workload %s | threads %d x connections %d | %s %.0f s (+%.0f s warm-up)"
-      " | ratio %d:%d | keys %llu %s | value %s | batch %d-%d | memory %s | rate %s |"
-      " validate %s | seed %llu\n",
+      " | ratio %d:%d | keys %llu %s | value %s | batch %d-%d | put batch %d-%d | memory %s |"
+      " rate %s | validate %s | seed %llu\n",
       c.protocol.c_str(), c.workload.empty() ? "custom" : c.workload.c_str(), c.threads,
       c.connections, c.requests ? "requests" : "duration",
       c.requests ? double(c.requests) : c.duration, c.warmup, c.ratio_get, c.ratio_put,
       (unsigned long long)c.keys, key_dist.c_str(), value_size.c_str(), c.batch_min, c.batch_max,
-      memory.c_str(), c.rate > 0 ? std::to_string((long long)c.rate).c_str() : "closed loop",
+      c.put_batch_min, c.put_batch_max, memory.c_str(),
+      c.rate > 0 ? std::to_string((long long)c.rate).c_str() : "closed loop",
       c.validate ? "on" : "off", (unsigned long long)c.seed);
   return Bench(c).Run();
 }
