@@ -306,11 +306,10 @@ TEST(IntegrationTest, MultiGetIntoWritesRowsInPlaceAndLeavesOthersUntouched) {
   EXPECT_TRUE(client->MultiGetInto({}, nullptr, kRow, kRow).empty());
 }
 
-// A reply's block travels in the reply's header when it fits, and each value is then received
-// straight into its place (wire::kFlagBlockInHeader, UcxTransport::ReceiveScatter); a block too
-// large for a header leads the payload instead. Both arrive whole, for MultiGet and
-// MultiGetInto: many small rows (a block of tens of KiB: the payload form) and a few large
-// values (rendezvous, scattered into the rows).
+// Batches of many small rows and of a few large values arrive whole, for MultiPut, MultiGet and
+// MultiGetInto. An MPUT's block travels in the request's header when it fits (a few large
+// values: rendezvous, from the caller's buffers) and leads the payload when it does not (2,400
+// rows: a block of tens of KiB); the node serves both.
 TEST(IntegrationTest, BatchesOfManyRowsAndOfLargeValuesArriveWhole) {
   Cluster cluster(3);
   auto client = cluster.NewClient();

@@ -105,26 +105,6 @@ TEST(ProtocolTest, BatchBlocksRoundTripAndRejectLies) {
   EXPECT_EQ(g.substr(block), "data");
   EXPECT_FALSE(DecodeBatchGetBlock(g + "!", &gb, &block).ok());
 
-  // kFlagBlockInHeader: the block alone, the values' total given apart.
-  std::vector<BatchGetResult> head;
-  const std::string gblock = EncodeBatchGetBlock(res);
-  ASSERT_TRUE(DecodeBatchGetHead(gblock, 4, &head).ok());
-  ASSERT_EQ(head.size(), 2u);
-  EXPECT_EQ(head[0].meta.size, 4u);
-  EXPECT_EQ(head[1].code, StatusCode::kNotFound);
-  EXPECT_FALSE(DecodeBatchGetHead(gblock, 5, &head).ok()) << "values longer than declared";
-  EXPECT_FALSE(DecodeBatchGetHead(gblock, 3, &head).ok()) << "values shorter than declared";
-  EXPECT_FALSE(DecodeBatchGetHead(gblock + "!", 4, &head).ok()) << "trailing bytes";
-  EXPECT_FALSE(DecodeBatchGetHead(gblock.substr(0, gblock.size() - 1), 4, &head).ok());
-  const std::string pblock = EncodeBatchPutBlock(items);
-  ASSERT_TRUE(DecodeBatchPutHead(pblock, 5, &back).ok());
-  ASSERT_EQ(back.size(), 2u);
-  EXPECT_EQ(back[1].key, "bb");
-  EXPECT_EQ(back[1].size, 2u);
-  EXPECT_FALSE(DecodeBatchPutHead(pblock, 4, &back).ok());
-  EXPECT_FALSE(DecodeBatchPutHead(pblock + "x", 5, &back).ok());
-  EXPECT_FALSE(DecodeBatchPutHead(pblock, 5, &back, /*versioned=*/true).ok());
-
   std::vector<BatchPutResult> pr = {{StatusCode::kOk, 5}, {StatusCode::kNoSpace, 0}};
   std::vector<BatchPutResult> pb;
   ASSERT_TRUE(DecodeBatchPutResults(EncodeBatchPutResults(pr), &pb).ok());

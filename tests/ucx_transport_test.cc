@@ -83,7 +83,6 @@ struct Echo {
         });
         return;
       }
-      if (header.rfind("scatter:", 0) == 0) return Scatter(std::move(m), header);
       const size_t size = m->payload_size();
       if (region) {
         char* dst = region->data() + (n % 2) * (region->size() / 2);
@@ -112,51 +111,6 @@ struct Echo {
     auto r = UcxTransport::Create(o, std::move(h));
     EXPECT_TRUE(r.ok()) << r.status().ToString();
     if (r.ok()) t = std::move(*r);
-  }
-
-  // Header "scatter:NAME:a,b,-c,...": the payload is received with ReceiveScatter into parts of
-  // those sizes, each a buffer of its own except the negative ones, which share one sink; the
-  // echo is the concatenation of the parts that are not the sink's, or "error: ..." when the
-  // receive failed.
-  void Scatter(std::unique_ptr<Incoming> m, const std::string& header) {
-    struct Parts {
-      std::vector<std::string> own;
-      std::vector<bool> sunk;
-      std::string sink;
-    };
-    auto parts = std::make_shared<Parts>();
-    std::string list = header.substr(header.rfind(':') + 1);
-    for (size_t at = 0; at < list.size();) {
-      size_t end = list.find(',', at);
-      if (end == std::string::npos) end = list.size();
-      const std::string item = list.substr(at, end - at);
-      const bool sunk = item[0] == '-';
-      const size_t size = std::stoull(sunk ? item.substr(1) : item);
-      parts->own.emplace_back(sunk ? 0 : size, '\0');
-      parts->sunk.push_back(sunk);
-      if (sunk) parts->sink.resize(std::max(parts->sink.size(), size));
-      if (sunk) parts->own.back().resize(size);  // its size, for the list below
-      at = end + 1;
-    }
-    std::vector<UcxTransport::Destination> dests;
-    for (size_t k = 0; k < parts->own.size(); ++k) {
-      void* at = parts->sunk[k] ? parts->sink.data() : parts->own[k].data();
-      dests.push_back({at, parts->own[k].size()});
-    }
-    const ConnId conn = m->conn();
-    UcxTransport* tr = t.get();
-    tr->ReceiveScatter(std::move(m), std::move(dests), [tr, conn, header, parts](Status s) {
-      auto echo = std::make_shared<std::string>();
-      if (!s.ok()) {
-        *echo = "error: " + s.ToString();
-      } else {
-        for (size_t k = 0; k < parts->own.size(); ++k) {
-          if (!parts->sunk[k]) *echo += parts->own[k];
-        }
-      }
-      tr->Send(conn, wire::kAmReply, header, echo->data(), echo->size(), MemoryKind::kHost,
-               [echo](Status) {});
-    });
   }
 };
 
@@ -667,68 +621,6 @@ TEST(UcxTransportTest, AGatheredPayloadArrivesAsOneConcatenationOverTcp) {
   const std::string saved = was ? was : "";
   setenv("UCX_TLS", "tcp", 1);  // read when the transports below make their contexts
   GatheredPayloadsArriveAsOneConcatenation();
-  if (was) {
-    setenv("UCX_TLS", saved.c_str(), 1);
-  } else {
-    unsetenv("UCX_TLS");
-  }
-}
-
-// ReceiveScatter: a payload lands in the receiver's parts in order, eager and rendezvous alike,
-// scattered by UCX (iov) over shared memory and copied out of one buffer over tcp (large ones
-// on the copy thread); parts that share a sink take their bytes out of the echo; sizes that do
-// not add up to the payload are refused.
-void ScatteredPayloadsLandInTheirParts() {
-  Echo server;
-  ASSERT_TRUE(server.t);
-  Caller client;
-  ASSERT_TRUE(client.t);
-  const ConnId conn = client.Connect(server.t->listen_port());
-  ASSERT_NE(conn, 0u);
-  Random rng(testing::TestSeed());
-  // Part sizes; a negative one goes to the sink.
-  const std::vector<std::vector<int64_t>> cases = {
-      {0},
-      {10},
-      {100, 0, 7},
-      {3000, -3000, 3000},
-      {64 << 10, 1, (1 << 20) + 3, 5},
-      {(256 << 10) + 1, -(512 << 10), 256 << 10, -(100 << 10), 300 << 10},
-      {4 << 20, 3 << 20, 5 << 20}};
-  int n = 0;
-  for (const auto& sizes : cases) {
-    std::string payload;
-    std::string expected;
-    std::string list;
-    for (int64_t size : sizes) {
-      std::string piece(static_cast<size_t>(std::abs(size)), '\0');
-      rng.Fill(piece.data(), piece.size());
-      payload += piece;
-      if (size >= 0) expected += piece;
-      list += (list.empty() ? "" : ",") + std::to_string(size);
-    }
-    const std::string header = "scatter:" + std::to_string(n++) + ":" + list;
-    EXPECT_TRUE(client.RoundTrip(conn, header, payload) == expected)
-        << header << " (" << payload.size() << " bytes)";
-  }
-  for (const std::string& lie : {"scatter:short:10,20", "scatter:long:100000,100000"}) {
-    std::string payload(100 << 10, 'x');
-    const std::string echoed = client.RoundTrip(conn, lie, payload);
-    EXPECT_EQ(echoed.rfind("error: invalid_argument", 0), 0u) << lie << ": " << echoed;
-  }
-  // The connection still works.
-  EXPECT_EQ(client.RoundTrip(conn, "after", "payload"), "payload");
-}
-
-TEST(UcxTransportTest, AScatteredPayloadLandsInItsPartsOverSharedMemory) {
-  ScatteredPayloadsLandInTheirParts();
-}
-
-TEST(UcxTransportTest, AScatteredPayloadLandsInItsPartsOverTcp) {
-  const char* was = std::getenv("UCX_TLS");
-  const std::string saved = was ? was : "";
-  setenv("UCX_TLS", "tcp", 1);  // read when the transports below make their contexts
-  ScatteredPayloadsLandInTheirParts();
   if (was) {
     setenv("UCX_TLS", saved.c_str(), 1);
   } else {

@@ -405,62 +405,22 @@ struct Client::Impl {
     return body;
   }
 
-  // The completion of a request's send.
-  auto SendDone(const PendingPtr& p) {
-    return Pooled([this, p](Status s) {
-      p->io--;
-      // Aborted: the server refused the payload; its reply says why.
-      if (!s.ok() && s.code() != StatusCode::kAborted) Fail(p, s);
-      Settle(p);
-    });
-  }
-
   // Sends one request (worker thread). `payload` must stay valid until the pending completes.
   void Issue(int node, w::Opcode op, uint16_t flags, std::string_view body, const void* payload,
              size_t size, MemoryKind kind, Clock::time_point deadline,
              std::function<void(const PendingPtr&, std::unique_ptr<Incoming>)> on_reply,
              std::function<void(Status)> on_error, Clock::time_point transfer_deadline = {}) {
-    std::string_view message;
-    PendingPtr p = Begin(node, op, flags, body, deadline, std::move(on_reply), std::move(on_error),
-                         transfer_deadline, &message);
-    if (p) transport->Send(p->conn, w::kAmRequest, message, payload, size, kind, SendDone(p));
-  }
-
-  // The same with a payload gathered from `segments` (host memory, valid until the pending
-  // completes; UcxTransport::SendGather).
-  void IssueGather(int node, w::Opcode op, uint16_t flags, std::string_view body,
-                   std::vector<UcxTransport::Segment> segments, Clock::time_point deadline,
-                   std::function<void(const PendingPtr&, std::unique_ptr<Incoming>)> on_reply,
-                   std::function<void(Status)> on_error) {
-    std::string_view message;
-    PendingPtr p = Begin(node, op, flags, body, deadline, std::move(on_reply), std::move(on_error),
-                         {}, &message);
-    if (p) transport->SendGather(p->conn, w::kAmRequest, message, std::move(segments), SendDone(p));
-  }
-
-  // A request's pending entry, with its message encoded into *message (this thread's buffer,
-  // valid until the next call); null after `on_error` got why it cannot be sent.
-  PendingPtr Begin(int node, w::Opcode op, uint16_t flags, std::string_view body,
-                   Clock::time_point deadline,
-                   std::function<void(const PendingPtr&, std::unique_ptr<Incoming>)> on_reply,
-                   std::function<void(Status)> on_error, Clock::time_point transfer_deadline,
-                   std::string_view* message) {
     if (node < 0 || static_cast<size_t>(node) >= nodes.size()) {
-      on_error(Status::Unavailable("no node owns the key: the ring has no members"));
-      return nullptr;
+      return on_error(Status::Unavailable("no node owns the key: the ring has no members"));
     }
     if (IsDown(node)) {
       auto left = std::chrono::duration_cast<std::chrono::milliseconds>(health[node].down_until -
                                                                         Clock::now());
-      on_error(Status::Unavailable("node " + nodes[node].id + " is down; reconnecting in " +
-                                   std::to_string(left.count()) + " ms"));
-      return nullptr;
+      return on_error(Status::Unavailable("node " + nodes[node].id + " is down; reconnecting in " +
+                                          std::to_string(left.count()) + " ms"));
     }
     auto conn = EnsureConn(node);
-    if (!conn.ok()) {
-      on_error(conn.status());
-      return nullptr;
-    }
+    if (!conn.ok()) return on_error(conn.status());
     auto p = MakePooledShared<Pending>();
     p->id = next_id.fetch_add(1, std::memory_order_relaxed);
     p->node = node;
@@ -478,10 +438,14 @@ struct Client::Impl {
     const uint32_t budget = static_cast<uint32_t>(std::clamp<int64_t>(left, 1, UINT32_MAX));
     w::Header h{op, flags, p->id, budget};
     // The transport copies the header before Send returns: one buffer per thread serves all.
-    static thread_local std::string buffer;
-    w::EncodeMessageTo(&buffer, h, body);
-    *message = buffer;
-    return p;
+    static thread_local std::string message;
+    w::EncodeMessageTo(&message, h, body);
+    transport->Send(*conn, w::kAmRequest, message, payload, size, kind, Pooled([this, p](Status s) {
+      p->io--;
+      // Aborted: the server refused the payload; its reply says why.
+      if (!s.ok() && s.code() != StatusCode::kAborted) Fail(p, s);
+      Settle(p);
+    }));
   }
 
   // Receives a reply's payload into `dst`, then runs `then` (worker thread).
@@ -494,19 +458,6 @@ struct Client::Impl {
                          then(s);
                          Settle(p);
                        }));
-  }
-
-  // The same into `parts` (UcxTransport::ReceiveScatter).
-  void ReceivePayload(const PendingPtr& p, std::unique_ptr<Incoming> msg,
-                      std::vector<UcxTransport::Destination> parts,
-                      std::function<void(Status)> then) {
-    p->io++;
-    transport->ReceiveScatter(std::move(msg), std::move(parts),
-                              Pooled([this, p, then = std::move(then)](Status s) {
-                                p->io--;
-                                then(s);
-                                Settle(p);
-                              }));
   }
 
   // --- membership (worker thread) ---
@@ -964,12 +915,10 @@ struct Client::Impl {
     Clock::time_point deadline;
     // Where row i's value (described by `meta`) goes: meta.size bytes of host memory that stay
     // valid until the batch is done, or null when the row refuses the value (place has then
-    // recorded the row's outcome, e.g. a value of the wrong size). Called before any byte of
-    // the value is there. A row whose copy failed is asked of its primary and placed again.
+    // recorded the row's outcome, e.g. a value of the wrong size). The value is copied there
+    // at once.
     std::function<std::byte*(size_t i, const w::ObjectMeta& meta)> place;
-    // Row i's outcome: OK once its value is in place, else why it has none. A row whose value
-    // was placed and whose transfer then failed gets the failure (its place may hold part of
-    // the value then).
+    // Row i's outcome: OK once its value is in place, else why it has none.
     std::function<void(size_t i, const Status& s)> row;
     std::function<void()> done;
     int remaining = 0;  // parts in flight, plus one per IssueBatchRead loop still running
@@ -1046,94 +995,28 @@ struct Client::Impl {
       }
       b->remaining++;
       const bool primary = primary_rows[n];
-      auto on_reply = [this, b, part, n, primary, sent](const PendingPtr& p,
-                                                        std::unique_ptr<Incoming> msg) {
-        w::Header h;
-        std::string_view body;
-        w::ReplyStatus rs;
-        std::string_view block;
-        Status s = w::DecodeMessage(msg->header().data(), msg->header().size(), &h, &body);
-        if (s.ok()) s = w::DecodeStatusPrefix(body, &rs, &block);
-        if (s.ok()) s = rs.ToStatus();
-        if (s.ok() && (h.flags & w::kFlagBlockInHeader) == 0) {
-          if (!block.empty()) s = Status::ProtocolError("unexpected bytes after a batch status");
-          if (!s.ok()) return Fail(p, s);
-          // The block leads the payload: everything lands in one buffer, then each value is
-          // copied to its place.
-          auto buf = std::make_shared<std::string>();
-          buf->resize(msg->payload_size());
-          return ReceivePayload(p, std::move(msg), buf->data(), MemoryKind::kHost,
-                                [this, p, buf, b, part, n, primary, sent](Status s2) {
-                                  if (!s2.ok()) return Fail(p, s2);
-                                  Complete(p, [this, buf, b, part, n, primary, sent] {
-                                    auto res = std::make_shared<std::vector<w::BatchGetResult>>();
-                                    size_t at = 0;
-                                    Status ds = w::DecodeBatchGetBlock(*buf, res.get(), &at);
-                                    AnswerBatchPart(b, part, n, primary, sent, ds, *res,
-                                                    buf->data() + at, nullptr);
-                                  });
-                                });
-        }
-        // The block came in the header: every value is placed before any byte of it arrives
-        // and received straight there. From here the part counts as answered: no hedge now.
-        auto res = std::make_shared<std::vector<w::BatchGetResult>>();
-        if (s.ok()) s = w::DecodeBatchGetHead(block, msg->payload_size(), res.get());
-        if (s.ok() && res->size() != part->idx.size()) {
-          s = Status::ProtocolError("batch reply has the wrong number of results");
-        }
-        if (!s.ok()) return Fail(p, s);
-        part->answered = true;
-        auto placed = std::make_shared<std::vector<uint8_t>>(res->size(), 0);
-        std::vector<UcxTransport::Destination> parts;
-        parts.reserve(res->size());
-        size_t sink_size = 0;  // values nobody takes land in one sink
-        for (size_t j = 0; j < res->size(); ++j) {
-          const w::BatchGetResult& row = (*res)[j];
-          if (row.code != StatusCode::kOk) continue;
-          std::byte* dst = nullptr;
-          if (part->vers[j] == 0 || !part->hedged) dst = b->place(part->idx[j], row.meta);
-          (*placed)[j] = dst != nullptr;
-          if (dst == nullptr) sink_size = std::max<size_t>(sink_size, row.meta.size);
-          parts.push_back({dst, row.meta.size});
-        }
-        std::shared_ptr<std::byte[]> sink;
-        if (sink_size > 0) {
-          sink.reset(new std::byte[sink_size]);
-          for (UcxTransport::Destination& d : parts) {
-            if (d.data == nullptr) d.data = sink.get();
-          }
-        }
-        ReceivePayload(p, std::move(msg), std::move(parts),
-                       [this, p, res, placed, sink, b, part, n, primary, sent](Status s2) {
-                         if (!s2.ok()) return Fail(p, s2);
-                         Complete(p, [this, res, placed, b, part, n, primary, sent] {
-                           AnswerBatchPart(b, part, n, primary, sent, Status::OK(), *res, nullptr,
-                                           placed.get());
-                         });
-                       });
+      // The reply's payload is the result block and then the values: it lands in one (reused)
+      // buffer and each value is copied to its place from there. (Placing the values before
+      // they arrive, the block travelling in the reply's header, measured slower on this host's
+      // transports; see docs/ARCHITECTURE.md, "Batches".)
+      auto answered = [this, b, part, n, primary, sent](Status s, std::string_view reply) {
+        std::vector<w::BatchGetResult> res;
+        size_t at = 0;
+        if (s.ok()) s = w::DecodeBatchGetBlock(reply, &res, &at);
+        AnswerBatchPart(b, part, n, primary, sent, s, res, s.ok() ? reply.data() + at : nullptr);
       };
-      auto on_error = [this, b, part, n, primary, sent](Status s) {
-        std::vector<w::BatchGetResult> none;
-        AnswerBatchPart(b, part, n, primary, sent, s, none, nullptr, nullptr);
-      };
-      Issue(
-          static_cast<int>(n), w::Opcode::kMultiGet, any_copy ? w::kFlagVersionedKeys : 0, "",
-          payload->data(), payload->size(), MemoryKind::kHost, deadline,
-          [on_reply, payload](const PendingPtr& p, std::unique_ptr<Incoming> msg) {
-            on_reply(p, std::move(msg));
-          },
-          on_error, primary ? Clock::time_point{} : b->deadline);
+      IssueWithBlockReply(static_cast<int>(n), w::Opcode::kMultiGet,
+                          any_copy ? w::kFlagVersionedKeys : 0, payload, deadline,
+                          primary ? Clock::time_point{} : b->deadline, answered);
     }
     FinishBatchPart(b);
   }
 
   // A node's answer to one part of a batch read: `s`, its failure, or `res` (one per row of the
-  // part) with the values either at `values` (consecutive, in row order: each is placed and
-  // copied here) or already in place where `placed[j]` says so.
+  // part) with the found rows' values consecutively at `values`, each placed and copied here.
   void AnswerBatchPart(const std::shared_ptr<BatchRead>& b, const std::shared_ptr<BatchPart>& part,
                        size_t n, bool primary, Clock::time_point sent, Status s,
-                       std::vector<w::BatchGetResult>& res, const char* values,
-                       const std::vector<uint8_t>* placed) {
+                       std::vector<w::BatchGetResult>& res, const char* values) {
     part->answered = true;
     const std::vector<size_t>& idx = part->idx;
     const std::vector<uint64_t>& vers = part->vers;
@@ -1147,7 +1030,7 @@ struct Client::Impl {
       const size_t i = idx[j];
       const bool copy = vers[j] != 0;
       const bool found = s.ok() && res[j].code == StatusCode::kOk;
-      const char* bytes = found && values ? values + off : nullptr;
+      const char* bytes = found ? values + off : nullptr;
       if (found) off += res[j].meta.size;
       if (copy && part->hedged) continue;  // asked of its primary already
       if (copy && !found) {
@@ -1168,12 +1051,8 @@ struct Client::Impl {
       if (!copy) {
         RememberHint((*b->keys)[i], res[j].meta.version, std::move(res[j].hint), sent);
       }
-      if (placed != nullptr) {
-        if ((*placed)[j]) b->row(i, Status::OK());  // else refused: place gave its outcome
-        continue;
-      }
       std::byte* dst = b->place(i, res[j].meta);
-      if (dst == nullptr) continue;
+      if (dst == nullptr) continue;  // refused: place gave the row's outcome
       if (res[j].meta.size > 0) std::memcpy(dst, bytes, res[j].meta.size);
       b->row(i, Status::OK());
     }
@@ -1285,25 +1164,82 @@ struct Client::Impl {
           std::move(on_reply), Pooled([done](Status s) { done(s); }));
   }
 
-  // Replies whose payload is a block to read fully (batches, stats).
+  // Buffers that batch replies are received into, reused (worker-thread state: the I/O thread
+  // or a caller driving it, one at a time). A fresh buffer per reply costs a zero-fill and, for
+  // large replies, page faults on every one: MGET replies of 64 x 64 KiB over tcp ran at 1.1
+  // GB/s with fresh buffers against 2.4-2.8 when glibc happened to keep them in its heap
+  // (bench/mget_ab.sh; the allocator's choice depended on what the process had freed before).
+  struct ReplyBuffer {
+    std::unique_ptr<char[]> bytes;
+    size_t size = 0;
+  };
+  static constexpr size_t kReplyBuffersKept = 4;
+  static constexpr size_t kReplyBufferMaxKept = 64 << 20;  // larger ones are not kept
+  std::vector<ReplyBuffer> reply_buffers;
+  // A buffer of at least `size` bytes (empty when memory is short).
+  ReplyBuffer TakeReplyBuffer(size_t size) {
+    for (auto it = reply_buffers.begin(); it != reply_buffers.end(); ++it) {
+      if (it->size < size) continue;
+      ReplyBuffer b = std::move(*it);
+      reply_buffers.erase(it);
+      return b;
+    }
+    ReplyBuffer b;
+    b.bytes.reset(new (std::nothrow) char[size ? size : 1]);
+    if (b.bytes) b.size = size;
+    return b;
+  }
+  void GiveReplyBuffer(ReplyBuffer b) {
+    if (!b.bytes || b.size > kReplyBufferMaxKept) return;
+    if (reply_buffers.size() < kReplyBuffersKept) return reply_buffers.push_back(std::move(b));
+    auto smallest = std::min_element(
+        reply_buffers.begin(), reply_buffers.end(),
+        [](const ReplyBuffer& x, const ReplyBuffer& y) { return x.size < y.size; });
+    if (smallest->size < b.size) *smallest = std::move(b);
+  }
+
+  // A request whose reply's payload is a block read fully into a reused buffer (MGET): `done`
+  // gets the payload, valid during the call only, or the failure. Worker thread.
+  void IssueWithBlockReply(int node, w::Opcode op, uint16_t flags,
+                           std::shared_ptr<std::string> request_payload, Clock::time_point deadline,
+                           Clock::time_point transfer_deadline,
+                           std::function<void(const Status&, std::string_view)> done) {
+    auto on_reply = [this, done, request_payload](const PendingPtr& p,
+                                                  std::unique_ptr<Incoming> msg) {
+      Status s = ParseReply(*msg, [&](std::string_view body, w::ReplyStatus* rs) {
+        return w::DecodeStatusReply(body, rs);
+      });
+      if (!s.ok()) return Fail(p, s);
+      const size_t size = msg->payload_size();
+      auto buf = std::make_shared<ReplyBuffer>(TakeReplyBuffer(size));
+      if (!buf->bytes) {
+        return Fail(p, Status::NoSpace("cannot allocate " + std::to_string(size) +
+                                       " bytes for a batch reply"));
+      }
+      ReceivePayload(p, std::move(msg), buf->bytes.get(), MemoryKind::kHost,
+                     [this, p, buf, size, done](Status s2) {
+                       if (!s2.ok()) {
+                         GiveReplyBuffer(std::move(*buf));
+                         return Fail(p, s2);
+                       }
+                       Complete(p, [this, buf, size, done] {
+                         done(Status::OK(), std::string_view(buf->bytes.get(), size));
+                         GiveReplyBuffer(std::move(*buf));
+                       });
+                     });
+    };
+    Issue(
+        node, op, flags, "", request_payload->data(), request_payload->size(), MemoryKind::kHost,
+        deadline, on_reply, [done](Status s) { done(s, {}); }, transfer_deadline);
+  }
+
+  // Replies whose payload is a block to read fully (stats).
   void IssueWithPayloadReply(int node, w::Opcode op, uint16_t flags, std::string body,
                              std::shared_ptr<std::string> request_payload,
                              Clock::time_point deadline, Clock::time_point transfer_deadline,
                              std::function<void(Result<std::shared_ptr<std::string>>)> done) {
-    const void* data = request_payload ? request_payload->data() : nullptr;
-    size_t size = request_payload ? request_payload->size() : 0;
-    Issue(
-        node, op, flags, std::move(body), data, size, MemoryKind::kHost, deadline,
-        PayloadReplyHandler(done, request_payload), [done](Status s) { done(s); },
-        transfer_deadline);
-  }
-
-  // What IssueWithPayloadReply does with the reply: its payload is read into one buffer, which
-  // `done` gets. `keep` lives as long as the request.
-  std::function<void(const PendingPtr&, std::unique_ptr<Incoming>)> PayloadReplyHandler(
-      std::function<void(Result<std::shared_ptr<std::string>>)> done, std::shared_ptr<void> keep) {
-    return [this, done = std::move(done), keep = std::move(keep)](const PendingPtr& p,
-                                                                  std::unique_ptr<Incoming> msg) {
+    auto on_reply = [this, done, request_payload](const PendingPtr& p,
+                                                  std::unique_ptr<Incoming> msg) {
       Status s = ParseReply(*msg, [&](std::string_view body, w::ReplyStatus* rs) {
         return w::DecodeStatusReply(body, rs);
       });
@@ -1316,6 +1252,11 @@ struct Client::Impl {
                        Complete(p, [buf, done] { done(buf); });
                      });
     };
+    const void* data = request_payload ? request_payload->data() : nullptr;
+    size_t size = request_payload ? request_payload->size() : 0;
+    Issue(
+        node, op, flags, std::move(body), data, size, MemoryKind::kHost, deadline, on_reply,
+        [done](Status s) { done(s); }, transfer_deadline);
   }
 };
 
@@ -1803,67 +1744,57 @@ std::vector<Result<uint64_t>> Client::MultiPut(const std::vector<PutItem>& items
   // Replicated: item i's version is first_version + i * kStep on every node it goes to.
   const bool versioned = I->options.replicas > 1;
   const uint64_t first_version = versioned ? I->write_clock.Take(items.size()) : 0;
-  // Each node's message: the metadata block, in the header when it fits (the node then places
-  // every value before it arrives: kFlagBlockInHeader), else ahead of the values; the values
-  // are gathered from where they are (UcxTransport::SendGather), not copied here.
-  const size_t header_room = I->transport->max_header_size();
-  std::vector<uint8_t> in_header(batch->by_node.size(), 0);
-  std::vector<std::vector<UcxTransport::Segment>> segments(batch->by_node.size());
+  // Each node's message: metadata block, then the values (gathered here, in the caller).
   for (size_t n = 0; n < batch->by_node.size(); ++n) {
     if (batch->by_node[n].empty()) continue;
     std::vector<w::BatchPutItem> meta;
-    meta.reserve(batch->by_node[n].size());
+    size_t total = 0;
     for (size_t i : batch->by_node[n]) {
       meta.push_back({items[i].key, items[i].tensor, items[i].size,
                       versioned ? first_version + i * HybridClock::kStep : 0});
+      total += items[i].size;
     }
-    batch->payloads[n] = std::make_shared<std::string>(w::EncodeBatchPutBlock(meta, versioned));
-    in_header[n] = w::kFixedHeaderSize + batch->payloads[n]->size() <= header_room;
-    if (!in_header[n])
-      segments[n].push_back({batch->payloads[n]->data(), batch->payloads[n]->size()});
+    auto p = std::make_shared<std::string>(w::EncodeBatchPutBlock(meta, versioned));
+    p->reserve(p->size() + total);
     for (size_t i : batch->by_node[n]) {
-      const void* src = staged[i] ? static_cast<const void*>(staged[i].get()) : items[i].data;
-      segments[n].push_back({src, items[i].size});
+      const char* src = staged[i] ? reinterpret_cast<const char*>(staged[i].get())
+                                  : static_cast<const char*>(items[i].data);
+      if (items[i].size) p->append(src, items[i].size);
     }
+    batch->payloads[n] = p;
     batch->remaining++;
   }
   if (batch->remaining == 0) return std::move(batch->results);
   auto done = batch->all_done.get_future();
-  // The caller waits below until every node has answered and every send is done, so the
-  // segments may point at its items (and at `staged`).
-  I->Submit([I, batch, &segments, &in_header, deadline = I->DeadlineFrom(o.timeout),
+  I->Submit([I, batch, deadline = I->DeadlineFrom(o.timeout),
              flags = static_cast<uint16_t>((o.durable ? w::kFlagDurable : 0) |
                                            (versioned ? w::kFlagClientVersion : 0))] {
     for (size_t n = 0; n < batch->by_node.size(); ++n) {
       if (batch->by_node[n].empty()) continue;
-      auto answered = [I, batch, n](Result<std::shared_ptr<std::string>> r) {
-        const std::vector<size_t>& idx = batch->by_node[n];
-        std::vector<w::BatchPutResult> res;
-        Status s = r.status();
-        if (s.ok()) s = w::DecodeBatchPutResults(**r, &res);
-        if (s.ok() && res.size() != idx.size()) {
-          s = Status::ProtocolError("batch reply has the wrong number of results");
-        }
-        for (size_t j = 0; j < idx.size(); ++j) {
-          // As for Put: the primary's answer is the item's outcome.
-          if (batch->primary[idx[j]] != static_cast<int>(n)) continue;
-          Result<uint64_t>& out = batch->results[idx[j]];
-          if (!s.ok())
-            out = s;
-          else if (res[j].code != StatusCode::kOk)
-            out = Status(res[j].code, "batch put failed");
-          else
-            out = res[j].version;
-          if (out.ok()) I->write_clock.Observe(*out);
-        }
-        if (--batch->remaining == 0) batch->all_done.set_value();
-      };
-      const std::string_view body = in_header[n] ? *batch->payloads[n] : std::string_view();
-      I->IssueGather(static_cast<int>(n), w::Opcode::kMultiPut,
-                     flags | (in_header[n] ? w::kFlagBlockInHeader : 0), body,
-                     std::move(segments[n]), deadline,
-                     I->PayloadReplyHandler(answered, batch->payloads[n]),
-                     [answered](Status s) { answered(s); });
+      I->IssueWithPayloadReply(
+          static_cast<int>(n), w::Opcode::kMultiPut, flags, "", batch->payloads[n], deadline, {},
+          [I, batch, n](Result<std::shared_ptr<std::string>> r) {
+            const std::vector<size_t>& idx = batch->by_node[n];
+            std::vector<w::BatchPutResult> res;
+            Status s = r.status();
+            if (s.ok()) s = w::DecodeBatchPutResults(**r, &res);
+            if (s.ok() && res.size() != idx.size()) {
+              s = Status::ProtocolError("batch reply has the wrong number of results");
+            }
+            for (size_t j = 0; j < idx.size(); ++j) {
+              // As for Put: the primary's answer is the item's outcome.
+              if (batch->primary[idx[j]] != static_cast<int>(n)) continue;
+              Result<uint64_t>& out = batch->results[idx[j]];
+              if (!s.ok())
+                out = s;
+              else if (res[j].code != StatusCode::kOk)
+                out = Status(res[j].code, "batch put failed");
+              else
+                out = res[j].version;
+              if (out.ok()) I->write_clock.Observe(*out);
+            }
+            if (--batch->remaining == 0) batch->all_done.set_value();
+          });
     }
   });
   I->Await(done);

@@ -542,189 +542,69 @@ void Server::Impl::ServeMultiGet(const Req& r, std::shared_ptr<std::vector<Batch
       }
     }
     if (changed) parts->block = w::EncodeBatchGetBlock(*results);
-    // The block goes in the reply's header when it fits, so the client places every value
-    // before any arrives (kFlagBlockInHeader); otherwise it leads the payload.
-    std::string body = w::EncodeStatusReply(Status::OK());
-    const bool in_header =
-        w::kFixedHeaderSize + body.size() + parts->block.size() <= transport->max_header_size();
     std::vector<UcxTransport::Segment> segments;
     segments.reserve(parts->values.size() + 1);
-    if (in_header) {
-      body += parts->block;
-    } else {
-      segments.push_back({parts->block.data(), parts->block.size()});
-    }
+    segments.push_back({parts->block.data(), parts->block.size()});
     segments.insert(segments.end(), parts->values.begin(), parts->values.end());
-    ReplyGather(
-        r, body, std::move(segments), [parts] {}, in_header ? w::kFlagBlockInHeader : 0);
+    ReplyGather(r, w::EncodeStatusReply(Status::OK()), std::move(segments), [parts] {});
   });
 }
 
-// An MPUT on its way through: decoded, reserved item by item, filled, committed together.
-struct Server::Impl::MultiPutOp {
-  Req req;
-  bool from_peer = false;  // on a peer connection (handoff): never misrouted
-  std::vector<w::BatchPutItem> items;
-  std::vector<w::BatchPutResult> results;
-  std::vector<WriteHandle> handles;  // the reserved items, in order
-  std::vector<size_t> slot;          // item index of each handle
-  std::unique_ptr<Incoming> msg;     // kFlagBlockInHeader: the values, not yet received
-  std::vector<std::string> staging;  // per handle: host bytes bound for device memory
-  uint64_t ring_epoch = 0;           // the ring the items' ownership was checked against
-};
-
-void Server::Impl::HandleMultiPut(const Req& r, std::string_view body,
-                                  std::unique_ptr<Incoming> msg) {
-  auto op = std::make_shared<MultiPutOp>();
-  op->req = r;
-  op->from_peer = peer_node_of_conn.count(r.conn) > 0;
-  const bool versioned = (r.h.flags & w::kFlagClientVersion) != 0;
-  if ((r.h.flags & w::kFlagBlockInHeader) == 0) {
-    // The block leads the payload: all of it is received into one buffer first.
-    return ReadPayloadThen(
-        r, std::move(msg), [this, op, versioned](Status s, std::shared_ptr<PayloadBuffer> buf) {
-          size_t block = 0;
-          if (s.ok()) {
-            s = w::DecodeBatchPutBlock(buf->view(), &op->items, &block, versioned);
-          }
-          if (!s.ok()) return PostReply([this, op, s] { ReplyStatus(op->req, s); });
-          const char* values = buf->data() + block;
-          ReserveBatch(*op, values);
-          CommitBatchAndReply(op);
-        });
-  }
-  // The block came in the header: every item is reserved before its bytes are received, and
-  // they land straight in their reservations (an eager payload is copied from where UCX holds
-  // it, on the executor; a rendezvous one is received by UCX into the reservations).
-  Status s = w::DecodeBatchPutHead(body, msg->payload_size(), &op->items, versioned);
-  if (s.ok() && msg->payload_size() > options.max_batch_bytes) {
-    s = Status::NoSpace("batch of " + FormatSize(msg->payload_size()) +
-                        " exceeds the node's limit of " + FormatSize(options.max_batch_bytes) +
-                        "; split it");
-  }
-  if (!s.ok()) return ReplyStatus(r, s);  // msg dropped: an unreceived payload is released
-  op->msg = std::move(msg);
-  SubmitRequestWork(r, [this, op] {
-    if (op->req.Expired()) {
-      return PostReply([this, op] {
-        op->msg.reset();
-        ReplyStatus(op->req, DeadlinePassed());
-      });
-    }
-    if (!op->msg->payload_is_rendezvous()) {
-      ReserveBatch(*op, op->msg->payload().data());
-      op->msg.reset();
-      return CommitBatchAndReply(op);
-    }
-    ReserveBatch(*op, nullptr);
-    // Received on the request's own worker, whose table watches the transfer.
-    transport->PostTo(op->req.worker, [this, op] { ReceiveBatchValues(op); });
-  });
-}
-
-void Server::Impl::ReserveBatch(MultiPutOp& op, const char* values) {
-  // Items fail on their own (too large, misrouted, no room); the others still land.
-  const RingPtr now = CurrentRing();
-  op.ring_epoch = now->epoch();
-  const bool versioned = (op.req.h.flags & w::kFlagClientVersion) != 0;
-  op.results.assign(op.items.size(), {});
-  size_t off = 0;
-  for (size_t i = 0; i < op.items.size(); off += op.items[i].size, ++i) {
-    const w::BatchPutItem& item = op.items[i];
-    Status is = CheckValueSize(item.size);
-    if (is.ok() && versioned) is = CheckClientVersion(item.version);
-    if (is.ok() && elastic() && (op.req.h.flags & w::kFlagPreviousOwner) == 0 && !op.from_peer &&
-        !Owns(*now, item.key)) {
-      is = Status::WrongNode("");
-    }
-    Result<WriteHandle> h =
-        is.ok() ? cache->Reserve(item.key, item.size, item.tensor) : Result<WriteHandle>(is);
-    if (h.ok() && values != nullptr) {
-      is =
-          cache->CopyBytes(h->data(), h->memory_kind(), values + off, MemoryKind::kHost, item.size);
-    } else {
-      is = h.status();
-    }
-    op.results[i].code = is.code();
-    if (!is.ok()) continue;  // the reservation (if any) goes with `h`
-    if (versioned) h->RequestVersion(item.version);
-    op.handles.push_back(std::move(*h));
-    op.slot.push_back(i);
-  }
-}
-
-void Server::Impl::ReceiveBatchValues(std::shared_ptr<MultiPutOp> op) {
-  // Each value goes to its reservation; one bound for device memory to a host buffer first
-  // (copied on an executor), and the values of items that failed to one sink.
-  std::vector<UcxTransport::Destination> parts;
-  parts.reserve(op->items.size());
-  op->staging.resize(op->handles.size());
-  size_t sink_size = 0;
-  size_t next = 0;  // the next handle
-  for (size_t i = 0; i < op->items.size(); ++i) {
-    const uint64_t size = op->items[i].size;
-    if (next < op->slot.size() && op->slot[next] == i) {
-      WriteHandle& h = op->handles[next];
-      void* dst = h.data();
-      if (h.memory_kind() != MemoryKind::kHost) {
-        op->staging[next].resize(size);
-        dst = op->staging[next].data();
-      }
-      parts.push_back({dst, size});
-      ++next;
-    } else {
-      parts.push_back({nullptr, size});
-      sink_size = std::max<size_t>(sink_size, size);
-    }
-  }
-  std::shared_ptr<char[]> sink;
-  if (sink_size > 0) {
-    sink.reset(new char[sink_size]);
-    for (UcxTransport::Destination& d : parts) {
-      if (d.data == nullptr) d.data = sink.get();
-    }
-  }
-  const ConnId conn = op->req.conn;
-  const uint64_t token = TrackTransfer(conn);
-  transport->ReceiveScatter(
-      std::move(op->msg), std::move(parts), [this, op, sink, conn, token](Status rs) {
-        if (token != 0) TransferDone(conn, token);
-        executors->Submit([this, op, rs] {
-          Status s = rs;
-          for (size_t j = 0; s.ok() && j < op->handles.size(); ++j) {
-            if (op->staging[j].empty()) continue;
-            WriteHandle& h = op->handles[j];
-            s = cache->CopyBytes(h.data(), h.memory_kind(), op->staging[j].data(),
-                                 MemoryKind::kHost, h.size());
-          }
-          op->staging.clear();
-          if (!s.ok()) {
-            op->handles.clear();  // their reservations go
-            return PostReply([this, op, s] { ReplyStatus(op->req, s); });
-          }
-          CommitBatchAndReply(op);
-        });
-      });
-}
-
-void Server::Impl::CommitBatchAndReply(std::shared_ptr<MultiPutOp> op) {
-  // All reserved items are committed together: a durable batch is one RocksDB write with one
-  // sync (CommitBatch), not one fsync per item.
-  auto committed =
-      cache->CommitBatch(std::move(op->handles), (op->req.h.flags & w::kFlagDurable) != 0);
-  for (size_t j = 0; j < committed.size(); ++j) {
-    op->results[op->slot[j]].code = committed[j].status().code();
-    if (committed[j].ok()) op->results[op->slot[j]].version = *committed[j];
-  }
-  auto payload = std::make_shared<std::string>(w::EncodeBatchPutResults(op->results));
-  std::vector<std::string> keys;  // the ones written (their copies must go first)
-  for (size_t i = 0; i < op->items.size(); ++i) {
-    if (op->results[i].code == StatusCode::kOk) keys.push_back(std::move(op->items[i].key));
-  }
-  PostReply([this, op, payload, keys = std::move(keys), epoch = op->ring_epoch] {
-    NoteCommitted(keys, epoch);
-    AfterWrite(keys, [this, op, payload] { ReplyPayload(op->req, payload); });
-  });
+void Server::Impl::HandleMultiPut(const Req& r, std::unique_ptr<Incoming> msg) {
+  const bool peer_conn_request = peer_node_of_conn.count(r.conn) > 0;
+  ReadPayloadThen(r, std::move(msg),
+                  [this, r, peer_conn_request](Status s, std::shared_ptr<PayloadBuffer> buf) {
+                    std::vector<w::BatchPutItem> items;
+                    size_t block = 0;
+                    const bool versioned = (r.h.flags & w::kFlagClientVersion) != 0;
+                    if (s.ok()) s = w::DecodeBatchPutBlock(buf->view(), &items, &block, versioned);
+                    if (!s.ok()) return PostReply([this, r, s] { ReplyStatus(r, s); });
+                    std::vector<w::BatchPutResult> results(items.size());
+                    RingPtr now = CurrentRing();
+                    // Every item is reserved and filled, then all are committed together: a durable
+                    // batch is one RocksDB write with one sync (CommitBatch), not one fsync per
+                    // item. Items fail on their own (too large, no room); the others still land.
+                    std::vector<WriteHandle> handles;
+                    std::vector<size_t> slot;  // item index of each handle
+                    size_t off = block;
+                    for (size_t i = 0; i < items.size(); off += items[i].size, ++i) {
+                      Status is = CheckValueSize(items[i].size);
+                      if (is.ok() && versioned) is = CheckClientVersion(items[i].version);
+                      if (is.ok() && elastic() && (r.h.flags & w::kFlagPreviousOwner) == 0 &&
+                          !peer_conn_request && !Owns(*now, items[i].key)) {
+                        is = Status::WrongNode("");
+                      }
+                      Result<WriteHandle> h =
+                          is.ok() ? cache->Reserve(items[i].key, items[i].size, items[i].tensor)
+                                  : Result<WriteHandle>(is);
+                      if (h.ok()) {
+                        is = cache->CopyBytes(h->data(), h->memory_kind(), buf->data() + off,
+                                              MemoryKind::kHost, items[i].size);
+                      } else {
+                        is = h.status();
+                      }
+                      results[i].code = is.code();
+                      if (!is.ok()) continue;  // the reservation (if any) goes with `h`
+                      if (versioned) h->RequestVersion(items[i].version);
+                      handles.push_back(std::move(*h));
+                      slot.push_back(i);
+                    }
+                    auto committed =
+                        cache->CommitBatch(std::move(handles), (r.h.flags & w::kFlagDurable) != 0);
+                    for (size_t j = 0; j < committed.size(); ++j) {
+                      results[slot[j]].code = committed[j].status().code();
+                      if (committed[j].ok()) results[slot[j]].version = *committed[j];
+                    }
+                    auto payload = std::make_shared<std::string>(w::EncodeBatchPutResults(results));
+                    std::vector<std::string> keys;  // the ones written (their copies must go first)
+                    for (size_t i = 0; i < items.size(); ++i) {
+                      if (results[i].code == StatusCode::kOk) keys.push_back(items[i].key);
+                    }
+                    PostReply([this, r, payload, keys = std::move(keys), epoch = now->epoch()] {
+                      NoteCommitted(keys, epoch);
+                      AfterWrite(keys, [this, r, payload] { ReplyPayload(r, payload); });
+                    });
+                  });
 }
 
 void Server::Impl::HandleStats(const Req& r) {

@@ -54,28 +54,27 @@ Server::Impl::OutgoingReply* Server::Impl::StartReply(const Req& r, uint64_t siz
   return out;
 }
 
-std::string_view Server::Impl::EncodeReplyHeader(const Req& r, std::string_view body,
-                                                 uint16_t flags) {
+std::string_view Server::Impl::EncodeReplyHeader(const Req& r, std::string_view body) {
   // The transport copies the header before Send returns: one buffer per thread serves them all.
   static thread_local std::string message;
-  w::EncodeMessageTo(&message, {r.h.opcode, flags, r.h.request_id}, body);
+  w::EncodeMessageTo(&message, {r.h.opcode, 0, r.h.request_id}, body);
   return message;
 }
 
 void Server::Impl::ReplyGather(const Req& r, std::string_view body,
                                std::vector<UcxTransport::Segment> segments,
-                               std::function<void()> after, uint16_t flags) {
+                               std::function<void()> after) {
   if (const int here = WorkerHere(); r.worker != here) {
     transport->PostTo(r.worker, [this, r, b = std::string(body), segments = std::move(segments),
-                                 after = std::move(after), flags]() mutable {
-      ReplyGather(r, b, std::move(segments), std::move(after), flags);
+                                 after = std::move(after)]() mutable {
+      ReplyGather(r, b, std::move(segments), std::move(after));
     });
     return;
   }
   uint64_t size = 0;
   for (const UcxTransport::Segment& s : segments) size += s.size;
   OutgoingReply* out = StartReply(r, size, std::move(after));
-  transport->SendGather(r.conn, w::kAmReply, EncodeReplyHeader(r, body, flags), std::move(segments),
+  transport->SendGather(r.conn, w::kAmReply, EncodeReplyHeader(r, body), std::move(segments),
                         [this, out](Status s) { FinishReply(out, s); });
 }
 
@@ -440,7 +439,7 @@ void Server::Impl::OnMessage(std::unique_ptr<Incoming> msg) {
     case w::Opcode::kMultiGet:
       return HandleMultiGet(r, std::move(msg));
     case w::Opcode::kMultiPut:
-      return HandleMultiPut(r, body, std::move(msg));
+      return HandleMultiPut(r, std::move(msg));
     case w::Opcode::kStats:
       return HandleStats(r);
     case w::Opcode::kReplicaPut:

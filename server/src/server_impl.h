@@ -494,10 +494,9 @@ struct Server::Impl {
   void Reply(const Req& r, const Status& status, std::string_view body, const void* payload,
              size_t size, MemoryKind kind, std::function<void()> after, ReadHandle pinned = {});
   // Reply with a successful status whose payload UCX gathers from `segments` (host memory,
-  // valid until `after` runs): the values of an MGET go out from where they are. `flags` are
-  // the reply header's (wire::kFlagBlockInHeader).
+  // valid until `after` runs): the values of an MGET go out from where they are.
   void ReplyGather(const Req& r, std::string_view body, std::vector<UcxTransport::Segment> segments,
-                   std::function<void()> after, uint16_t flags = 0);
+                   std::function<void()> after);
   // What a reply's send completion needs, recycled (I/O thread) instead of captured in a fresh
   // closure per reply.
   struct IoWorker;
@@ -512,8 +511,7 @@ struct Server::Impl {
   // (this thread's buffer: valid until the next call); FinishReply when its send is done: what
   // it held goes, its request's share of the limits goes back.
   OutgoingReply* StartReply(const Req& r, uint64_t size, std::function<void()> after);
-  static std::string_view EncodeReplyHeader(const Req& r, std::string_view body,
-                                            uint16_t flags = 0);
+  static std::string_view EncodeReplyHeader(const Req& r, std::string_view body);
   void FinishReply(OutgoingReply* out, const Status& s);
 
   // Admits a request against the in-flight limits, or says Busy. A request that brings `charge`
@@ -683,15 +681,7 @@ struct Server::Impl {
   // Executor: reads the rows (own cache or replica cache), gathers the reply.
   void ServeMultiGet(const Req& r, std::shared_ptr<std::vector<BatchRow>> rows);
 
-  void HandleMultiPut(const Req& r, std::string_view body, std::unique_ptr<Incoming> msg);
-  struct MultiPutOp;
-  // Executor: reserves every item of `op` that passes its checks (results, handles, slot);
-  // with `values` (the items' bytes, consecutive) each reservation is filled at once.
-  void ReserveBatch(MultiPutOp& op, const char* values);
-  // The request's worker: receives the values of `op` into its reservations, then commits.
-  void ReceiveBatchValues(std::shared_ptr<MultiPutOp> op);
-  // Executor: commits the reservations of `op` together and replies with every item's result.
-  void CommitBatchAndReply(std::shared_ptr<MultiPutOp> op);
+  void HandleMultiPut(const Req& r, std::unique_ptr<Incoming> msg);
 
   void HandleStats(const Req& r);
 

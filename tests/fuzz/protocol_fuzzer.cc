@@ -92,17 +92,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     case 2:
       (void)DecodeBatchPutBlock(in, &items, &block);
       (void)DecodeBatchPutBlock(in, &items, &block, /*versioned=*/true);
-      (void)DecodeBatchPutHead(in, in.size(), &items);
-      (void)DecodeBatchPutHead(in, 1u << 20, &items, /*versioned=*/true);
       break;
     case 3:
       (void)DecodeBatchGetBlock(in, &gets, &block);
-      (void)DecodeBatchGetHead(in, in.size(), &gets);
-      {
-        std::string_view rest;
-        if (DecodeStatusPrefix(in, &rs, &rest).ok())
-          (void)DecodeBatchGetHead(rest, 1u << 20, &gets);
-      }
       break;
     case 4:
       (void)DecodeBatchPutResults(in, &puts);

@@ -241,12 +241,9 @@ std::string EncodeBatchPutBlock(const std::vector<BatchPutItem>& items, bool ver
   return out;
 }
 
-namespace {
-
-// The items of a batch put block; `r` is left at the first byte after it. Every item's size is
-// at most `size_bound`; `total` receives their sum.
-Status ReadBatchPutItems(ByteReader& r, uint64_t size_bound, bool versioned,
-                         std::vector<BatchPutItem>* items, uint64_t* total) {
+Status DecodeBatchPutBlock(std::string_view payload, std::vector<BatchPutItem>* items,
+                           size_t* block_size, bool versioned) {
+  ByteReader r(payload);
   uint32_t n = 0;
   // Minimum item: 4 (key length) + 2 (dtype, rank) + 8 (size) (+ 8 version).
   const size_t min_item = versioned ? 22 : 14;
@@ -254,7 +251,7 @@ Status ReadBatchPutItems(ByteReader& r, uint64_t size_bound, bool versioned,
     return Malformed("batch put block");
   }
   items->resize(n);
-  *total = 0;
+  uint64_t total = 0;
   for (auto& it : *items) {
     if (!r.String(&it.key, kMaxKeySize) || !r.Tensor(&it.tensor) || !r.U64(&it.size)) {
       return Malformed("batch put block");
@@ -263,36 +260,16 @@ Status ReadBatchPutItems(ByteReader& r, uint64_t size_bound, bool versioned,
     if (versioned && (!r.U64(&it.version) || it.version == 0)) {
       return Malformed("batch put block (item version)");
     }
-    if (it.size > size_bound) return Malformed("batch put block (item size)");
-    *total += it.size;
+    // Every size and the running total stay within the payload (no overflow).
+    if (it.size > payload.size() - total) return Malformed("batch put block (item size)");
+    total += it.size;
+  }
+  *block_size = payload.size() - r.remaining();
+  if (total != r.remaining()) {
+    return Status::ProtocolError("batch put: item sizes add up to " + std::to_string(total) +
+                                 " bytes but " + std::to_string(r.remaining()) + " arrived");
   }
   return Status::OK();
-}
-
-Status CheckValuesAddUp(uint64_t total, uint64_t arrived) {
-  if (total == arrived) return Status::OK();
-  return Status::ProtocolError("batch put: item sizes add up to " + std::to_string(total) +
-                               " bytes but " + std::to_string(arrived) + " arrived");
-}
-
-}  // namespace
-
-Status DecodeBatchPutBlock(std::string_view payload, std::vector<BatchPutItem>* items,
-                           size_t* block_size, bool versioned) {
-  ByteReader r(payload);
-  uint64_t total = 0;
-  GKV_RETURN_IF_ERROR(ReadBatchPutItems(r, payload.size(), versioned, items, &total));
-  *block_size = payload.size() - r.remaining();
-  return CheckValuesAddUp(total, r.remaining());
-}
-
-Status DecodeBatchPutHead(std::string_view block, uint64_t values_size,
-                          std::vector<BatchPutItem>* items, bool versioned) {
-  ByteReader r(block);
-  uint64_t total = 0;
-  GKV_RETURN_IF_ERROR(ReadBatchPutItems(r, values_size, versioned, items, &total));
-  if (r.remaining() != 0) return Malformed("batch put block (trailing bytes)");
-  return CheckValuesAddUp(total, values_size);
 }
 
 void AppendVersion(std::string* body, uint64_t version) {
@@ -321,10 +298,9 @@ Status DecodeStatusReply(std::string_view body, ReplyStatus* status) {
   return Status::OK();
 }
 
-Status DecodeStatusPrefix(std::string_view body, ReplyStatus* status, std::string_view* rest) {
+Status DecodeStatusPrefix(std::string_view body, ReplyStatus* status) {
   ByteReader r(body);
   if (!ReadStatus(r, status)) return Malformed("reply status");
-  if (rest) *rest = body.substr(body.size() - r.remaining());
   return Status::OK();
 }
 
@@ -506,54 +482,31 @@ std::string EncodeBatchGetBlock(const std::vector<BatchGetResult>& results) {
   return out;
 }
 
-namespace {
-
-// The rows of a batch get block; `r` is left at the first byte after it. Every value's size is
-// at most `size_bound`; `total` receives their sum.
-Status ReadBatchGetRows(ByteReader& r, uint64_t size_bound, std::vector<BatchGetResult>* results,
-                        uint64_t* total) {
+Status DecodeBatchGetBlock(std::string_view payload, std::vector<BatchGetResult>* results,
+                           size_t* block_size) {
+  ByteReader r(payload);
   uint32_t n = 0;
   if (!r.U32(&n) || n > kMaxBatch || n > r.remaining()) return Malformed("batch get block");
   results->resize(n);
-  *total = 0;
+  uint64_t total = 0;
   for (auto& res : *results) {
     uint8_t code;
     if (!r.U8(&code) || !ValidCode(code)) return Malformed("batch get block");
     res.code = static_cast<StatusCode>(code);
-    res.hint.clear();
     if (res.code == StatusCode::kOk) {
       uint8_t hints = 0;
-      if (!ReadMeta(r, &res.meta) || res.meta.size > size_bound || !r.U8(&hints) ||
+      // Every size and the running total stay within the payload (no overflow).
+      if (!ReadMeta(r, &res.meta) || res.meta.size > payload.size() - total || !r.U8(&hints) ||
           r.remaining() < 2u * hints) {
         return Malformed("batch get block");
       }
       res.hint.resize(hints);
       for (auto& h : res.hint) r.U16(&h);
-      *total += res.meta.size;
+      total += res.meta.size;
     }
   }
-  return Status::OK();
-}
-
-}  // namespace
-
-Status DecodeBatchGetBlock(std::string_view payload, std::vector<BatchGetResult>* results,
-                           size_t* block_size) {
-  ByteReader r(payload);
-  uint64_t total = 0;
-  GKV_RETURN_IF_ERROR(ReadBatchGetRows(r, payload.size(), results, &total));
   *block_size = payload.size() - r.remaining();
   if (total != r.remaining()) return Malformed("batch get block (value sizes)");
-  return Status::OK();
-}
-
-Status DecodeBatchGetHead(std::string_view block, uint64_t values_size,
-                          std::vector<BatchGetResult>* results) {
-  ByteReader r(block);
-  uint64_t total = 0;
-  GKV_RETURN_IF_ERROR(ReadBatchGetRows(r, values_size, results, &total));
-  if (r.remaining() != 0) return Malformed("batch get block (trailing bytes)");
-  if (total != values_size) return Malformed("batch get block (value sizes)");
   return Status::OK();
 }
 

@@ -151,11 +151,9 @@ class Client {
   // (like MultiGet); no allocation per key. Returns one status per key, in order: OK (row
   // written: exactly row_bytes bytes), NotFound (a miss), InvalidArgument when the value is not
   // exactly row_bytes bytes or options.accept refused it, or the node's failure. A row whose
-  // status is not OK is left untouched, except that values are received straight into their
-  // rows: a connection that fails while a row's value is arriving leaves that row (reported
-  // Unavailable or Timeout, or read again from another replica) holding part of it. Keys whose node
-  // failed are retried one by one on their other replicas (replicas > 1); options.fail_open turns
-  // node failures into misses. REQUIRES: row_bytes <= row_stride; `dst` holds keys.size() rows.
+  // status is not OK is left untouched. Keys whose node failed are retried one by one on their
+  // other replicas (replicas > 1); options.fail_open turns node failures into misses.
+  // REQUIRES: row_bytes <= row_stride; `dst` holds keys.size() rows.
   std::vector<Status> MultiGetInto(const std::vector<std::string>& keys, void* dst,
                                    size_t row_stride, size_t row_bytes,
                                    const GetOptions& options = {});

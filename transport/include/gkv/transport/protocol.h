@@ -76,12 +76,6 @@ inline constexpr uint16_t kFlagClientVersion = 1 << 6;
 // handoff_put (a read repair's push): the body ends with the u64 version the receiver must
 // still hold for the key (0: none) for the copy to be installed; otherwise nothing changes.
 inline constexpr uint16_t kFlagExpectVersion = 1 << 7;
-// mput request, mget reply: the batch's metadata block travels in the message header (the
-// request's body; the reply's body, after its status) and the payload holds the values only,
-// in order. The receiver then knows where every value goes before any byte of them arrives and
-// receives each straight into its place (UcxTransport::ReceiveScatter) instead of into one
-// buffer first. Used when the block fits the transport's header limit.
-inline constexpr uint16_t kFlagBlockInHeader = 1 << 8;
 
 struct Header {
   Opcode opcode = Opcode::kPing;
@@ -151,10 +145,6 @@ std::string EncodeBatchPutBlock(const std::vector<BatchPutItem>& items, bool ver
 // `block_size` receives the length of the metadata block (values start there).
 Status DecodeBatchPutBlock(std::string_view payload, std::vector<BatchPutItem>* items,
                            size_t* block_size, bool versioned = false);
-// kFlagBlockInHeader: `block` is exactly the metadata block, and the values (`values_size`
-// bytes, the payload) travel apart; their sizes must add up to it.
-Status DecodeBatchPutHead(std::string_view block, uint64_t values_size,
-                          std::vector<BatchPutItem>* items, bool versioned = false);
 
 // kFlagClientVersion on PUT and DELETE: the body ends with the client's u64 version.
 void AppendVersion(std::string* body, uint64_t version);
@@ -171,10 +161,8 @@ struct ReplyStatus {
 
 std::string EncodeStatusReply(const Status& s);
 Status DecodeStatusReply(std::string_view body, ReplyStatus* status);
-// Only the status every reply body starts with (the rest is the caller's to decode; `rest`,
-// when given, receives it).
-Status DecodeStatusPrefix(std::string_view body, ReplyStatus* status,
-                          std::string_view* rest = nullptr);
+// Only the status every reply body starts with (the rest is the caller's to decode).
+Status DecodeStatusPrefix(std::string_view body, ReplyStatus* status);
 
 // Get and Stat: status, then (when OK) the object's metadata. Get's payload is the value.
 // A primary's GET reply for a replicated key adds a hint: u8 count, count x u16 node index (into
@@ -235,10 +223,6 @@ struct BatchGetResult {
 std::string EncodeBatchGetBlock(const std::vector<BatchGetResult>& results);
 Status DecodeBatchGetBlock(std::string_view payload, std::vector<BatchGetResult>* results,
                            size_t* block_size);
-// kFlagBlockInHeader: the body is the status, then exactly this block; the payload is the
-// values (`values_size` bytes), whose sizes must add up to it.
-Status DecodeBatchGetHead(std::string_view block, uint64_t values_size,
-                          std::vector<BatchGetResult>* results);
 
 // MultiPut reply: body = status; payload = count, then per item a status code and version.
 struct BatchPutResult {

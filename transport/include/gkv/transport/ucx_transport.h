@@ -254,22 +254,6 @@ class UcxTransport {
   // worker thread; `dst` must stay valid until then.
   void Receive(std::unique_ptr<Incoming> msg, void* dst, MemoryKind kind,
                std::function<void(Status)> done);
-  // One piece of a scattered receive (ReceiveScatter): host memory.
-  struct Destination {
-    void* data = nullptr;
-    size_t size = 0;
-  };
-  // Receives the payload of `msg` into `parts` (host memory), in order: part k gets the bytes
-  // that follow those of parts 0..k-1. Their sizes must add up to payload_size()
-  // (InvalidArgument otherwise; nothing is received then). Parts may overlap (a sink shared by
-  // values the caller discards); empty ones are skipped. An eager payload is copied straight
-  // into the parts. A rendezvous one, as SendGather decides for sends: over shared memory with
-  // parts of 16 KiB or more on average, UCX scatters it itself (its iov datatype); otherwise it
-  // lands in one buffer and is copied out (on the copy thread when large), since there UCX's
-  // zero-copy protocols take a contiguous buffer only. Each part must stay valid until `done`
-  // runs (on the worker thread, as Receive's).
-  void ReceiveScatter(std::unique_ptr<Incoming> msg, std::vector<Destination> parts,
-                      std::function<void(Status)> done);
   // Closes a connection: flushes it, or with `force` (or a failed peer) drops it at once, which
   // completes its outstanding operations with an error. No on_disconnect for it.
   void Close(ConnId conn, bool force = false);
