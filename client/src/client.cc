@@ -995,19 +995,19 @@ struct Client::Impl {
       }
       b->remaining++;
       const bool primary = primary_rows[n];
-      // The reply's payload is the result block and then the values: it lands in one (reused)
-      // buffer and each value is copied to its place from there. (Placing the values before
-      // they arrive, the block travelling in the reply's header, measured slower on this host's
-      // transports; see docs/ARCHITECTURE.md, "Batches".)
-      auto answered = [this, b, part, n, primary, sent](Status s, std::string_view reply) {
+      // The reply's payload is the result block and then the values: it lands in one buffer
+      // and each value is copied to its place from there. (Placing the values before they
+      // arrive measured slower on this host's transports: docs/ARCHITECTURE.md, "Batches".)
+      auto answered = [this, b, part, n, primary, sent](Result<std::shared_ptr<std::string>> r) {
         std::vector<w::BatchGetResult> res;
         size_t at = 0;
-        if (s.ok()) s = w::DecodeBatchGetBlock(reply, &res, &at);
-        AnswerBatchPart(b, part, n, primary, sent, s, res, s.ok() ? reply.data() + at : nullptr);
+        Status s = r.status();
+        if (s.ok()) s = w::DecodeBatchGetBlock(**r, &res, &at);
+        AnswerBatchPart(b, part, n, primary, sent, s, res, s.ok() ? (*r)->data() + at : nullptr);
       };
-      IssueWithBlockReply(static_cast<int>(n), w::Opcode::kMultiGet,
-                          any_copy ? w::kFlagVersionedKeys : 0, payload, deadline,
-                          primary ? Clock::time_point{} : b->deadline, answered);
+      IssueWithPayloadReply(static_cast<int>(n), w::Opcode::kMultiGet,
+                            any_copy ? w::kFlagVersionedKeys : 0, "", payload, deadline,
+                            primary ? Clock::time_point{} : b->deadline, answered);
     }
     FinishBatchPart(b);
   }
@@ -1164,76 +1164,7 @@ struct Client::Impl {
           std::move(on_reply), Pooled([done](Status s) { done(s); }));
   }
 
-  // Buffers that batch replies are received into, reused (worker-thread state: the I/O thread
-  // or a caller driving it, one at a time). A fresh buffer per reply costs a zero-fill and, for
-  // large replies, page faults on every one: MGET replies of 64 x 64 KiB over tcp ran at 1.1
-  // GB/s with fresh buffers against 2.4-2.8 when glibc happened to keep them in its heap
-  // (bench/mget_ab.sh; the allocator's choice depended on what the process had freed before).
-  struct ReplyBuffer {
-    std::unique_ptr<char[]> bytes;
-    size_t size = 0;
-  };
-  static constexpr size_t kReplyBuffersKept = 4;
-  static constexpr size_t kReplyBufferMaxKept = 64 << 20;  // larger ones are not kept
-  std::vector<ReplyBuffer> reply_buffers;
-  // A buffer of at least `size` bytes (empty when memory is short).
-  ReplyBuffer TakeReplyBuffer(size_t size) {
-    for (auto it = reply_buffers.begin(); it != reply_buffers.end(); ++it) {
-      if (it->size < size) continue;
-      ReplyBuffer b = std::move(*it);
-      reply_buffers.erase(it);
-      return b;
-    }
-    ReplyBuffer b;
-    b.bytes.reset(new (std::nothrow) char[size ? size : 1]);
-    if (b.bytes) b.size = size;
-    return b;
-  }
-  void GiveReplyBuffer(ReplyBuffer b) {
-    if (!b.bytes || b.size > kReplyBufferMaxKept) return;
-    if (reply_buffers.size() < kReplyBuffersKept) return reply_buffers.push_back(std::move(b));
-    auto smallest = std::min_element(
-        reply_buffers.begin(), reply_buffers.end(),
-        [](const ReplyBuffer& x, const ReplyBuffer& y) { return x.size < y.size; });
-    if (smallest->size < b.size) *smallest = std::move(b);
-  }
-
-  // A request whose reply's payload is a block read fully into a reused buffer (MGET): `done`
-  // gets the payload, valid during the call only, or the failure. Worker thread.
-  void IssueWithBlockReply(int node, w::Opcode op, uint16_t flags,
-                           std::shared_ptr<std::string> request_payload, Clock::time_point deadline,
-                           Clock::time_point transfer_deadline,
-                           std::function<void(const Status&, std::string_view)> done) {
-    auto on_reply = [this, done, request_payload](const PendingPtr& p,
-                                                  std::unique_ptr<Incoming> msg) {
-      Status s = ParseReply(*msg, [&](std::string_view body, w::ReplyStatus* rs) {
-        return w::DecodeStatusReply(body, rs);
-      });
-      if (!s.ok()) return Fail(p, s);
-      const size_t size = msg->payload_size();
-      auto buf = std::make_shared<ReplyBuffer>(TakeReplyBuffer(size));
-      if (!buf->bytes) {
-        return Fail(p, Status::NoSpace("cannot allocate " + std::to_string(size) +
-                                       " bytes for a batch reply"));
-      }
-      ReceivePayload(p, std::move(msg), buf->bytes.get(), MemoryKind::kHost,
-                     [this, p, buf, size, done](Status s2) {
-                       if (!s2.ok()) {
-                         GiveReplyBuffer(std::move(*buf));
-                         return Fail(p, s2);
-                       }
-                       Complete(p, [this, buf, size, done] {
-                         done(Status::OK(), std::string_view(buf->bytes.get(), size));
-                         GiveReplyBuffer(std::move(*buf));
-                       });
-                     });
-    };
-    Issue(
-        node, op, flags, "", request_payload->data(), request_payload->size(), MemoryKind::kHost,
-        deadline, on_reply, [done](Status s) { done(s, {}); }, transfer_deadline);
-  }
-
-  // Replies whose payload is a block to read fully (stats).
+  // Replies whose payload is a block to read fully (batches, stats).
   void IssueWithPayloadReply(int node, w::Opcode op, uint16_t flags, std::string body,
                              std::shared_ptr<std::string> request_payload,
                              Clock::time_point deadline, Clock::time_point transfer_deadline,
