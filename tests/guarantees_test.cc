@@ -365,7 +365,9 @@ TEST(GuaranteesTest, OversizeValuesAreRefusedWithInvalidArgument) {
   EXPECT_TRUE(many[0].ok()) << many[0].status().ToString();
   EXPECT_EQ(many[1].status().code(), StatusCode::kInvalidArgument) << many[1].status().ToString();
   EXPECT_TRUE(many[2].ok()) << many[2].status().ToString();
-  EXPECT_EQ(client->Get("small")->view(), "s");
+  auto small = client->Get("small");
+  ASSERT_TRUE(small.ok()) << small.status().ToString();
+  EXPECT_EQ(small->view(), "s");
   auto got = client->Get("after");
   ASSERT_TRUE(got.ok()) << got.status().ToString();
   EXPECT_TRUE(got->view() == after);

@@ -306,10 +306,8 @@ TEST(IntegrationTest, MultiGetIntoWritesRowsInPlaceAndLeavesOthersUntouched) {
   EXPECT_TRUE(client->MultiGetInto({}, nullptr, kRow, kRow).empty());
 }
 
-// Batches of many small rows and of a few large values arrive whole, for MultiPut, MultiGet and
-// MultiGetInto. An MPUT's block travels in the request's header when it fits (a few large
-// values: rendezvous, from the caller's buffers) and leads the payload when it does not (2,400
-// rows: a block of tens of KiB); the node serves both.
+// Batches of many small rows (2,400 rows: a metadata block of tens of KiB) and of a few large
+// values (rendezvous transfers) arrive whole, for MultiPut, MultiGet and MultiGetInto.
 TEST(IntegrationTest, BatchesOfManyRowsAndOfLargeValuesArriveWhole) {
   Cluster cluster(3);
   auto client = cluster.NewClient();
