@@ -902,23 +902,21 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "gkv-bench: bad --value-size '%s'\n", value_size.c_str());
     return 2;
   }
-  if (!batch_range.empty()) {
-    uint64_t lo, hi;
-    if (!ParseRange(batch_range, &lo, &hi, false) || lo < 1) {
-      std::fprintf(stderr, "gkv-bench: bad --batch '%s'\n", batch_range.c_str());
-      return 2;
+  // "N" or "MIN-MAX", at least 1 (empty: the default of 1).
+  auto parse_batch = [](const std::string& range, const char* flag, int* lo, int* hi) {
+    if (range.empty()) return true;
+    uint64_t min, max;
+    if (!ParseRange(range, &min, &max, false) || min < 1) {
+      std::fprintf(stderr, "gkv-bench: bad %s '%s'\n", flag, range.c_str());
+      return false;
     }
-    c.batch_min = static_cast<int>(lo);
-    c.batch_max = static_cast<int>(hi);
-  }
-  if (!put_batch_range.empty()) {
-    uint64_t lo, hi;
-    if (!ParseRange(put_batch_range, &lo, &hi, false) || lo < 1) {
-      std::fprintf(stderr, "gkv-bench: bad --put-batch '%s'\n", put_batch_range.c_str());
-      return 2;
-    }
-    c.put_batch_min = static_cast<int>(lo);
-    c.put_batch_max = static_cast<int>(hi);
+    *lo = static_cast<int>(min);
+    *hi = static_cast<int>(max);
+    return true;
+  };
+  if (!parse_batch(batch_range, "--batch", &c.batch_min, &c.batch_max) ||
+      !parse_batch(put_batch_range, "--put-batch", &c.put_batch_min, &c.put_batch_max)) {
+    return 2;
   }
   if (key_dist == "uniform")
     c.dist = KeyDist::kUniform;
