@@ -23,7 +23,7 @@ run() { # server bench tls size batch
   env "${envs[@]}" "$bench" --cluster "$dir/c.yaml" --keys 2048 --value-size "$size" "${ops[@]}" \
     --threads 2 --connections 2 --duration "$SECS" --warmup 1 --json "$dir/r.json" > "$dir/b.log" 2>&1 || true
   kill -TERM $pid; wait $pid || true
-  python3 -c "import json; d=json.load(open('$dir/r.json')); print(f\"{d['gb_per_s']:.3f} GB/s {d['ops_per_s']:.0f} keys/s errors {sum(d['errors'].values())}\")"
+  python3 -c "import json; d=json.load(open('$dir/r.json')); print(f\"{d['gb_per_s']:.3f} GB/s {d['keys_per_s']:.0f} keys/s errors {sum(d['errors'].values())}\")"
 }
 printf '%-8s %-6s %-6s %-28s %-28s\n' tls value batch "A" "B"
 for tls in default tcp; do
