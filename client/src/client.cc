@@ -913,13 +913,9 @@ struct Client::Impl {
   struct BatchRead {
     const std::vector<std::string>* keys = nullptr;
     Clock::time_point deadline;
-    // Where row i's value (described by `meta`) goes: meta.size bytes of host memory that stay
-    // valid until the batch is done, or null when the row refuses the value (place has then
-    // recorded the row's outcome, e.g. a value of the wrong size). The value is copied there
-    // at once.
-    std::function<std::byte*(size_t i, const w::ObjectMeta& meta)> place;
-    // Row i's outcome: OK once its value is in place, else why it has none.
-    std::function<void(size_t i, const Status& s)> row;
+    // One row's outcome; `bytes` (the value) is valid during the call only.
+    std::function<void(size_t i, const Status& s, const w::ObjectMeta* meta, const char* bytes)>
+        row;
     std::function<void()> done;
     int remaining = 0;  // parts in flight, plus one per IssueBatchRead loop still running
   };
@@ -954,7 +950,7 @@ struct Client::Impl {
         node = ring->Owner(key);
       }
       if (node < 0) {
-        b->row(i, Status::Unavailable("the ring has no members"));
+        b->row(i, Status::Unavailable("the ring has no members"), nullptr, nullptr);
         continue;
       }
       by_node[node].push_back(i);
@@ -994,71 +990,61 @@ struct Client::Impl {
         });
       }
       b->remaining++;
-      const bool primary = primary_rows[n];
-      // The reply's payload is the result block and then the values: it lands in one buffer
-      // and each value is copied to its place from there. (Placing the values before they
-      // arrive measured slower on this host's transports: docs/ARCHITECTURE.md, "Batches".)
-      auto answered = [this, b, part, n, primary, sent](Result<std::shared_ptr<std::string>> r) {
-        std::vector<w::BatchGetResult> res;
-        size_t at = 0;
-        Status s = r.status();
-        if (s.ok()) s = w::DecodeBatchGetBlock(**r, &res, &at);
-        AnswerBatchPart(b, part, n, primary, sent, s, res, s.ok() ? (*r)->data() + at : nullptr);
-      };
-      IssueWithPayloadReply(static_cast<int>(n), w::Opcode::kMultiGet,
-                            any_copy ? w::kFlagVersionedKeys : 0, "", payload, deadline,
-                            primary ? Clock::time_point{} : b->deadline, answered);
+      IssueWithPayloadReply(
+          static_cast<int>(n), w::Opcode::kMultiGet, any_copy ? w::kFlagVersionedKeys : 0, "",
+          payload, deadline, primary_rows[n] ? Clock::time_point{} : b->deadline,
+          [this, b, part, n, primary = static_cast<bool>(primary_rows[n]),
+           sent](Result<std::shared_ptr<std::string>> r) {
+            part->answered = true;
+            const std::vector<size_t>& idx = part->idx;
+            const std::vector<uint64_t>& vers = part->vers;
+            std::vector<w::BatchGetResult> res;
+            size_t block = 0;
+            Status s = r.status();
+            if (!primary && s.code() == StatusCode::kTimeout) AvoidCopiesOn(static_cast<int>(n));
+            if (s.ok()) s = w::DecodeBatchGetBlock(**r, &res, &block);
+            if (s.ok() && res.size() != idx.size()) {
+              s = Status::ProtocolError("batch reply has the wrong number of results");
+            }
+            size_t off = block;
+            std::vector<size_t> again;  // copy rows that missed: asked of their primaries now
+            for (size_t j = 0; j < idx.size(); ++j) {
+              const size_t i = idx[j];
+              const bool copy = vers[j] != 0;
+              if (copy && part->hedged) {  // asked of its primary already
+                if (s.ok() && res[j].code == StatusCode::kOk) off += res[j].meta.size;
+                continue;
+              }
+              if (copy && (!s.ok() || res[j].code != StatusCode::kOk)) {
+                again.push_back(i);  // not the caller's miss: ask the primary
+                DropCopies((*b->keys)[i], static_cast<int>(n));
+                continue;
+              }
+              if (!s.ok()) {
+                b->row(i, s, nullptr, nullptr);
+                continue;
+              }
+              if (res[j].code != StatusCode::kOk) {
+                static const Status kMiss = Status::NotFound("key not found");
+                b->row(i,
+                       res[j].code == StatusCode::kNotFound
+                           ? kMiss
+                           : Status(res[j].code, "batch get failed"),
+                       nullptr, nullptr);
+                continue;
+              }
+              if (!copy) {
+                RememberHint((*b->keys)[i], res[j].meta.version, std::move(res[j].hint), sent);
+              }
+              b->row(i, Status::OK(), &res[j].meta, (*r)->data() + off);
+              off += res[j].meta.size;
+            }
+            // At once, not after the slowest node answered: a stalled node elsewhere in the
+            // batch must not use up these rows' time.
+            if (!again.empty()) IssueBatchRead(b, again, /*use_copies=*/false);
+            FinishBatchPart(b);
+          });
     }
-    FinishBatchPart(b);
-  }
-
-  // A node's answer to one part of a batch read: `s`, its failure, or `res` (one per row of the
-  // part) with the found rows' values consecutively at `values`, each placed and copied here.
-  void AnswerBatchPart(const std::shared_ptr<BatchRead>& b, const std::shared_ptr<BatchPart>& part,
-                       size_t n, bool primary, Clock::time_point sent, Status s,
-                       std::vector<w::BatchGetResult>& res, const char* values) {
-    part->answered = true;
-    const std::vector<size_t>& idx = part->idx;
-    const std::vector<uint64_t>& vers = part->vers;
-    if (!primary && s.code() == StatusCode::kTimeout) AvoidCopiesOn(static_cast<int>(n));
-    if (s.ok() && res.size() != idx.size()) {
-      s = Status::ProtocolError("batch reply has the wrong number of results");
-    }
-    size_t off = 0;
-    std::vector<size_t> again;  // copy rows that missed: asked of their primaries now
-    for (size_t j = 0; j < idx.size(); ++j) {
-      const size_t i = idx[j];
-      const bool copy = vers[j] != 0;
-      const bool found = s.ok() && res[j].code == StatusCode::kOk;
-      const char* bytes = found ? values + off : nullptr;
-      if (found) off += res[j].meta.size;
-      if (copy && part->hedged) continue;  // asked of its primary already
-      if (copy && !found) {
-        again.push_back(i);  // not the caller's miss: ask the primary
-        DropCopies((*b->keys)[i], static_cast<int>(n));
-        continue;
-      }
-      if (!s.ok()) {
-        b->row(i, s);
-        continue;
-      }
-      if (res[j].code != StatusCode::kOk) {
-        static const Status kMiss = Status::NotFound("key not found");
-        b->row(i, res[j].code == StatusCode::kNotFound ? kMiss
-                                                       : Status(res[j].code, "batch get failed"));
-        continue;
-      }
-      if (!copy) {
-        RememberHint((*b->keys)[i], res[j].meta.version, std::move(res[j].hint), sent);
-      }
-      std::byte* dst = b->place(i, res[j].meta);
-      if (dst == nullptr) continue;  // refused: place gave the row's outcome
-      if (res[j].meta.size > 0) std::memcpy(dst, bytes, res[j].meta.size);
-      b->row(i, Status::OK());
-    }
-    // At once, not after the slowest node answered: a stalled node elsewhere in the batch must
-    // not use up these rows' time.
-    if (!again.empty()) IssueBatchRead(b, again, /*use_copies=*/false);
     FinishBatchPart(b);
   }
 
@@ -1079,7 +1065,6 @@ struct Client::Impl {
     if (--b->remaining > 0) return;
     auto done = std::move(b->done);
     b->row = nullptr;
-    b->place = nullptr;
     done();
   }
 
@@ -1565,16 +1550,16 @@ std::vector<Result<Value>> Client::MultiGet(const std::vector<std::string>& keys
   auto batch = std::make_shared<Impl::BatchRead>();
   batch->keys = &keys;
   batch->deadline = I->DeadlineFrom(o.timeout);
-  batch->place = [&results](size_t i, const w::ObjectMeta& meta) {
+  batch->row = [&results](size_t i, const Status& s, const w::ObjectMeta* meta, const char* bytes) {
+    if (!s.ok()) {
+      results[i] = s;
+      return;
+    }
     Value v;
-    v.info_ = ToInfo(meta);
+    v.info_ = ToInfo(*meta);
     v.bytes_.reset(new std::byte[v.info_.size ? v.info_.size : 1]);
-    std::byte* at = v.bytes_.get();
+    std::memcpy(v.bytes_.get(), bytes, v.info_.size);
     results[i] = std::move(v);
-    return at;
-  };
-  batch->row = [&results](size_t i, const Status& s) {
-    if (!s.ok()) results[i] = s;
   };
   I->RunBatchRead(batch);
   // Keys whose node failed: one by one through Get, which tries the other replicas. So are keys
@@ -1777,11 +1762,14 @@ std::vector<Status> Client::MultiGetInto(const std::vector<std::string>& keys, v
   auto batch = std::make_shared<Impl::BatchRead>();
   batch->keys = &keys;
   batch->deadline = I->DeadlineFrom(o.timeout);
-  batch->place = [&](size_t i, const w::ObjectMeta& meta) -> std::byte* {
-    results[i] = check(ToInfo(meta));
-    return results[i].ok() ? rows + i * row_stride : nullptr;
+  batch->row = [&](size_t i, const Status& s, const w::ObjectMeta* meta, const char* bytes) {
+    if (!s.ok()) {
+      results[i] = s;
+      return;
+    }
+    results[i] = check(ToInfo(*meta));
+    if (results[i].ok()) std::memcpy(rows + i * row_stride, bytes, meta->size);
   };
-  batch->row = [&](size_t i, const Status& s) { results[i] = s; };
   I->RunBatchRead(batch);
   if (staging) {
     // Runs of consecutive hits, one copy each (all rows at once when everything hit).
