@@ -4,9 +4,14 @@
 #     vs ucx_perftest ucp_am_bw at the same size
 #   - get latency p50/p99 for 4 KiB values vs ucx_perftest ucp_am_lat round trip (2 x one-way)
 # Two transport sets, each a table: UCX_TLS=tcp (what two hosts use without RDMA), and "same
-# host", UCX's own choice with every transport on (gkv's connections go over sysv shared memory
-# once wireup completes, with PEER error handling; ucx_perftest picks its own, posix/cma). A
-# UCX_TLS in the environment replaces both with one table on that set.
+# host", UCX's own choice with every transport on. A UCX_TLS in the environment replaces both
+# with one table on that set.
+# ucx_perftest runs as gkv's endpoints do: PEER error handling (-e), a context with the wakeup
+# feature (-I), and shared-memory error handling on (UCX_MM_ERROR_HANDLING=y, which gkv sets
+# for itself). That mode decides the protocol: on one host both then move large messages as
+# "rendezvous fragmented copy-in copy-out" over sysv shared memory. Without -e ucx_perftest
+# picks CMA's zero-copy read instead, which UCX 1.22 does not select for endpoints with error
+# handling (UCX_PROTO_INFO=y shows either choice), so that would not be the same transport.
 # ucx_perftest is the one of the UCX gkv links (scripts/ucx.sh). Needs build/ (scripts/build.sh).
 #   bench/ucx_compare.sh [SECONDS_PER_POINT]
 set -euo pipefail
@@ -21,11 +26,14 @@ PERF_SERVER_PID=""
 trap 'scripts/cluster.sh stop "$DIR" >/dev/null 2>&1 || true; [ -n "$PERF_SERVER_PID" ] && kill "$PERF_SERVER_PID" 2>/dev/null; rm -rf "$DIR"' EXIT
 PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 
+PERF_MODE=(-e -I)  # PEER error handling and the wakeup feature, as gkv's endpoints have
 perftest() {  # test size iterations -> prints the "Final:" line
-  scripts/ucx.sh ucx_perftest -p "$PORT" > "$DIR/perf-server.log" 2>&1 &
+  UCX_MM_ERROR_HANDLING=y scripts/ucx.sh ucx_perftest -p "$PORT" "${PERF_MODE[@]}" \
+    > "$DIR/perf-server.log" 2>&1 &
   PERF_SERVER_PID=$!
   sleep 0.5
-  scripts/ucx.sh ucx_perftest 127.0.0.1 -p "$PORT" -t "$1" -s "$2" -n "$3" -w 50 2>&1 | grep '^Final' || true
+  UCX_MM_ERROR_HANDLING=y scripts/ucx.sh ucx_perftest 127.0.0.1 -p "$PORT" "${PERF_MODE[@]}" \
+    -t "$1" -s "$2" -n "$3" -w 50 2>&1 | grep '^Final' || true
   wait "$PERF_SERVER_PID" 2>/dev/null || true
   PERF_SERVER_PID=""
 }
@@ -70,7 +78,8 @@ rtt = 2 * float(sys.argv[2])
 print(f"{'get latency 4KiB p50':26s} {d['p50']:9.1f} us   {rtt:13.1f} us   {d['p50']/rtt:8.2f}")
 print(f"{'get latency 4KiB p99':26s} {d['p99']:9.1f} us   {rtt:13.1f} us   {d['p99']/rtt:8.2f}")
 PY
-echo "(reference latency: ucx_perftest ucp_am_lat 4 KiB, median one-way x 2 = round trip)"
+echo "(reference latency: ucx_perftest ucp_am_lat 4 KiB, median one-way x 2 = round trip;"
+echo " ucx_perftest with -e -I and UCX_MM_ERROR_HANDLING=y, the endpoint mode gkv uses)"
 }
 
 for set in "${SETS[@]}"; do
