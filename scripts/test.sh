@@ -62,7 +62,7 @@ tsan() {
     -DGKV_SANITIZE=thread -DGKV_BUILD_BENCH=OFF -DCMAKE_BUILD_TYPE=Debug &&
     UCX_MEM_EVENTS=no \
     TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/tests/tsan.supp" \
-    ctest --test-dir build-tsan --output-on-failure -j "$JOBS" --timeout 600 -R Concurrent
+    ctest --test-dir build-tsan --output-on-failure -j "$JOBS" --timeout 600 -R Concurren
 }
 
 scripts/deps.sh

@@ -39,6 +39,9 @@ struct NodeSpec {
   // --io-threads: 2, so every cluster test runs a node's connections on two UCX workers
   // (worker 0 and another, which serves plain GETs itself and hands the rest to worker 0).
   int io_threads = 2;
+  // --placement-partitions: 2, so every cluster test runs a node's cache as two placement
+  // partitions (two slices of each memory tier, two locks), one per I/O thread.
+  int placement_partitions = 2;
   std::vector<std::string> extra_args;
   std::string secret;       // written to the cluster file when set
   std::string peer_secret;  // likewise
@@ -132,7 +135,9 @@ class Cluster {
                                      "--threads",
                                      std::to_string(spec_.threads),
                                      "--io-threads",
-                                     std::to_string(spec_.io_threads)};
+                                     std::to_string(spec_.io_threads),
+                                     "--placement-partitions",
+                                     std::to_string(spec_.placement_partitions)};
     if (spec_.disk) {
       args.insert(args.end(), {"--disk", disk_dir(i), "--disk-capacity", spec_.disk_capacity});
     }

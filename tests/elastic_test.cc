@@ -81,6 +81,8 @@ class ElasticCluster {
                                      "2",
                                      "--io-threads",
                                      "2",
+                                     "--placement-partitions",
+                                     "2",
                                      "--leave-timeout-ms",
                                      "20000"};
     args.insert(args.end(), extra.begin(), extra.end());

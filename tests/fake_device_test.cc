@@ -126,6 +126,7 @@ TEST(FakeDeviceTest, ASlowPathPutDoesNotHoldItsFastReservationToo) {
   }
   NodeSpec spec;
   spec.fake_gpu_mem = "8MiB";
+  spec.placement_partitions = 1;  // the 6 MiB object needs the whole 8 MiB tier, not a slice
   spec.extra_args = {"--gpu-placement", "first"};
   Cluster cluster(1, spec);
   auto client = cluster.NewClient(std::chrono::seconds(10));

@@ -1,9 +1,11 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstring>
 #include <map>
 
 #include "gkv/random.h"
+#include "gkv/storage/memory_arena.h"
 #include "gkv/storage/range_allocator.h"
 #include "test_util.h"
 
@@ -102,6 +104,29 @@ TEST(RangeAllocatorTest, RandomWorkloadKeepsInvariants) {
   for (auto& [o, s] : live) a.Free(o);
   EXPECT_EQ(a.used(), 0u);
   EXPECT_EQ(a.free_block_count(), 1u);
+}
+
+// Slices of one arena allocate only within their own range, independently of each other, and
+// reading and writing them reaches the parent's memory; destroying a slice leaves it mapped.
+TEST(MemoryArenaTest, SlicesAllocateWithinTheirRangeOfTheParent) {
+  auto parent = MemoryArena::CreateHost(1 << 20, MemoryArena::HostMode::kPageable);
+  ASSERT_TRUE(parent.ok()) << parent.status().ToString();
+  const MemoryArena& arena = **parent;
+  auto first = MemoryArena::Slice(arena, 0, 512 << 10);
+  auto second = MemoryArena::Slice(arena, 512 << 10, 512 << 10);
+  EXPECT_EQ(second->base(), arena.base() + (512 << 10));
+  EXPECT_EQ(second->kind(), arena.kind());
+  EXPECT_EQ(second->capacity(), 512u << 10);
+  std::byte* a = first->Allocate(512 << 10);
+  std::byte* b = second->Allocate(512 << 10);
+  ASSERT_TRUE(a && b);
+  EXPECT_EQ(first->Allocate(1), nullptr);  // full, although the parent's allocator is empty
+  EXPECT_TRUE(second->Contains(b) && !second->Contains(a));
+  std::memset(b, 0x5a, 512 << 10);
+  second->Free(b);
+  second.reset();
+  EXPECT_EQ(arena.base()[(1 << 20) - 1], std::byte{0x5a});  // still mapped
+  EXPECT_EQ(arena.used(), 0u);
 }
 
 }  // namespace

@@ -243,10 +243,14 @@ TEST(TieredCacheTest, FullyPinnedTierSendsPutsToTheNextTier) {
   for (int i = 0; i < 2; ++i) EXPECT_EQ(TierOf(*c, "g" + std::to_string(i)), Tier::kGpu);
 }
 
-TEST(TieredCacheTest, CapacitiesHoldUnderConcurrentPutGetDelete) {
+// Four threads put, get and delete 200 keys (values of up to 24 KiB that carry their own check)
+// in a small three-tier cache of `partitions` placement partitions.
+void CapacitiesHoldUnderConcurrentPutGetDelete(int partitions) {
   testing::TempDir dir;
   const uint64_t gpu = 256 * kKiB, host = 512 * kKiB, disk = 4 << 20;
-  auto c = MustOpen(SmallOptions(dir.path(), gpu, host, disk));
+  CacheOptions o = SmallOptions(dir.path(), gpu, host, disk);
+  o.placement_partitions = partitions;
+  auto c = MustOpen(o);
   ASSERT_TRUE(c);
   const uint64_t seed = testing::TestSeed();
   std::atomic<bool> failed{false};
@@ -307,6 +311,14 @@ TEST(TieredCacheTest, CapacitiesHoldUnderConcurrentPutGetDelete) {
   EXPECT_LE(st.tiers[0].used_bytes, gpu);
   EXPECT_LE(st.tiers[1].used_bytes, host);
   EXPECT_LE(st.tiers[2].used_bytes, disk);
+}
+
+TEST(TieredCacheTest, CapacitiesHoldUnderConcurrentPutGetDelete) {
+  CapacitiesHoldUnderConcurrentPutGetDelete(1);
+}
+
+TEST(TieredCachePartitionTest, CapacitiesHoldUnderConcurrentPutGetDelete) {
+  CapacitiesHoldUnderConcurrentPutGetDelete(4);
 }
 
 TEST(TieredCacheTest, DurableAndSpilledEntriesSurviveReopen) {
@@ -744,10 +756,12 @@ TEST(TieredCacheConcurrencyTest, ConcurrentReadsOfDroppedKeysGetNotFound) {
 // spill (GPU -> host -> disk), promote and delete the same keys: every value a reader holds
 // stays whole and unchanged until it lets go, and the tiers stay within their capacities.
 // Values carry their own check (a hash of the rest in the first 8 bytes). Run under TSan too.
-TEST(TieredCacheConcurrencyTest, FastPathReadersHoldWholeValuesWhileEntriesMoveAndDie) {
+void FastPathReadersHoldWholeValuesWhileEntriesMoveAndDie(int partitions) {
   testing::TempDir dir;
   const uint64_t gpu = 128 * kKiB, host = 256 * kKiB;
-  auto c = MustOpen(SmallOptions(dir.path(), gpu, host, 16 << 20));
+  CacheOptions o = SmallOptions(dir.path(), gpu, host, 16 << 20);
+  o.placement_partitions = partitions;
+  auto c = MustOpen(o);
   ASSERT_TRUE(c);
   const uint64_t seed = testing::TestSeed();
   auto checked = [](const std::byte* p, uint64_t n) {
@@ -830,10 +844,18 @@ TEST(TieredCacheConcurrencyTest, FastPathReadersHoldWholeValuesWhileEntriesMoveA
   for (int i = 0; i < 48; ++i) (void)c->Delete("k" + std::to_string(i));
   st = c->GetStats();
   EXPECT_EQ(st.tiers[0].used_bytes + st.tiers[1].used_bytes, 0u);
-  std::printf("fast reads %llu, slow reads %llu, puts %llu\n",
+  std::printf("%d partition(s): fast reads %llu, slow reads %llu, puts %llu\n", partitions,
               static_cast<unsigned long long>(fast_served.load()),
               static_cast<unsigned long long>(slow_served.load()),
               static_cast<unsigned long long>(puts.load()));
+}
+
+TEST(TieredCacheConcurrencyTest, FastPathReadersHoldWholeValuesWhileEntriesMoveAndDie) {
+  FastPathReadersHoldWholeValuesWhileEntriesMoveAndDie(1);
+}
+
+TEST(TieredCacheConcurrencyTest, FastPathReadersHoldWholeValuesAcrossPlacementPartitions) {
+  FastPathReadersHoldWholeValuesWhileEntriesMoveAndDie(4);
 }
 
 // A reader that pins an entry (fast path, no placement lock) while the entry's bytes are being
@@ -1151,6 +1173,154 @@ TEST(TieredCacheTest, HandedOffObjectsKeepTheirVersionAndNeverReplaceANewerOne) 
   EXPECT_EQ(c->DeleteVersion("k", *va + 1).code(), StatusCode::kAborted);
   EXPECT_TRUE(c->DeleteVersion("k", *va).ok());
   EXPECT_EQ(c->Stat("k").status().code(), StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace gkv
+
+namespace gkv {
+namespace {
+
+// The placement partition of `key` in a cache of `partitions` partitions over the default 16
+// index shards (as TieredCache computes it).
+int PartitionOf(const std::string& key, int partitions) {
+  return static_cast<int>(HashKey(key) % 16 % static_cast<uint64_t>(partitions));
+}
+
+// Keys of the form PREFIX-N in partition `want` (or, with `except`, in any other one).
+std::vector<std::string> KeysIn(const std::string& prefix, int want, int partitions, size_t n,
+                                bool except = false) {
+  std::vector<std::string> keys;
+  for (int i = 0; keys.size() < n; ++i) {
+    std::string k = prefix + "-" + std::to_string(i);
+    if ((PartitionOf(k, partitions) == want) != except) keys.push_back(k);
+  }
+  return keys;
+}
+
+// Each partition owns a quarter of the host tier and evicts only its own keys: writes to the
+// other partitions, many times the tier's size, leave a key in a quiet partition in memory,
+// where one placement lock and one LRU order (1 partition) drop it.
+TEST(TieredCachePartitionTest, EachPartitionEvictsOnlyItsOwnKeys) {
+  for (int partitions : {1, 4}) {
+    CacheOptions o = SmallOptions("", 0, 1 << 20, 0);
+    o.placement_partitions = partitions;
+    auto c = MustOpen(o);
+    ASSERT_TRUE(c);
+    EXPECT_EQ(c->placement_partitions(), partitions);
+    const std::string quiet = KeysIn("quiet", 0, 4, 1).front();
+    const std::string v(16 * kKiB, 'q');
+    ASSERT_TRUE(c->Put(quiet, v.data(), v.size()).ok());
+    const std::string w(16 * kKiB, 'w');
+    for (const std::string& k : KeysIn("busy", 0, 4, 400, /*except=*/true)) {
+      ASSERT_TRUE(c->Put(k, w.data(), w.size()).ok()) << k;
+    }
+    std::string out;
+    auto got = c->Get(quiet, &out);
+    if (partitions == 4) {
+      ASSERT_TRUE(got.ok()) << got.status().ToString();
+      EXPECT_EQ(out, v);
+    } else {
+      EXPECT_TRUE(got.status().IsNotFound()) << "one LRU order over 6 MiB of writes kept it";
+    }
+    auto st = c->GetStats();
+    EXPECT_EQ(st.tiers[1].capacity, uint64_t{1} << 20);
+    EXPECT_LE(st.tiers[1].used_bytes, uint64_t{1} << 20);
+    EXPECT_GT(st.dropped, 0u);
+  }
+}
+
+// A memory tier holds objects up to one partition's slice: a larger one goes to the next tier
+// down (here disk), and with no tier that fits it is NoSpace; the tier's capacity (for weights
+// and stats) stays the whole arena.
+TEST(TieredCachePartitionTest, AnObjectLargerThanASliceGoesToTheNextTier) {
+  testing::TempDir dir;
+  CacheOptions o = SmallOptions(dir.path(), 1 << 20, 4 << 20, 64 << 20);
+  o.placement_partitions = 4;
+  auto c = MustOpen(o);
+  ASSERT_TRUE(c);
+  EXPECT_EQ(c->tier_capacity(Tier::kGpu), uint64_t{1} << 20);
+  EXPECT_EQ(c->tier_capacity(Tier::kHost), uint64_t{4} << 20);
+  Random rng(testing::TestSeed());
+  const std::string small = ValueFor(rng, 200 * kKiB);   // fits a GPU slice (256 KiB)
+  const std::string medium = ValueFor(rng, 600 * kKiB);  // only a host slice (1 MiB)
+  const std::string large = ValueFor(rng, 2 << 20);      // no memory slice
+  ASSERT_TRUE(c->Put("small", small.data(), small.size()).ok());
+  ASSERT_TRUE(c->Put("medium", medium.data(), medium.size()).ok());
+  ASSERT_TRUE(c->Put("large", large.data(), large.size()).ok());
+  EXPECT_EQ(TierOf(*c, "small"), Tier::kGpu);
+  EXPECT_EQ(TierOf(*c, "medium"), Tier::kHost);
+  EXPECT_EQ(TierOf(*c, "large"), Tier::kDisk);
+  std::string out;
+  ASSERT_TRUE(c->Get("large", &out).ok());
+  EXPECT_EQ(out, large);
+  ASSERT_TRUE(c->Get("medium", &out).ok());
+  EXPECT_EQ(out, medium);
+
+  auto no_disk = SmallOptions("", 0, 4 << 20, 0);
+  no_disk.placement_partitions = 4;
+  auto m = MustOpen(no_disk);
+  ASSERT_TRUE(m);
+  EXPECT_EQ(m->max_object_size(), uint64_t{1} << 20);
+  auto r = m->Put("large", large.data(), large.size());
+  EXPECT_EQ(r.status().code(), StatusCode::kNoSpace) << r.status().ToString();
+}
+
+// Objects on disk are found again by a cache reopened with another partition count.
+TEST(TieredCachePartitionTest, AReopenWithOtherPartitionsFindsEveryDiskObject) {
+  testing::TempDir dir;
+  Random rng(testing::TestSeed());
+  std::map<std::string, std::string> values;
+  {
+    auto c = MustOpen(SmallOptions(dir.path(), 0, 256 * kKiB, 16 << 20));
+    ASSERT_TRUE(c);
+    for (int i = 0; i < 64; ++i) {
+      const std::string k = "k" + std::to_string(i);
+      values[k] = ValueFor(rng, rng.Uniform(1, 16 * kKiB));
+      ASSERT_TRUE(c->Put(k, values[k].data(), values[k].size(), {}, i % 2 == 0).ok());
+    }
+    ASSERT_TRUE(c->Flush().ok());
+  }
+  CacheOptions o = SmallOptions(dir.path(), 0, 256 * kKiB, 16 << 20);
+  o.placement_partitions = 8;
+  auto c = MustOpen(o);
+  ASSERT_TRUE(c);
+  for (const auto& [k, v] : values) {
+    std::string out;
+    auto got = c->Get(k, &out);
+    ASSERT_TRUE(got.ok()) << k << ": " << got.status().ToString();
+    EXPECT_EQ(out, v) << k;
+  }
+  EXPECT_EQ(c->GetStats().tiers[2].objects, values.size());
+}
+
+TEST(TieredCachePartitionTest, ThePartitionCountMustDivideTheShards) {
+  for (int partitions : {0, 3, 32}) {
+    CacheOptions o = SmallOptions("", 0, 1 << 20, 0);
+    o.placement_partitions = partitions;
+    auto r = TieredCache::Open(o);
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << partitions;
+  }
+  CacheOptions tiny = SmallOptions("", 0, 8 * kKiB, 0);
+  tiny.placement_partitions = 4;  // 2 KiB slices are not whole pages
+  EXPECT_EQ(TieredCache::Open(tiny).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(TieredCachePartitionTest, ANodeGetsAsManyPartitionsAsIoThreadsWhileSlicesStayLarge) {
+  CacheOptions o;
+  o.host_capacity = uint64_t{4} << 30;
+  EXPECT_EQ(CacheOptions::AutoPartitions(o, 1), 1);
+  EXPECT_EQ(CacheOptions::AutoPartitions(o, 4), 4);
+  EXPECT_EQ(CacheOptions::AutoPartitions(o, 3), 2);    // a divisor of the 16 shards
+  EXPECT_EQ(CacheOptions::AutoPartitions(o, 64), 16);  // at most one per shard
+  o.host_capacity = uint64_t{512} << 20;
+  EXPECT_EQ(CacheOptions::AutoPartitions(o, 8), 2);  // slices of at least 256 MiB
+  o.gpu_capacity = uint64_t{80} << 30;
+  EXPECT_EQ(CacheOptions::AutoPartitions(o, 8), 2);  // every memory tier's slices
+  o.host_capacity = 0;
+  EXPECT_EQ(CacheOptions::AutoPartitions(o, 8), 8);
+  o.gpu_capacity = uint64_t{128} << 20;
+  EXPECT_EQ(CacheOptions::AutoPartitions(o, 8), 1);
 }
 
 }  // namespace

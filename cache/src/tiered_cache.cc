@@ -43,7 +43,10 @@ struct Entry : std::enable_shared_from_this<Entry> {
   uint64_t version = 0;
   TensorMeta tensor;
 
-  // Placement: written under Impl::mu, and `tier`, `arena` and `data` only while no reader's
+  // The placement partition that holds it (Impl::partitions), fixed by its key's hash.
+  uint32_t partition = 0;
+  // Placement: written under its partition's lock, and `tier`, `arena` and `data` only while no
+  // reader's
   // pin is held and none can be taken (the pin protocol, see Impl::TryPin). A reader that holds
   // a pin reads them without the placement lock.
   Tier tier = Tier::kHost;
@@ -73,10 +76,11 @@ struct Entry : std::enable_shared_from_this<Entry> {
   std::atomic<uint32_t> reads_in_tier{0};
 };
 
+// One tier within one placement partition.
 struct TierState {
   bool enabled = false;
-  uint64_t capacity = 0;  // per arena for memory tiers
-  std::vector<std::unique_ptr<MemoryArena>> arenas;
+  uint64_t capacity = 0;                             // per arena slice for memory tiers
+  std::vector<std::unique_ptr<MemoryArena>> arenas;  // this partition's slice of each arena
   size_t next_arena = 0;
   std::list<Entry*> lru;  // front = most recently placed or given a second chance
   uint64_t objects = 0;
@@ -118,7 +122,7 @@ struct TieredCache::Impl {
   DeviceCopier* CopierFor(const void* device_ptr) {
     if (!device_copies) return nullptr;
     int device = -1;
-    for (const auto& arena : tiers[0].arenas) {
+    for (const auto& arena : arenas[0]) {
       if (arena->kind() == MemoryKind::kDevice && arena->Contains(device_ptr)) {
         device = arena->device();
         break;
@@ -142,13 +146,33 @@ struct TieredCache::Impl {
   std::atomic<uint64_t> version_limit{UINT64_MAX};
   std::mutex mark_mu;  // serializes extensions of the mark
 
-  mutable std::mutex mu;                   // placement lock
-  std::condition_variable writeback_done;  // with mu: some Entry::writebacks went down
-  TierState tiers[kTierCount];
-  CacheStats counters;             // guarded by mu (tiers[], hits and misses filled in GetStats)
-  std::vector<PendingOp> pending;  // guarded by mu
+  // The memory tiers' whole arenas (one per GPU device; one host arena) as allocated at Open;
+  // the partitions hold slices of them. memory_regions lists these.
+  std::vector<std::unique_ptr<MemoryArena>> arenas[2];
+  // Placement partitions: each owns a slice of every memory tier's arena, the LRU lists of
+  // its keys and its counters, under its own lock, so puts and moves of keys in different
+  // partitions share no lock. A key's partition follows from its index shard (PartitionIndex),
+  // so the lock order shard mutex -> partition mutex is the old one. One partition is the
+  // single placement lock this cache had before.
+  // (Declared after `arenas`: the partitions' slices go before the arenas they slice.)
+  struct Partition;
+  std::vector<std::unique_ptr<Partition>> partitions;
+  bool tier_on[kTierCount] = {};
+  // Memory tiers: the largest object the tier can hold (one partition's slice of an arena).
+  // Disk: the disk tier's capacity.
+  uint64_t tier_fits[kTierCount] = {};
+  // Work found under a partition lock that needs a shard lock or disk I/O, done afterwards by
+  // DrainEvictions. A leaf lock: taken under partition locks, nothing is taken under it.
+  std::mutex pending_mu;
+  std::vector<PendingOp> pending;  // guarded by pending_mu
 
-  Shard& ShardFor(std::string_view key) { return *shards[HashKey(key) % shards.size()]; }
+  size_t ShardIndex(std::string_view key) const { return HashKey(key) % shards.size(); }
+  Shard& ShardFor(std::string_view key) { return *shards[ShardIndex(key)]; }
+  uint32_t PartitionIndex(size_t shard_index) const {
+    return static_cast<uint32_t>(shard_index % partitions.size());
+  }
+  Partition& PartFor(std::string_view key) { return *partitions[PartitionIndex(ShardIndex(key))]; }
+  Partition& PartOf(const Entry* e) { return *partitions[e->partition]; }
 
   // Versions are hybrid clocks: a version is at least the wall clock in microseconds times 1024
   // (WallClockVersion), above every version this node handed out or installed before. So
@@ -218,21 +242,12 @@ struct TieredCache::Impl {
     }
   }
 
-  // Waits until no write of `e` to disk is in flight. REQUIRES: `lock` holds mu.
-  void WaitForWritebacks(Entry* e, std::unique_lock<std::mutex>& lock) {
-    writeback_done.wait(lock, [e] { return e->writebacks == 0; });
-  }
-
-  void EndWriteback(Entry* e) {
-    e->writebacks--;
-    if (e->writebacks == 0) writeback_done.notify_all();
-  }
-
   // The version a reader sees for `key` now (0: none, or dropped and awaiting removal).
   uint64_t VisibleVersion(std::string_view key) {
-    Shard& s = ShardFor(key);
+    const size_t si = ShardIndex(key);
+    Shard& s = *shards[si];
     std::lock_guard<std::mutex> shard_lock(s.mu);
-    std::lock_guard<std::mutex> lock(mu);
+    std::lock_guard<std::mutex> lock(partitions[PartitionIndex(si)]->mu);
     auto it = s.map.find(std::string(key));
     return it != s.map.end() && it->second->live ? it->second->version : 0;
   }
@@ -246,12 +261,12 @@ struct TieredCache::Impl {
 
   // --- the pin protocol ---
   // A reader pins an entry with no placement lock (TryPin, under the key's shard lock) and
-  // releases it with none (ReleaseReadPin). Placement, under the placement lock, changes where
+  // releases it with none (ReleaseReadPin). Placement, under the partition lock, changes where
   // an entry's bytes are (Relocate) or drops it only after Freeze(e, own) succeeded: the pins
   // are exactly its own `own`, and none can be taken until Thaw. Kill and the last release of a
   // dead entry's pin decide who frees its memory: Kill stores live=false and then reads the
   // pins; a release drops its pin and then reads live (both sequentially consistent), so at
-  // least one of them sees the other and frees, under the placement lock (FreeMemory is
+  // least one of them sees the other and frees, under the partition lock (FreeMemory is
   // idempotent).
   static constexpr uint32_t kFrozen = uint32_t{1} << 31;
 
@@ -267,11 +282,12 @@ struct TieredCache::Impl {
   // A reader's release. REQUIRES: no lock held.
   void ReleaseReadPin(Entry* e) {
     if (e->pins.fetch_sub(1) != 1 || e->live.load()) return;
-    std::lock_guard<std::mutex> lock(mu);
-    if (PinCount(e) == 0) FreeMemory(e);
+    Partition& p = PartOf(e);
+    std::lock_guard<std::mutex> lock(p.mu);
+    if (PinCount(e) == 0) p.FreeMemory(e);
   }
 
-  // --- placement helpers; all REQUIRE mu held ---
+  // --- pins, for the placement helpers below (which REQUIRE their partition's mu held) ---
 
   static uint32_t PinCount(const Entry* e) { return e->pins.load() & ~kFrozen; }
   static void Pin(Entry* e) { e->pins.fetch_add(1); }
@@ -289,310 +305,368 @@ struct TieredCache::Impl {
     ~Frozen() { Thaw(e); }
   };
 
-  // List nodes unlinked from an LRU list are kept here (up to kSpareLruNodes) and spliced back
-  // in by the next LinkLru: an overwrite or a move between tiers allocates no list node.
-  // Placement lock.
-  // None under AddressSanitizer: a stale Entry::lru then points at a freed node, which it reports.
-  static constexpr size_t kSpareLruNodes = kAddressSanitizer ? 0 : 64;
-  std::list<Entry*> spare_lru_nodes;
+  // One placement partition (see `partitions`). Its helpers all REQUIRE its mu held, except
+  // where they say otherwise.
+  struct Partition {
+    Impl* impl = nullptr;
+    uint32_t index = 0;
+    mutable std::mutex mu;                   // this partition's placement lock
+    std::condition_variable writeback_done;  // with mu: some Entry::writebacks went down
+    TierState tiers[kTierCount];
+    CacheStats counters;  // guarded by mu (tier figures, hits and misses filled in GetStats)
 
-  void LinkLru(Entry* e) {
-    TierState& t = tiers[static_cast<int>(e->tier)];
-    t.objects++;
-    if (e->tier == Tier::kDisk) return;
-    if (spare_lru_nodes.empty()) {
-      t.lru.push_front(e);
-    } else {
-      t.lru.splice(t.lru.begin(), spare_lru_nodes, spare_lru_nodes.begin());
-      t.lru.front() = e;
+    // Waits until no write of `e` to disk is in flight. REQUIRES: `lock` holds mu.
+    void WaitForWritebacks(Entry* e, std::unique_lock<std::mutex>& lock) {
+      writeback_done.wait(lock, [e] { return e->writebacks == 0; });
     }
-    e->lru = t.lru.begin();
-  }
 
-  void UnlinkLru(Entry* e) {
-    TierState& t = tiers[static_cast<int>(e->tier)];
-    t.objects--;
-    if (e->tier == Tier::kDisk) return;
-    if (spare_lru_nodes.size() < kSpareLruNodes) {
-      spare_lru_nodes.splice(spare_lru_nodes.begin(), t.lru, e->lru);
-    } else {
-      t.lru.erase(e->lru);
+    void EndWriteback(Entry* e) {
+      e->writebacks--;
+      if (e->writebacks == 0) writeback_done.notify_all();
     }
-  }
 
-  void Touch(Entry* e) {
-    if (e->tier == Tier::kDisk) return;
-    TierState& t = tiers[static_cast<int>(e->tier)];
-    t.lru.splice(t.lru.begin(), t.lru, e->lru);
-  }
+    // List nodes unlinked from an LRU list are kept here (up to kSpareLruNodes) and spliced back
+    // in by the next LinkLru: an overwrite or a move between tiers allocates no list node.
+    // Placement lock.
+    // None under AddressSanitizer: a stale Entry::lru then points at a freed node, which it
+    // reports.
+    static constexpr size_t kSpareLruNodes = kAddressSanitizer ? 0 : 64;
+    std::list<Entry*> spare_lru_nodes;
 
-  void FreeMemory(Entry* e) {
-    if (e->data) {
-      e->arena->Free(e->data);
-      e->data = nullptr;
-      e->arena = nullptr;
-    }
-  }
-
-  // Marks an entry dead; its memory goes now, or with its last pin.
-  void Kill(Entry* e) {
-    if (!e->live) return;
-    e->live = false;
-    UnlinkLru(e);
-    if (PinCount(e) == 0) FreeMemory(e);
-  }
-
-  // Releases placement's own pin.
-  void Unpin(Entry* e) {
-    if (e->pins.fetch_sub(1) == 1 && !e->live) FreeMemory(e);
-  }
-
-  // The least recently used unpinned entry of `t`, giving entries read since the last scan a
-  // second chance first (to the front, reference cleared). At most as many second chances per
-  // call as the list has entries, so a stream of reads cannot keep the scan going. nullptr when
-  // every entry is pinned.
-  static Entry* PickVictim(TierState& t) {
-    size_t chances = t.lru.size();
-    auto it = t.lru.end();
-    while (it != t.lru.begin()) {
-      auto cur = std::prev(it);
-      Entry* e = *cur;
-      if (chances > 0 && e->referenced.load(std::memory_order_relaxed)) {
-        chances--;
-        e->referenced.store(false, std::memory_order_relaxed);
-        t.lru.splice(t.lru.begin(), t.lru, cur);  // `it` stays valid: its predecessor is next
-        continue;
+    void LinkLru(Entry* e) {
+      TierState& t = tiers[static_cast<int>(e->tier)];
+      t.objects++;
+      if (e->tier == Tier::kDisk) return;
+      if (spare_lru_nodes.empty()) {
+        t.lru.push_front(e);
+      } else {
+        t.lru.splice(t.lru.begin(), spare_lru_nodes, spare_lru_nodes.begin());
+        t.lru.front() = e;
       }
-      if (PinCount(e) == 0) return e;
-      it = cur;
+      e->lru = t.lru.begin();
     }
-    return nullptr;
-  }
 
-  std::byte* TryAllocate(Tier tier, uint64_t size, MemoryArena** arena) {
-    TierState& t = tiers[static_cast<int>(tier)];
-    const size_t n = t.arenas.size();
-    for (size_t i = 0; i < n; ++i) {
-      MemoryArena* a = t.arenas[(t.next_arena + i) % n].get();
-      if (std::byte* p = a->Allocate(size)) {
-        t.next_arena = (t.next_arena + i + 1) % n;
-        *arena = a;
-        return p;
+    void UnlinkLru(Entry* e) {
+      TierState& t = tiers[static_cast<int>(e->tier)];
+      t.objects--;
+      if (e->tier == Tier::kDisk) return;
+      if (spare_lru_nodes.size() < kSpareLruNodes) {
+        spare_lru_nodes.splice(spare_lru_nodes.begin(), t.lru, e->lru);
+      } else {
+        t.lru.erase(e->lru);
       }
     }
-    return nullptr;
-  }
 
-  // Allocates `size` bytes in memory tier `tier`, moving LRU entries down until it fits.
-  // May release and retake `lock`. Returns nullptr if every remaining entry is pinned.
-  std::byte* AllocateIn(Tier tier, uint64_t size, MemoryArena** arena,
-                        std::unique_lock<std::mutex>& lock) {
-    TierState& t = tiers[static_cast<int>(tier)];
-    if (!t.enabled || size > t.capacity) return nullptr;
-    for (;;) {
-      if (std::byte* p = TryAllocate(tier, size, arena)) return p;
-      Entry* victim = PickVictim(t);
-      if (!victim) return nullptr;
-      MoveDown(victim, lock);
+    void Touch(Entry* e) {
+      if (e->tier == Tier::kDisk) return;
+      TierState& t = tiers[static_cast<int>(e->tier)];
+      t.lru.splice(t.lru.begin(), t.lru, e->lru);
     }
-  }
 
-  // Moves one unpinned live entry out of its memory tier: to the next memory tier with room,
-  // else to disk, else drops it. Progress: the entry leaves its tier, or (a reader pinned it
-  // meanwhile) goes to the front of its LRU list, so the caller's next pick is another one.
-  void MoveDown(Entry* e, std::unique_lock<std::mutex>& lock) {
-    // A live entry in an LRU list is owned by the index right now (we hold the placement lock);
-    // keep it alive across the unlocked copy below even if it is replaced or deleted meanwhile.
-    std::shared_ptr<Entry> keep = e->shared_from_this();
-    const Tier from = e->tier;
-    // Fast memory tier -> slow one.
-    const TierState& slow = tiers[static_cast<int>(slow_tier)];
-    bool read_meanwhile = false;
-    if (from == fast_tier && slow.enabled && e->size <= slow.capacity) {
-      Pin(e);  // keeps the victim in place while the lock is released
-      MemoryArena* dst_arena = nullptr;
-      std::byte* dst = AllocateIn(slow_tier, e->size, &dst_arena, lock);
-      if (dst) {
-        MemoryArena* src_arena = e->arena;
-        std::byte* src = e->data;
-        lock.unlock();
-        Status s = Copy(dst, dst_arena->kind(), src, src_arena->kind(), e->size);
-        if (options.test_after_spill_copy) options.test_after_spill_copy(e->key);
-        lock.lock();
-        // Readers that pinned the entry meanwhile hold pointers into the old block: then the
-        // move is abandoned and the entry stays where it is.
-        if (s.ok() && e->live && Freeze(e, 1)) {
-          {
-            Frozen frozen{e};
-            Relocate(e, slow_tier, dst_arena, dst);
+    void FreeMemory(Entry* e) {
+      if (e->data) {
+        e->arena->Free(e->data);
+        e->data = nullptr;
+        e->arena = nullptr;
+      }
+    }
+
+    // Marks an entry dead; its memory goes now, or with its last pin.
+    void Kill(Entry* e) {
+      if (!e->live) return;
+      e->live = false;
+      UnlinkLru(e);
+      if (PinCount(e) == 0) FreeMemory(e);
+    }
+
+    // Releases placement's own pin.
+    void Unpin(Entry* e) {
+      if (e->pins.fetch_sub(1) == 1 && !e->live) FreeMemory(e);
+    }
+
+    // The least recently used unpinned entry of `t`, giving entries read since the last scan a
+    // second chance first (to the front, reference cleared). At most as many second chances per
+    // call as the list has entries, so a stream of reads cannot keep the scan going. nullptr when
+    // every entry is pinned.
+    static Entry* PickVictim(TierState& t) {
+      size_t chances = t.lru.size();
+      auto it = t.lru.end();
+      while (it != t.lru.begin()) {
+        auto cur = std::prev(it);
+        Entry* e = *cur;
+        if (chances > 0 && e->referenced.load(std::memory_order_relaxed)) {
+          chances--;
+          e->referenced.store(false, std::memory_order_relaxed);
+          t.lru.splice(t.lru.begin(), t.lru, cur);  // `it` stays valid: its predecessor is next
+          continue;
+        }
+        if (PinCount(e) == 0) return e;
+        it = cur;
+      }
+      return nullptr;
+    }
+
+    std::byte* TryAllocate(Tier tier, uint64_t size, MemoryArena** arena) {
+      TierState& t = tiers[static_cast<int>(tier)];
+      const size_t n = t.arenas.size();
+      for (size_t i = 0; i < n; ++i) {
+        MemoryArena* a = t.arenas[(t.next_arena + i) % n].get();
+        if (std::byte* p = a->Allocate(size)) {
+          t.next_arena = (t.next_arena + i + 1) % n;
+          *arena = a;
+          return p;
+        }
+      }
+      return nullptr;
+    }
+
+    // Allocates `size` bytes in memory tier `tier`, moving LRU entries down until it fits.
+    // May release and retake `lock`. Returns nullptr if every remaining entry is pinned.
+    std::byte* AllocateIn(Tier tier, uint64_t size, MemoryArena** arena,
+                          std::unique_lock<std::mutex>& lock) {
+      TierState& t = tiers[static_cast<int>(tier)];
+      if (!t.enabled || size > t.capacity) return nullptr;
+      for (;;) {
+        if (std::byte* p = TryAllocate(tier, size, arena)) return p;
+        Entry* victim = PickVictim(t);
+        if (!victim) return nullptr;
+        MoveDown(victim, lock);
+      }
+    }
+
+    // Moves one unpinned live entry out of its memory tier: to the next memory tier with room,
+    // else to disk, else drops it. Progress: the entry leaves its tier, or (a reader pinned it
+    // meanwhile) goes to the front of its LRU list, so the caller's next pick is another one.
+    void MoveDown(Entry* e, std::unique_lock<std::mutex>& lock) {
+      // A live entry in an LRU list is owned by the index right now (we hold the placement lock);
+      // keep it alive across the unlocked copy below even if it is replaced or deleted meanwhile.
+      std::shared_ptr<Entry> keep = e->shared_from_this();
+      const Tier from = e->tier;
+      // Fast memory tier -> slow one.
+      const TierState& slow = tiers[static_cast<int>(impl->slow_tier)];
+      bool read_meanwhile = false;
+      if (from == impl->fast_tier && slow.enabled && e->size <= slow.capacity) {
+        Pin(e);  // keeps the victim in place while the lock is released
+        MemoryArena* dst_arena = nullptr;
+        std::byte* dst = AllocateIn(impl->slow_tier, e->size, &dst_arena, lock);
+        if (dst) {
+          MemoryArena* src_arena = e->arena;
+          std::byte* src = e->data;
+          lock.unlock();
+          Status s = impl->Copy(dst, dst_arena->kind(), src, src_arena->kind(), e->size);
+          if (impl->options.test_after_spill_copy) impl->options.test_after_spill_copy(e->key);
+          lock.lock();
+          // Readers that pinned the entry meanwhile hold pointers into the old block: then the
+          // move is abandoned and the entry stays where it is.
+          if (s.ok() && e->live && Freeze(e, 1)) {
+            {
+              Frozen frozen{e};
+              Relocate(e, impl->slow_tier, dst_arena, dst);
+            }
+            Unpin(e);
+            return;
           }
-          Unpin(e);
+          // (A reader's pin refused the freeze; it may be released already, but the entry was
+          // in use: it stays, rather than going on to disk below.)
+          read_meanwhile = s.ok() && e->live;
+          dst_arena->Free(dst);
+          if (!s.ok()) {
+            GKV_LOG_WARN("spill {} -> {} of '{}' failed: {}", TierName(from),
+                         TierName(impl->slow_tier), e->key, s.ToString());
+          }
+        }
+        Unpin(e);
+        if (!e->live || e->tier != from) return;
+        if (read_meanwhile || PinCount(e) > 0) {
+          // Someone pinned it while we were away; it can't move now. Let the caller pick again
+          // by touching it (it is in use, after all).
+          Touch(e);
           return;
         }
-        // (A reader's pin refused the freeze; it may be released already, but the entry was
-        // in use: it stays, rather than going on to disk below.)
-        read_meanwhile = s.ok() && e->live;
-        dst_arena->Free(dst);
-        if (!s.ok()) {
-          GKV_LOG_WARN("spill {} -> {} of '{}' failed: {}", TierName(from), TierName(slow_tier),
-                       e->key, s.ToString());
-        }
       }
-      Unpin(e);
-      if (!e->live || e->tier != from) return;
-      if (read_meanwhile || PinCount(e) > 0) {
-        // Someone pinned it while we were away; it can't move now. Let the caller pick again
-        // by touching it (it is in use, after all).
-        Touch(e);
+      // Memory -> disk. (Readers may pin the victim at any moment: each change below is made
+      // frozen, and a reader that got in first keeps the entry where it is.)
+      if (e->on_disk) {
+        if (!Freeze(e, 0)) {
+          Touch(e);
+          return;
+        }
+        Frozen frozen{e};
+        Relocate(e, Tier::kDisk, nullptr, nullptr);
         return;
       }
-    }
-    // Memory -> disk. (Readers may pin the victim at any moment: each change below is made
-    // frozen, and a reader that got in first keeps the entry where it is.)
-    if (e->on_disk) {
+      if (impl->disk && e->size + e->key.size() <= impl->disk->capacity()) {
+        Pin(e);
+        e->writebacks++;
+        const std::byte* src = e->data;
+        MemoryArena* src_arena = e->arena;
+        StoredObjectMeta meta{e->size, e->version, e->tensor};
+        const std::string key = e->key;
+        lock.unlock();
+        std::vector<DiskEviction> evicted;
+        std::string staging;
+        Status s;
+        if (src_arena->kind() == MemoryKind::kDevice) {
+          staging.resize(e->size);
+          s = impl->Copy(staging.data(), MemoryKind::kHost, src, MemoryKind::kDevice, e->size);
+          src = reinterpret_cast<const std::byte*>(staging.data());
+        }
+        bool written = false;
+        if (s.ok()) s = impl->disk->Put(key, meta, src, /*sync=*/false, &evicted, &written);
+        lock.lock();
+        impl->QueueDiskEvictions(evicted);
+        if (s.ok() && written) e->on_disk = true;  // of this version, even if it is dead now
+        EndWriteback(e);
+        Unpin(e);
+        if (s.ok() && !written) {
+          // A newer version of the key is already on disk: this one is superseded, drop it.
+          if (e->live && e->tier == from) {
+            if (!Freeze(e, 0)) {
+              Touch(e);
+              return;
+            }
+            Frozen frozen{e};
+            counters.dropped++;
+            impl->RemoveFromIndexLater(e);
+            Kill(e);
+          }
+          return;
+        }
+        if (s.ok()) {
+          if (!e->live) {
+            // Deleted or replaced while being written. The Delete or Commit that killed it waits
+            // for this write and deletes (or overwrites) the copy, synced; this queued delete only
+            // covers a failure there.
+            impl->AddPending({PendingOp::kDeleteStaleDiskCopy, key, meta.version});
+            return;
+          }
+          if (e->tier == from && Freeze(e, 0)) {
+            Frozen frozen{e};
+            Relocate(e, Tier::kDisk, nullptr, nullptr);
+          } else if (e->tier == from) {
+            Touch(e);
+          }
+          return;
+        }
+        if (s.code() == StatusCode::kNoSpace) {
+          GKV_LOG_DEBUG("spill {} -> disk of '{}' refused: {}", TierName(from), key, s.ToString());
+        } else {
+          GKV_LOG_WARN("spill {} -> disk of '{}' failed: {}", TierName(from), key, s.ToString());
+        }
+        if (!e->live || e->tier != from) return;
+      }
       if (!Freeze(e, 0)) {
         Touch(e);
         return;
       }
+      // Nowhere to go: a cache may drop what it can't keep (it was never promised durable).
       Frozen frozen{e};
-      Relocate(e, Tier::kDisk, nullptr, nullptr);
-      return;
+      counters.dropped++;
+      impl->RemoveFromIndexLater(e);
+      Kill(e);
     }
-    if (disk && e->size + e->key.size() <= disk->capacity()) {
-      Pin(e);
-      e->writebacks++;
-      const std::byte* src = e->data;
-      MemoryArena* src_arena = e->arena;
-      StoredObjectMeta meta{e->size, e->version, e->tensor};
-      const std::string key = e->key;
-      lock.unlock();
-      std::vector<DiskEviction> evicted;
-      std::string staging;
+
+    // `e` replaced `old`, whose version is on disk or on its way there, and `e` is not on disk.
+    // A restart must serve neither the old copy (stale) nor nothing where a durable value was:
+    // `e` is written through (synced), which replaces the old copy in one RocksDB write, and a
+    // late write of the old version is refused (versions only grow). If the disk tier cannot take
+    // `e`, the old copy is deleted, synced, once its writes in flight are done. REQUIRES: no lock
+    // held; `e` pinned and its writebacks raised by the caller (released here).
+    void ReplaceDiskCopy(Entry* e, Entry* old) {
       Status s;
-      if (src_arena->kind() == MemoryKind::kDevice) {
+      const void* src = e->data;
+      std::string staging;
+      if (e->arena && e->arena->kind() == MemoryKind::kDevice) {
         staging.resize(e->size);
-        s = Copy(staging.data(), MemoryKind::kHost, src, MemoryKind::kDevice, e->size);
-        src = reinterpret_cast<const std::byte*>(staging.data());
+        s = impl->Copy(staging.data(), MemoryKind::kHost, e->data, MemoryKind::kDevice, e->size);
+        src = staging.data();
       }
+      std::vector<DiskEviction> evicted;
       bool written = false;
-      if (s.ok()) s = disk->Put(key, meta, src, /*sync=*/false, &evicted, &written);
-      lock.lock();
-      QueueDiskEvictions(evicted);
-      if (s.ok() && written) e->on_disk = true;  // of this version, even if it is dead now
+      if (s.ok()) {
+        s = impl->disk->Put(e->key, {e->size, e->version, e->tensor, false}, src, /*sync=*/true,
+                            &evicted, &written);
+      }
+      std::unique_lock<std::mutex> lock(mu);
+      impl->QueueDiskEvictions(evicted);
+      if (s.ok() && written) e->on_disk = true;
       EndWriteback(e);
       Unpin(e);
-      if (s.ok() && !written) {
-        // A newer version of the key is already on disk: this one is superseded, drop it.
-        if (e->live && e->tier == from) {
-          if (!Freeze(e, 0)) {
-            Touch(e);
-            return;
-          }
-          Frozen frozen{e};
-          counters.dropped++;
-          RemoveFromIndexLater(e);
-          Kill(e);
-        }
-        return;
+      if (s.ok()) return;  // written, or a newer version is on disk already
+      GKV_LOG_DEBUG("write-through of '{}' refused ({}); deleting the older disk copy", e->key,
+                    s.ToString());
+      WaitForWritebacks(old, lock);
+      const bool old_on_disk = old->on_disk;
+      lock.unlock();
+      if (!old_on_disk) return;
+      Status ds = impl->disk->DeleteIfVersion(old->key, old->version, /*sync=*/true);
+      if (!ds.ok()) {
+        GKV_LOG_ERROR(
+            "deleting the replaced disk copy of '{}' (version {}): {}; a crash before "
+            "the queued retry could serve it",
+            old->key, old->version, ds.ToString());
+        lock.lock();
+        impl->AddPending({PendingOp::kDeleteStaleDiskCopy, old->key, old->version});
       }
-      if (s.ok()) {
-        if (!e->live) {
-          // Deleted or replaced while being written. The Delete or Commit that killed it waits
-          // for this write and deletes (or overwrites) the copy, synced; this queued delete only
-          // covers a failure there.
-          pending.push_back({PendingOp::kDeleteStaleDiskCopy, key, meta.version});
-          return;
-        }
-        if (e->tier == from && Freeze(e, 0)) {
-          Frozen frozen{e};
-          Relocate(e, Tier::kDisk, nullptr, nullptr);
-        } else if (e->tier == from) {
-          Touch(e);
-        }
-        return;
-      }
-      if (s.code() == StatusCode::kNoSpace) {
-        GKV_LOG_DEBUG("spill {} -> disk of '{}' refused: {}", TierName(from), key, s.ToString());
-      } else {
-        GKV_LOG_WARN("spill {} -> disk of '{}' failed: {}", TierName(from), key, s.ToString());
-      }
-      if (!e->live || e->tier != from) return;
     }
-    if (!Freeze(e, 0)) {
-      Touch(e);
-      return;
-    }
-    // Nowhere to go: a cache may drop what it can't keep (it was never promised durable).
-    Frozen frozen{e};
-    counters.dropped++;
-    RemoveFromIndexLater(e);
-    Kill(e);
-  }
 
-  // `e` replaced `old`, whose version is on disk or on its way there, and `e` is not on disk.
-  // A restart must serve neither the old copy (stale) nor nothing where a durable value was:
-  // `e` is written through (synced), which replaces the old copy in one RocksDB write, and a
-  // late write of the old version is refused (versions only grow). If the disk tier cannot take
-  // `e`, the old copy is deleted, synced, once its writes in flight are done. REQUIRES: no lock
-  // held; `e` pinned and its writebacks raised by the caller (released here).
-  void ReplaceDiskCopy(Entry* e, Entry* old) {
-    Status s;
-    const void* src = e->data;
-    std::string staging;
-    if (e->arena && e->arena->kind() == MemoryKind::kDevice) {
-      staging.resize(e->size);
-      s = Copy(staging.data(), MemoryKind::kHost, e->data, MemoryKind::kDevice, e->size);
-      src = staging.data();
+    void Relocate(Entry* e, Tier to, MemoryArena* arena, std::byte* data) {
+      const Tier from = e->tier;
+      counters.moves[static_cast<int>(from)][static_cast<int>(to)]++;
+      counters.moved_bytes[static_cast<int>(from)][static_cast<int>(to)] += e->size;
+      UnlinkLru(e);
+      FreeMemory(e);
+      e->tier = to;
+      e->arena = arena;
+      e->data = data;
+      e->reads_in_tier.store(0, std::memory_order_relaxed);
+      LinkLru(e);
     }
-    std::vector<DiskEviction> evicted;
-    bool written = false;
-    if (s.ok()) {
-      s = disk->Put(e->key, {e->size, e->version, e->tensor, false}, src, /*sync=*/true, &evicted,
-                    &written);
+
+    // Makes `e` the key's entry, unless a newer version is there already (then `e` dies at once
+    // and false is returned). *old receives the entry it replaced. REQUIRES: the key's shard lock
+    // and the placement lock.
+    // `expected`: publish only while the key's newest version is exactly *expected (0: absent).
+    // `*newer` (when given) tells a refusal for a newer version from one for the expectation.
+    bool Publish(Shard& s, const std::shared_ptr<Entry>& e, std::shared_ptr<Entry>* old,
+                 const uint64_t* expected = nullptr, bool* newer = nullptr) {
+      LinkLru(e.get());
+      counters.puts++;
+      auto it = s.map.find(e->key);
+      const bool found = it != s.map.end();
+      // What a reader sees: a dropped entry waiting for its removal reads as absent.
+      const uint64_t visible = found && it->second->live ? it->second->version : 0;
+      const bool newer_there = found && it->second->version > e->version;
+      if (newer) *newer = newer_there;
+      if (newer_there || (expected && visible != *expected)) {
+        Kill(e.get());
+        return false;
+      }
+      if (it != s.map.end()) {
+        *old = it->second;
+        Kill(old->get());
+        it->second = e;
+      } else {
+        s.map.emplace(e->key, e);
+      }
+      return true;
     }
-    std::unique_lock<std::mutex> lock(mu);
-    QueueDiskEvictions(evicted);
-    if (s.ok() && written) e->on_disk = true;
-    EndWriteback(e);
-    Unpin(e);
-    if (s.ok()) return;  // written, or a newer version is on disk already
-    GKV_LOG_DEBUG("write-through of '{}' refused ({}); deleting the older disk copy", e->key,
-                  s.ToString());
-    WaitForWritebacks(old, lock);
-    const bool old_on_disk = old->on_disk;
-    lock.unlock();
-    if (!old_on_disk) return;
-    Status ds = disk->DeleteIfVersion(old->key, old->version, /*sync=*/true);
-    if (!ds.ok()) {
-      GKV_LOG_ERROR(
-          "deleting the replaced disk copy of '{}' (version {}): {}; a crash before "
-          "the queued retry could serve it",
-          old->key, old->version, ds.ToString());
-      lock.lock();
-      pending.push_back({PendingOp::kDeleteStaleDiskCopy, old->key, old->version});
-    }
+  };
+
+  void AddPending(PendingOp op) {
+    std::lock_guard<std::mutex> lock(pending_mu);
+    pending.push_back(std::move(op));
   }
 
   void RemoveFromIndexLater(Entry* e) {
-    // The index entry is removed outside the placement lock (lock order), by version.
-    pending.push_back({PendingOp::kRemoveFromIndex, e->key, e->version});
+    // The index entry is removed outside the partition lock (lock order), by version.
+    AddPending({PendingOp::kRemoveFromIndex, e->key, e->version});
   }
 
   void QueueDiskEvictions(const std::vector<DiskEviction>& evicted) {
+    if (evicted.empty()) return;
+    std::lock_guard<std::mutex> lock(pending_mu);
     for (const auto& ev : evicted) pending.push_back({PendingOp::kDiskEvicted, ev.key, ev.version});
-  }
-
-  void Relocate(Entry* e, Tier to, MemoryArena* arena, std::byte* data) {
-    const Tier from = e->tier;
-    counters.moves[static_cast<int>(from)][static_cast<int>(to)]++;
-    counters.moved_bytes[static_cast<int>(from)][static_cast<int>(to)] += e->size;
-    UnlinkLru(e);
-    FreeMemory(e);
-    e->tier = to;
-    e->arena = arena;
-    e->data = data;
-    e->reads_in_tier.store(0, std::memory_order_relaxed);
-    LinkLru(e);
   }
 
   Status Copy(void* dst, MemoryKind dk, const void* src, MemoryKind sk, uint64_t size) {
@@ -609,12 +683,12 @@ struct TieredCache::Impl {
     return copier->Copy(dst, src, size);
   }
 
-  // Applies what the disk tier evicted, and index removals queued under the placement lock.
+  // Applies what the disk tier evicted, and index removals queued under partition locks.
   // REQUIRES: no lock held.
   void DrainEvictions() {
     std::vector<PendingOp> work;
     {
-      std::lock_guard<std::mutex> lock(mu);
+      std::lock_guard<std::mutex> lock(pending_mu);
       if (pending.empty()) return;
       work.swap(pending);
     }
@@ -627,11 +701,13 @@ struct TieredCache::Impl {
         }
         continue;
       }
-      Shard& s = ShardFor(op.key);
+      const size_t si = ShardIndex(op.key);
+      Shard& s = *shards[si];
       std::lock_guard<std::mutex> shard_lock(s.mu);
       auto it = s.map.find(op.key);
-      std::lock_guard<std::mutex> lock(mu);
-      if (op.kind == PendingOp::kDiskEvicted) counters.disk_evictions++;
+      Partition& p = *partitions[PartitionIndex(si)];
+      std::lock_guard<std::mutex> lock(p.mu);
+      if (op.kind == PendingOp::kDiskEvicted) p.counters.disk_evictions++;
       if (it == s.map.end() || it->second->version != op.version) continue;
       Entry* e = it->second.get();
       if (op.kind == PendingOp::kRemoveFromIndex) {
@@ -640,39 +716,10 @@ struct TieredCache::Impl {
       }
       e->on_disk = false;
       if (e->live && e->tier == Tier::kDisk) {
-        Kill(e);
+        p.Kill(e);
         s.map.erase(it);
       }
     }
-  }
-
-  // Makes `e` the key's entry, unless a newer version is there already (then `e` dies at once
-  // and false is returned). *old receives the entry it replaced. REQUIRES: the key's shard lock
-  // and the placement lock.
-  // `expected`: publish only while the key's newest version is exactly *expected (0: absent).
-  // `*newer` (when given) tells a refusal for a newer version from one for the expectation.
-  bool Publish(Shard& s, const std::shared_ptr<Entry>& e, std::shared_ptr<Entry>* old,
-               const uint64_t* expected = nullptr, bool* newer = nullptr) {
-    LinkLru(e.get());
-    counters.puts++;
-    auto it = s.map.find(e->key);
-    const bool found = it != s.map.end();
-    // What a reader sees: a dropped entry waiting for its removal reads as absent.
-    const uint64_t visible = found && it->second->live ? it->second->version : 0;
-    const bool newer_there = found && it->second->version > e->version;
-    if (newer) *newer = newer_there;
-    if (newer_there || (expected && visible != *expected)) {
-      Kill(e.get());
-      return false;
-    }
-    if (it != s.map.end()) {
-      *old = it->second;
-      Kill(old->get());
-      it->second = e;
-    } else {
-      s.map.emplace(e->key, e);
-    }
-    return true;
   }
 
   // Whether a read now falls within the window of an earlier one (the admission rule).
@@ -711,8 +758,7 @@ struct TieredCache::Impl {
 
   Tier TopMemoryTierFor(uint64_t size) const {
     for (Tier t : {fast_tier, slow_tier}) {
-      const TierState& ts = tiers[static_cast<int>(t)];
-      if (ts.enabled && size <= ts.capacity) return t;
+      if (tier_on[static_cast<int>(t)] && size <= tier_fits[static_cast<int>(t)]) return t;
     }
     return Tier::kDisk;
   }
@@ -775,7 +821,7 @@ WriteHandle::~WriteHandle() { Release(); }
 
 void WriteHandle::Release() {
   if (cache_ && arena_ && data_) {
-    std::lock_guard<std::mutex> lock(cache_->impl_->mu);
+    std::lock_guard<std::mutex> lock(cache_->impl_->PartFor(key_).mu);
     arena_->Free(data_);
   }
   cache_ = nullptr;
@@ -793,6 +839,20 @@ TieredCache::~TieredCache() {
   for (auto& s : impl_->shards) s->map.clear();
 }
 
+int CacheOptions::AutoPartitions(const CacheOptions& options, int io_threads, uint64_t min_slice) {
+  const int shards = std::max(1, options.index_shards);
+  int best = 1;
+  for (int p = 2; p <= std::min(io_threads, shards); ++p) {
+    if (shards % p != 0) continue;
+    bool fits = true;
+    for (uint64_t capacity : {options.gpu_capacity, options.host_capacity}) {
+      if (capacity > 0 && capacity / static_cast<uint64_t>(p) < min_slice) fits = false;
+    }
+    if (fits) best = p;
+  }
+  return best;
+}
+
 Result<std::unique_ptr<TieredCache>> TieredCache::Open(const CacheOptions& options) {
   auto impl = std::make_unique<Impl>();
   impl->options = options;
@@ -802,14 +862,27 @@ Result<std::unique_ptr<TieredCache>> TieredCache::Open(const CacheOptions& optio
   }
   const int nshards = std::max(1, options.index_shards);
   for (int i = 0; i < nshards; ++i) impl->shards.push_back(std::make_unique<Shard>());
+  // A divisor of the shard count: each partition then holds as many shards (as much of the
+  // key space) as it has memory.
+  if (options.placement_partitions < 1 || nshards % options.placement_partitions != 0) {
+    return Status::InvalidArgument("placement partitions must divide the index shards (" +
+                                   std::to_string(nshards) + "), not be " +
+                                   std::to_string(options.placement_partitions));
+  }
+  for (int i = 0; i < options.placement_partitions; ++i) {
+    auto part = std::make_unique<Impl::Partition>();
+    part->impl = impl.get();
+    part->index = static_cast<uint32_t>(i);
+    impl->partitions.push_back(std::move(part));
+  }
 
   // GPU tier.
   if (options.gpu_capacity > 0) {
-    TierState& t = impl->tiers[0];
+    auto& t = impl->arenas[0];
     if (options.gpu_tier_in_host_memory) {
       GKV_ASSIGN_OR_RETURN(auto arena, MemoryArena::CreateHost(options.gpu_capacity,
                                                                MemoryArena::HostMode::kPageable));
-      t.arenas.push_back(std::move(arena));
+      t.push_back(std::move(arena));
     } else if (!ProbeCuda().usable) {
       impl->gpu_note = ProbeCuda().reason;
       GKV_LOG_WARN("GPU tier off: {}", impl->gpu_note);
@@ -819,7 +892,7 @@ Result<std::unique_ptr<TieredCache>> TieredCache::Open(const CacheOptions& optio
           return Status::InvalidArgument("GPU device " + std::to_string(dev) + " does not exist");
         }
         GKV_ASSIGN_OR_RETURN(auto arena, MemoryArena::CreateDevice(dev, options.gpu_capacity));
-        t.arenas.push_back(std::move(arena));
+        t.push_back(std::move(arena));
       }
       for (int dev : options.gpu_devices) {
         GKV_ASSIGN_OR_RETURN(impl->copiers[dev], DeviceCopier::Create(dev));
@@ -829,12 +902,9 @@ Result<std::unique_ptr<TieredCache>> TieredCache::Open(const CacheOptions& optio
                    options.gpu_devices.size(),
                    options.gpu_behind_host ? ", behind the host tier (takes what it spills)" : "");
     }
-    t.enabled = !t.arenas.empty();
-    t.capacity = t.enabled ? t.arenas.front()->capacity() : 0;
   }
   // Host tier.
   if (options.host_capacity > 0) {
-    TierState& t = impl->tiers[1];
     GKV_ASSIGN_OR_RETURN(auto arena,
                          MemoryArena::CreateHost(options.host_capacity, options.host_mode));
     if (arena->pinned()) {
@@ -845,9 +915,7 @@ Result<std::unique_ptr<TieredCache>> TieredCache::Open(const CacheOptions& optio
           "stage through bounce buffers",
           FormatSize(options.host_capacity), arena->backing_note());
     }
-    t.capacity = arena->capacity();
-    t.arenas.push_back(std::move(arena));
-    t.enabled = true;
+    impl->arenas[1].push_back(std::move(arena));
     // A usable GPU without a GPU tier (or with one) still gets device copies for GetInto.
     if (!impl->device_copies && ProbeCuda().usable) {
       auto c = DeviceCopier::Create(0);
@@ -857,6 +925,31 @@ Result<std::unique_ptr<TieredCache>> TieredCache::Open(const CacheOptions& optio
       }
     }
   }
+  // Each partition gets one slice of every arena: equal slices, whole pages, the last one
+  // taking the remainder. An object larger than the smallest slice does not fit the tier.
+  const uint64_t nparts = impl->partitions.size();
+  for (int t = 0; t < 2; ++t) {
+    if (impl->arenas[t].empty()) continue;
+    const uint64_t capacity = impl->arenas[t].front()->capacity();
+    const uint64_t slice = nparts == 1 ? capacity : capacity / nparts / 4096 * 4096;
+    if (slice == 0) {
+      return Status::InvalidArgument(
+          "a " + FormatSize(capacity) + " " + std::string(TierName(static_cast<Tier>(t))) +
+          " tier cannot be split into " + std::to_string(nparts) + " placement partitions");
+    }
+    for (auto& part : impl->partitions) {
+      TierState& ts = part->tiers[t];
+      const uint64_t offset = part->index * slice;
+      const uint64_t size = part->index + 1 == nparts ? capacity - offset : slice;
+      for (const auto& arena : impl->arenas[t]) {
+        ts.arenas.push_back(MemoryArena::Slice(*arena, offset, size));
+      }
+      ts.enabled = true;
+      ts.capacity = size;
+    }
+    impl->tier_on[t] = true;
+    impl->tier_fits[t] = slice;
+  }
   // Disk tier, with warm restart.
   if (!options.disk_path.empty()) {
     DiskTier::Options d;
@@ -865,9 +958,14 @@ Result<std::unique_ptr<TieredCache>> TieredCache::Open(const CacheOptions& optio
     d.durable_share = options.disk_durable_share;
     d.crash_fs = options.disk_crash_fs;
     GKV_ASSIGN_OR_RETURN(impl->disk, DiskTier::Open(d));
-    impl->tiers[2].enabled = true;
-    impl->tiers[2].capacity = options.disk_capacity;
+    impl->tier_on[2] = true;
+    impl->tier_fits[2] = options.disk_capacity;
+    for (auto& part : impl->partitions) {
+      part->tiers[2].enabled = true;
+      part->tiers[2].capacity = options.disk_capacity;
+    }
     uint64_t max_version = 0;
+    uint64_t recovered = 0;
     GKV_RETURN_IF_ERROR(impl->disk->ForEach([&](std::string_view key, const StoredObjectMeta& m) {
       auto e = MakePooledShared<Entry>();
       e->key = std::string(key);
@@ -877,8 +975,11 @@ Result<std::unique_ptr<TieredCache>> TieredCache::Open(const CacheOptions& optio
       e->tensor = m.tensor;
       e->tier = Tier::kDisk;
       e->on_disk = true;
-      impl->LinkLru(e.get());
-      impl->ShardFor(key).map.emplace(e->key, std::move(e));
+      const size_t si = impl->ShardIndex(key);
+      e->partition = impl->PartitionIndex(si);
+      impl->PartOf(e.get()).LinkLru(e.get());
+      impl->shards[si]->map.emplace(e->key, std::move(e));
+      recovered++;
       max_version = std::max(max_version, m.version);
       return true;
     }));
@@ -890,12 +991,12 @@ Result<std::unique_ptr<TieredCache>> TieredCache::Open(const CacheOptions& optio
                             .WithContext("persisting the version mark"));
     impl->next_version = start;
     impl->version_limit = start + Impl::kVersionBlock;
-    if (impl->tiers[2].objects > 0) {
-      GKV_LOG_INFO("disk tier at {}: {} objects, {} recovered", options.disk_path,
-                   impl->tiers[2].objects, FormatSize(impl->disk->used_bytes()));
+    if (recovered > 0) {
+      GKV_LOG_INFO("disk tier at {}: {} objects, {} recovered", options.disk_path, recovered,
+                   FormatSize(impl->disk->used_bytes()));
     }
   }
-  if (!impl->tiers[0].enabled && !impl->tiers[1].enabled && !impl->tiers[2].enabled) {
+  if (!impl->tier_on[0] && !impl->tier_on[1] && !impl->tier_on[2]) {
     return Status::InvalidArgument("no cache tier is enabled");
   }
   return std::unique_ptr<TieredCache>(new TieredCache(std::move(impl)));
@@ -922,10 +1023,11 @@ Result<WriteHandle> TieredCache::Reserve(std::string_view key, uint64_t size,
   h.tensor_ = tensor;
   h.size_ = size;
   {
-    std::unique_lock<std::mutex> lock(I.mu);
+    Impl::Partition& part = I.PartFor(key);
+    std::unique_lock<std::mutex> lock(part.mu);
     for (Tier t : {I.fast_tier, I.slow_tier}) {
       MemoryArena* arena = nullptr;
-      if (std::byte* p = I.AllocateIn(t, size, &arena, lock)) {
+      if (std::byte* p = part.AllocateIn(t, size, &arena, lock)) {
         h.tier_ = t;
         h.arena_ = arena;
         h.data_ = p;
@@ -983,6 +1085,7 @@ std::vector<Result<uint64_t>> TieredCache::CommitBatch(std::vector<WriteHandle> 
     }
     auto e = MakePooledShared<Entry>();
     e->key = h.key_;
+    e->partition = I.PartitionIndex(I.ShardIndex(h.key_));
     e->size = h.size_;
     e->tensor = h.tensor_;
     if (h.handed_version_ != 0) {
@@ -1027,7 +1130,6 @@ std::vector<Result<uint64_t>> TieredCache::CommitBatch(std::vector<WriteHandle> 
   if (!writes.empty()) {
     std::vector<DiskEviction> evicted;
     Status bs = I.disk->PutBatch(&writes, durable, &evicted);
-    std::lock_guard<std::mutex> lock(I.mu);
     I.QueueDiskEvictions(evicted);
     for (size_t j = 0; j < writes.size(); ++j) {
       const size_t i = write_of[j];
@@ -1038,8 +1140,11 @@ std::vector<Result<uint64_t>> TieredCache::CommitBatch(std::vector<WriteHandle> 
         continue;
       }
       // Not written means a newer version is already on disk; this commit will be superseded.
-      static_cast<Entry*>(entries[i].get())->on_disk = writes[j].written;
-      if (durable) I.counters.durable_writes++;
+      Entry* e = static_cast<Entry*>(entries[i].get());
+      Impl::Partition& part = I.PartOf(e);
+      std::lock_guard<std::mutex> lock(part.mu);
+      e->on_disk = writes[j].written;
+      if (durable) part.counters.durable_writes++;
     }
   }
   for (size_t i = 0; i < n; ++i) {
@@ -1057,10 +1162,11 @@ uint64_t TieredCache::Publish(WriteHandle& h, std::shared_ptr<void> entry) {
   bool superseded = false;
   bool newer_there = false;  // superseded by a newer version (not only by an expectation)
   bool replaces_disk_copy = false;
+  Impl::Partition& part = I.PartOf(e.get());
   {
     Shard& s = I.ShardFor(e->key);
     std::lock_guard<std::mutex> shard_lock(s.mu);
-    std::lock_guard<std::mutex> lock(I.mu);
+    std::lock_guard<std::mutex> lock(part.mu);
     if (h.tier_ != Tier::kDisk) {
       e->arena = h.arena_;
       e->data = h.data_;
@@ -1069,7 +1175,7 @@ uint64_t TieredCache::Publish(WriteHandle& h, std::shared_ptr<void> entry) {
     }
     // A newer commit may have won the race: then this one is already overwritten.
     superseded =
-        !I.Publish(s, e, &old, h.expect_current_ ? &h.expected_current_ : nullptr, &newer_there);
+        !part.Publish(s, e, &old, h.expect_current_ ? &h.expected_current_ : nullptr, &newer_there);
     // (A disk-tier reservation that was not written lost to a newer version already on disk,
     // which replaced the old copy there; it has no bytes in memory to write.)
     replaces_disk_copy = !superseded && old && (old->on_disk || old->writebacks > 0) &&
@@ -1077,14 +1183,14 @@ uint64_t TieredCache::Publish(WriteHandle& h, std::shared_ptr<void> entry) {
     // Pinned and marked so that the write-through below can read its bytes and a later commit
     // sees the copy coming.
     if (replaces_disk_copy) {
-      I.Pin(e.get());
+      Impl::Pin(e.get());
       e->writebacks++;
     }
   }
   h.cache_ = nullptr;
   // Past this point the new version is published: nothing below may fail the put (it committed);
   // what goes wrong is logged and its cleanup queued.
-  if (replaces_disk_copy) I.ReplaceDiskCopy(e.get(), old.get());
+  if (replaces_disk_copy) part.ReplaceDiskCopy(e.get(), old.get());
   // A copy refused only for the expectation (a write landed between CommitBatch's check and
   // now) stays on disk: it replaced the disk copy of a version no newer than itself, and
   // deleting it would leave the key with no disk copy at all.
@@ -1093,8 +1199,7 @@ uint64_t TieredCache::Publish(WriteHandle& h, std::shared_ptr<void> entry) {
     Status ds = I.disk->DeleteIfVersion(e->key, e->version, /*sync=*/true);
     if (!ds.ok()) {
       GKV_LOG_WARN("deleting a superseded disk copy of '{}': {}", e->key, ds.ToString());
-      std::lock_guard<std::mutex> lock(I.mu);
-      I.pending.push_back({PendingOp::kDeleteStaleDiskCopy, e->key, e->version});
+      I.AddPending({PendingOp::kDeleteStaleDiskCopy, e->key, e->version});
     }
   }
   return e->version;
@@ -1106,14 +1211,15 @@ TieredCache::FastPath TieredCache::TryReserveInMemory(std::string_view key, uint
   if (key.empty() || key.size() > I.options.max_key_size || !tensor.Validate(size).ok()) {
     return FastPath::kNeedsSlowPath;  // the slow path reports the error
   }
-  // Released before the placement lock is taken: releasing a reservation takes that lock.
+  // Released before the partition lock is taken: releasing a reservation takes that lock.
   *out = WriteHandle();
-  std::lock_guard<std::mutex> lock(I.mu);
+  Impl::Partition& part = I.PartFor(key);
+  std::lock_guard<std::mutex> lock(part.mu);
   for (Tier t : {I.fast_tier, I.slow_tier}) {
-    const TierState& ts = I.tiers[static_cast<int>(t)];
+    const TierState& ts = part.tiers[static_cast<int>(t)];
     if (!ts.enabled || size > ts.capacity) continue;
     MemoryArena* arena = nullptr;
-    std::byte* p = I.TryAllocate(t, size, &arena);
+    std::byte* p = part.TryAllocate(t, size, &arena);
     if (!p) return FastPath::kNeedsSlowPath;  // would have to evict
     out->cache_ = this;
     out->key_ = std::string(key);
@@ -1136,11 +1242,14 @@ TieredCache::FastPath TieredCache::TryCommitInMemory(WriteHandle* h, uint64_t* v
       I.version_limit.load()) {
     return FastPath::kNeedsSlowPath;
   }
-  Shard& s = I.ShardFor(h->key_);
+  const size_t si = I.ShardIndex(h->key_);
+  Shard& s = *I.shards[si];
+  const uint32_t pi = I.PartitionIndex(si);
+  Impl::Partition& part = *I.partitions[pi];
   std::shared_ptr<Entry> old;
   {
     std::lock_guard<std::mutex> shard_lock(s.mu);
-    std::lock_guard<std::mutex> lock(I.mu);
+    std::lock_guard<std::mutex> lock(part.mu);
     auto it = s.map.find(h->key_);
     // An older copy on disk (or on its way there) must be replaced on disk: not for this path.
     if (it != s.map.end() && (it->second->on_disk || it->second->writebacks > 0)) {
@@ -1148,6 +1257,7 @@ TieredCache::FastPath TieredCache::TryCommitInMemory(WriteHandle* h, uint64_t* v
     }
     auto e = MakePooledShared<Entry>();
     e->key = h->key_;
+    e->partition = pi;
     e->size = h->size_;
     e->tensor = h->tensor_;
     if (h->requested_version_ != 0) {
@@ -1167,7 +1277,7 @@ TieredCache::FastPath TieredCache::TryCommitInMemory(WriteHandle* h, uint64_t* v
     h->data_ = nullptr;
     h->cache_ = nullptr;
     // The version was taken under the shard lock, so nothing newer can be in the map.
-    I.Publish(s, e, &old);
+    part.Publish(s, e, &old);
     *version = e->version;
   }
   return FastPath::kServed;
@@ -1204,7 +1314,8 @@ Result<ReadHandle> TieredCache::Acquire(std::string_view key) {
       return Status::NotFound("key not found");
     }
     Entry* e = sp.get();
-    std::unique_lock<std::mutex> lock(I.mu);
+    Impl::Partition& part = I.PartOf(e);
+    std::unique_lock<std::mutex> lock(part.mu);
     if (!e->live) {
       // Replaced or deleted meanwhile (look again), or dropped: a dropped entry stays in the
       // index until its queued removal runs, and a read of it is a miss, not a retry.
@@ -1225,9 +1336,9 @@ Result<ReadHandle> TieredCache::Acquire(std::string_view key) {
         e->reads_in_tier.store(0, std::memory_order_relaxed);
       } else if (promote) {
         // Slow memory tier -> fast one. The entry is pinned while its new home is prepared.
-        I.Pin(e);
+        Impl::Pin(e);
         MemoryArena* arena = nullptr;
-        std::byte* dst = I.AllocateIn(I.fast_tier, e->size, &arena, lock);
+        std::byte* dst = part.AllocateIn(I.fast_tier, e->size, &arena, lock);
         if (dst) {
           std::byte* src = e->data;
           MemoryKind sk = e->arena->kind();
@@ -1235,9 +1346,9 @@ Result<ReadHandle> TieredCache::Acquire(std::string_view key) {
           Status s = I.Copy(dst, arena->kind(), src, sk, e->size);
           lock.lock();
           // Frozen: no reader pinned it meanwhile (one would hold the old block).
-          if (s.ok() && e->live && e->tier == I.slow_tier && I.Freeze(e, 1)) {
+          if (s.ok() && e->live && e->tier == I.slow_tier && Impl::Freeze(e, 1)) {
             Impl::Frozen frozen{e};
-            I.Relocate(e, I.fast_tier, arena, dst);
+            part.Relocate(e, I.fast_tier, arena, dst);
           } else {
             arena->Free(dst);
             // Read by others meanwhile: start the admission count again, so that the next
@@ -1245,14 +1356,14 @@ Result<ReadHandle> TieredCache::Acquire(std::string_view key) {
             if (s.ok() && e->live) e->reads_in_tier.store(0, std::memory_order_relaxed);
           }
         }
-        I.Unpin(e);
+        part.Unpin(e);
         if (!e->live) {
           retry_reason = "replaced during promotion";
           continue;
         }
       }
       ReadHandle h;
-      I.Pin(e);
+      Impl::Pin(e);
       shard.hits[static_cast<int>(e->tier)].fetch_add(1, std::memory_order_relaxed);
       FillReadHandle(std::move(sp), &h);
       lock.unlock();
@@ -1279,9 +1390,9 @@ Result<ReadHandle> TieredCache::Acquire(std::string_view key) {
         std::lock_guard<std::mutex> sl(sh.mu);
         auto it = sh.map.find(std::string(key));
         if (it != sh.map.end() && it->second.get() == e) {
-          std::lock_guard<std::mutex> l2(I.mu);
+          std::lock_guard<std::mutex> l2(part.mu);
           if (e->tier == Tier::kDisk) {
-            I.Kill(e);
+            part.Kill(e);
             sh.map.erase(it);
           }
         }
@@ -1299,9 +1410,9 @@ Result<ReadHandle> TieredCache::Acquire(std::string_view key) {
       MemoryArena* arena = nullptr;
       std::byte* dst = nullptr;
       if (e->live && e->tier == Tier::kDisk && e->version == version) {
-        I.Pin(e);
-        dst = I.AllocateIn(target, e->size, &arena, lock);
-        I.Unpin(e);
+        Impl::Pin(e);
+        dst = part.AllocateIn(target, e->size, &arena, lock);
+        part.Unpin(e);
       }
       if (dst) {
         lock.unlock();
@@ -1309,9 +1420,9 @@ Result<ReadHandle> TieredCache::Acquire(std::string_view key) {
         lock.lock();
         // Frozen: a fast-path reader may be looking at the entry (it leaves a disk entry alone).
         if (cs.ok() && e->live && e->tier == Tier::kDisk && e->version == version &&
-            I.Freeze(e, 0)) {
+            Impl::Freeze(e, 0)) {
           Impl::Frozen frozen{e};
-          I.Relocate(e, target, arena, dst);  // the disk copy stays as a clean copy
+          part.Relocate(e, target, arena, dst);  // the disk copy stays as a clean copy
         } else {
           arena->Free(dst);
         }
@@ -1391,7 +1502,7 @@ Result<ObjectInfo> TieredCache::Stat(std::string_view key) {
   Impl& I = *impl_;
   std::shared_ptr<Entry> sp = I.Lookup(key);
   if (!sp) return Status::NotFound("key not found");
-  std::lock_guard<std::mutex> lock(I.mu);
+  std::lock_guard<std::mutex> lock(I.PartOf(sp.get()).mu);
   if (!sp->live) return Status::NotFound("key not found");
   return ObjectInfo{sp->size, sp->version, sp->tensor, sp->tier, sp->on_disk, sp->durable};
 }
@@ -1424,10 +1535,11 @@ uint64_t TieredCache::VersionClock() const {
 std::vector<KeyListing> TieredCache::ListKeys() const {
   Impl& I = *impl_;
   std::vector<KeyListing> out;
-  for (auto& s : I.shards) {
-    std::lock_guard<std::mutex> shard_lock(s->mu);
-    std::lock_guard<std::mutex> lock(I.mu);
-    for (auto& [k, e] : s->map) {
+  for (size_t si = 0; si < I.shards.size(); ++si) {
+    Shard& s = *I.shards[si];
+    std::lock_guard<std::mutex> shard_lock(s.mu);
+    std::lock_guard<std::mutex> lock(I.partitions[I.PartitionIndex(si)]->mu);
+    for (auto& [k, e] : s.map) {
       if (e->live) out.push_back(KeyListing{k, e->version, e->size, e->durable, e->tier});
     }
   }
@@ -1447,15 +1559,17 @@ Status TieredCache::DeleteVersion(std::string_view key, uint64_t version) {
     }
     victim = it->second;
     s.map.erase(it);
-    std::lock_guard<std::mutex> lock(I.mu);
-    I.Kill(victim.get());
-    I.counters.deletes++;
+    Impl::Partition& part = I.PartOf(victim.get());
+    std::lock_guard<std::mutex> lock(part.mu);
+    part.Kill(victim.get());
+    part.counters.deletes++;
   }
   if (I.disk) {
     // A copy on its way to disk is waited for, then the delete is synced: once Delete returns,
     // no crash brings the value back.
-    std::unique_lock<std::mutex> lock(I.mu);
-    I.WaitForWritebacks(victim.get(), lock);
+    Impl::Partition& part = I.PartOf(victim.get());
+    std::unique_lock<std::mutex> lock(part.mu);
+    part.WaitForWritebacks(victim.get(), lock);
     const bool on_disk = victim->on_disk;
     lock.unlock();
     if (on_disk) {
@@ -1475,12 +1589,13 @@ Status TieredCache::Flush() {
   Impl& I = *impl_;
   if (!I.disk) return Status::OK();
   std::vector<std::shared_ptr<Entry>> dirty;
-  for (auto& s : I.shards) {
-    std::lock_guard<std::mutex> shard_lock(s->mu);
-    std::lock_guard<std::mutex> lock(I.mu);
-    for (auto& [k, e] : s->map) {
+  for (size_t si = 0; si < I.shards.size(); ++si) {
+    Shard& s = *I.shards[si];
+    std::lock_guard<std::mutex> shard_lock(s.mu);
+    std::lock_guard<std::mutex> lock(I.partitions[I.PartitionIndex(si)]->mu);
+    for (auto& [k, e] : s.map) {
       if (e->live && !e->on_disk && e->tier != Tier::kDisk) {
-        I.Pin(e.get());
+        Impl::Pin(e.get());
         e->writebacks++;
         dirty.push_back(e);
       }
@@ -1501,16 +1616,17 @@ Status TieredCache::Flush() {
     if (s.ok()) {
       s = I.disk->Put(e->key, {e->size, e->version, e->tensor}, src, false, &evicted, &written);
     }
-    std::lock_guard<std::mutex> lock(I.mu);
+    Impl::Partition& part = I.PartOf(e.get());
+    std::lock_guard<std::mutex> lock(part.mu);
     if (s.ok() && written) {
       e->on_disk = true;
-      if (!e->live) I.pending.push_back({PendingOp::kDeleteStaleDiskCopy, e->key, e->version});
+      if (!e->live) I.AddPending({PendingOp::kDeleteStaleDiskCopy, e->key, e->version});
     } else if (first_error.ok()) {
       first_error = s;
     }
     I.QueueDiskEvictions(evicted);
-    I.EndWriteback(e.get());
-    I.Unpin(e.get());
+    part.EndWriteback(e.get());
+    part.Unpin(e.get());
   }
   I.DrainEvictions();
   GKV_RETURN_IF_ERROR(first_error);
@@ -1519,43 +1635,62 @@ Status TieredCache::Flush() {
 
 CacheStats TieredCache::GetStats() const {
   const Impl& I = *impl_;
-  std::lock_guard<std::mutex> lock(I.mu);
-  CacheStats st = I.counters;
+  CacheStats st;
+  // One partition at a time: the figures of different partitions are not one snapshot.
+  for (const auto& part : I.partitions) {
+    std::lock_guard<std::mutex> lock(part->mu);
+    const CacheStats& c = part->counters;
+    st.puts += c.puts;
+    st.deletes += c.deletes;
+    st.disk_evictions += c.disk_evictions;
+    st.dropped += c.dropped;
+    st.durable_writes += c.durable_writes;
+    for (int a = 0; a < kTierCount; ++a) {
+      for (int b = 0; b < kTierCount; ++b) {
+        st.moves[a][b] += c.moves[a][b];
+        st.moved_bytes[a][b] += c.moved_bytes[a][b];
+      }
+    }
+    for (int t = 0; t < kTierCount; ++t) {
+      const TierState& ts = part->tiers[t];
+      TierStats& o = st.tiers[t];
+      o.objects += ts.objects;
+      if (t < 2) {
+        for (const auto& a : ts.arenas) {
+          o.capacity += a->capacity();
+          o.used_bytes += a->used();
+          o.largest_free_block =
+              std::max(o.largest_free_block, a->allocator().largest_free_block());
+        }
+      }
+    }
+  }
   for (const auto& s : I.shards) {
     st.misses += s->misses.load(std::memory_order_relaxed);
     for (int t = 0; t < kTierCount; ++t) {
       st.tiers[t].hits += s->hits[t].load(std::memory_order_relaxed);
     }
   }
-  for (int t = 0; t < kTierCount; ++t) {
-    const TierState& ts = I.tiers[t];
-    TierStats& o = st.tiers[t];
-    o.enabled = ts.enabled;
-    o.objects = ts.objects;
-    if (t < 2) {
-      for (const auto& a : ts.arenas) {
-        o.capacity += a->capacity();
-        o.used_bytes += a->used();
-        o.largest_free_block = std::max(o.largest_free_block, a->allocator().largest_free_block());
-      }
-    } else if (I.disk) {
-      o.capacity = I.disk->capacity();
-      o.used_bytes = I.disk->used_bytes();
-    }
+  for (int t = 0; t < kTierCount; ++t) st.tiers[t].enabled = I.tier_on[t];
+  if (I.disk) {
+    st.tiers[2].capacity = I.disk->capacity();
+    st.tiers[2].used_bytes = I.disk->used_bytes();
   }
   return st;
 }
 
-bool TieredCache::tier_enabled(Tier t) const { return impl_->tiers[static_cast<int>(t)].enabled; }
+bool TieredCache::tier_enabled(Tier t) const { return impl_->tier_on[static_cast<int>(t)]; }
 
 uint64_t TieredCache::tier_capacity(Tier t) const {
-  return impl_->tiers[static_cast<int>(t)].capacity;
+  const int i = static_cast<int>(t);
+  if (i == 2) return impl_->tier_on[2] ? impl_->tier_fits[2] : 0;
+  return impl_->arenas[i].empty() ? 0 : impl_->arenas[i].front()->capacity();
 }
 
 uint64_t TieredCache::max_object_size() const {
   uint64_t m = 0;
   for (int t = 0; t < 2; ++t) {
-    if (impl_->tiers[t].enabled) m = std::max(m, impl_->tiers[t].capacity);
+    if (impl_->tier_on[t]) m = std::max(m, impl_->tier_fits[t]);
   }
   if (impl_->disk)
     m = std::max(m, impl_->disk->capacity() -
@@ -1563,24 +1698,24 @@ uint64_t TieredCache::max_object_size() const {
   return m;
 }
 
+int TieredCache::placement_partitions() const { return static_cast<int>(impl_->partitions.size()); }
+
 const std::string& TieredCache::gpu_tier_note() const { return impl_->gpu_note; }
 
 bool TieredCache::host_pinned() const {
-  const TierState& t = impl_->tiers[1];
-  return t.enabled && t.arenas.front()->pinned();
+  const auto& arenas = impl_->arenas[1];
+  return !arenas.empty() && arenas.front()->pinned();
 }
 
 std::string TieredCache::host_tier_note() const {
-  const TierState& t = impl_->tiers[1];
-  return t.enabled ? t.arenas.front()->backing_note() : std::string();
+  const auto& arenas = impl_->arenas[1];
+  return arenas.empty() ? std::string() : arenas.front()->backing_note();
 }
 
 std::vector<MemoryRegion> TieredCache::memory_regions() const {
   std::vector<MemoryRegion> regions;
   for (Tier tier : {Tier::kGpu, Tier::kHost}) {
-    const TierState& t = impl_->tiers[static_cast<int>(tier)];
-    if (!t.enabled) continue;
-    for (const auto& arena : t.arenas) {
+    for (const auto& arena : impl_->arenas[static_cast<int>(tier)]) {
       regions.push_back({arena->base(), arena->capacity(), arena->kind(), arena->device(), tier});
     }
   }

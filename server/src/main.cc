@@ -74,6 +74,12 @@ int main(int argc, char** argv) {
                  "UCX workers, each with an I/O thread; connections are spread over them "
                  "(0: a quarter of the cores, 1 to 16)")
       ->check(CLI::Range(0, 64));
+  int placement_partitions = 0;
+  app.add_option("--placement-partitions", placement_partitions,
+                 "cache placement partitions, each with its own slice of every memory tier, "
+                 "LRU and lock (a divisor of 16; 0: as many as I/O threads while each slice "
+                 "keeps at least 256 MiB)")
+      ->check(CLI::Range(0, 16));
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error");
   app.add_option("--metrics-port", metrics_port, "serve Prometheus metrics on this port (/metrics)")
       ->check(CLI::Range(0, 65535));
@@ -213,6 +219,7 @@ int main(int argc, char** argv) {
   options.cache.disk_path = disk_dir;
   options.cache.disk_durable_share = durable_share;
   options.cache.promotion_window = std::chrono::milliseconds(promotion_window_ms);
+  options.cache.placement_partitions = placement_partitions;  // 0: chosen by the server
 
   // Block the stop signals before any thread starts, so only sigwait below receives them.
   sigset_t stop_signals;

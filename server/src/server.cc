@@ -685,6 +685,11 @@ Result<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
   const size_t table = impl->options.cluster.nodes.size();
   impl->peer_conn.assign(table, 0);
   impl->peer_down_until.assign(table, {});
+  const int io_threads = options.io_threads > 0 ? options.io_threads : DefaultIoThreads();
+  if (io_threads > UcxTransport::kMaxWorkers) {
+    return Status::InvalidArgument("at most " + std::to_string(UcxTransport::kMaxWorkers) +
+                                   " I/O threads");
+  }
   CacheOptions own = options.cache;
   if (own.gpu_capacity > 0 && !own.gpu_tier_in_host_memory) {
     using P = ServerOptions::GpuPlacement;
@@ -717,9 +722,15 @@ Result<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
     rep.promote_on_read = false;  // copies stay where they were installed (the top tier)
     own.gpu_capacity -= rep.gpu_capacity;
     own.host_capacity -= rep.host_capacity;
+    if (options.cache.placement_partitions <= 0) {
+      rep.placement_partitions = CacheOptions::AutoPartitions(rep, io_threads);
+    }
     auto rc = TieredCache::Open(rep);
     if (!rc.ok()) return rc.status().WithContext("opening the replica cache");
     impl->replica_cache = std::move(*rc);
+  }
+  if (options.cache.placement_partitions <= 0) {
+    own.placement_partitions = CacheOptions::AutoPartitions(own, io_threads);
   }
   auto cache = TieredCache::Open(own);
   if (!cache.ok()) return cache.status().WithContext("opening the cache");
@@ -727,11 +738,6 @@ Result<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
   if (elastic) impl->BeginCatchUp();
   impl->executors = std::make_unique<ThreadPool>(std::max(1, options.executor_threads));
 
-  const int io_threads = options.io_threads > 0 ? options.io_threads : DefaultIoThreads();
-  if (io_threads > UcxTransport::kMaxWorkers) {
-    return Status::InvalidArgument("at most " + std::to_string(UcxTransport::kMaxWorkers) +
-                                   " I/O threads");
-  }
   for (int i = 0; i < io_threads; ++i) {
     impl->io.push_back(std::make_unique<Impl::IoWorker>());
     impl->io.back()->index = i;
@@ -814,15 +820,18 @@ Result<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
                       : fmt::format("replication auto (hot share {}, load slack {})",
                                     rule.hot_share, rule.load_slack);
   }
-  GKV_LOG_INFO("node {} up on {}:{} (gpu {}{}, host {}, disk {}; {}; {}, {} I/O thread{}){}",
-               I.self.id, topts.listen_host, I.transport->listen_port(), tier(Tier::kGpu),
-               !ProbeCuda().fake ? ""
-               : FakeDeviceKind() == FakeDevice::kMovedByUcx
-                   ? " FAKE DEVICE (GKV_FAKE_DEVICE=ucx: host memory, moved by UCX)"
-                   : " FAKE DEVICE (GKV_FAKE_DEVICE=1: host memory, staged)",
-               tier(Tier::kHost), tier(Tier::kDisk), replication, I.transport->Describe(),
-               io_threads, io_threads == 1 ? "" : "s",
-               options.cluster.secret.empty() ? "" : "; clients must present the cluster secret");
+  const int parts = I.cache->placement_partitions();
+  GKV_LOG_INFO(
+      "node {} up on {}:{} (gpu {}{}, host {}, disk {}; {} placement partition{}; {}; {}, {} I/O "
+      "thread{}){}",
+      I.self.id, topts.listen_host, I.transport->listen_port(), tier(Tier::kGpu),
+      !ProbeCuda().fake ? ""
+      : FakeDeviceKind() == FakeDevice::kMovedByUcx
+          ? " FAKE DEVICE (GKV_FAKE_DEVICE=ucx: host memory, moved by UCX)"
+          : " FAKE DEVICE (GKV_FAKE_DEVICE=1: host memory, staged)",
+      tier(Tier::kHost), tier(Tier::kDisk), parts, parts == 1 ? "" : "s", replication,
+      I.transport->Describe(), io_threads, io_threads == 1 ? "" : "s",
+      options.cluster.secret.empty() ? "" : "; clients must present the cluster secret");
   return std::unique_ptr<Server>(new Server(std::move(impl)));
 }
 

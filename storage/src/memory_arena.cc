@@ -44,7 +44,17 @@ Result<std::unique_ptr<MemoryArena>> MemoryArena::CreateDevice(int device, uint6
       MemoryKind::kDevice, Backing::kCudaDevice, device, static_cast<std::byte*>(p), capacity));
 }
 
+std::unique_ptr<MemoryArena> MemoryArena::Slice(const MemoryArena& parent, uint64_t offset,
+                                                uint64_t size) {
+  auto slice = std::unique_ptr<MemoryArena>(
+      new MemoryArena(parent.kind_, parent.backing_, parent.device_, parent.base_ + offset, size));
+  slice->note_ = parent.note_;
+  slice->owns_memory_ = false;
+  return slice;
+}
+
 MemoryArena::~MemoryArena() {
+  if (!owns_memory_) return;
   switch (backing_) {
     case Backing::kMmap:
       munmap(base_, mapped_size_);

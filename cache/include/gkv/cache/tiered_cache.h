@@ -1,11 +1,15 @@
 // TieredCache: the node-local cache. GPU memory -> pinned host memory -> RocksDB on disk.
 //
 // Placement:
+//  - Placement partitions (CacheOptions::placement_partitions, 1 by default): each owns an
+//    equal slice of every memory tier, its own LRU lists and its own placement lock; a key's
+//    partition is fixed by its hash. Everything below happens within the key's partition: "a
+//    tier" is that partition's slice of it, and eviction is LRU among that partition's keys.
 //  - A put lands in the highest tier whose capacity can hold the object; when that tier is full,
 //    its least recently used unpinned entries (CLOCK: a read marks its entry, and the eviction
 //    scan gives a marked entry a second chance) move one tier down (GPU -> host -> disk) until the
-//    new object fits. An object larger than a tier skips it; one larger than every tier is
-//    refused with NoSpace. The disk tier drops its oldest cache-only objects past its own
+//    new object fits. An object larger than a tier (slice) skips it; one larger than every tier
+//    is refused with NoSpace. The disk tier drops its oldest cache-only objects past its own
 //    capacity; durable objects are never dropped (they have their own budget, see DiskTier).
 //  - A move never changes a byte: the copy is made first, then the entry is switched over.
 //  - Writes reach disk on eviction (write-back), unless the put is durable: then the object is
@@ -23,8 +27,8 @@
 //    the time). A single scan therefore reads through the lower tiers without flushing the hot
 //    set out of GPU memory.
 //
-// Invariants (held under the placement lock):
-//  - Bytes allocated in a tier never exceed its capacity (the arena is exactly that big).
+// Invariants (held under the placement lock, which is the key's partition's):
+//  - Bytes allocated in a tier never exceed its capacity (each slice is exactly that big).
 //  - An entry with pins > 0 is never moved or freed; a deleted or replaced entry keeps its
 //    memory until its last pin is released. The fast path pins and every handle releases
 //    without the placement lock (an atomic pin count that placement freezes while it moves an
@@ -33,8 +37,10 @@
 //  - The index maps a key to the entry with the highest version committed for it.
 //
 // Thread-safety: all methods are thread-safe. The index is sharded by key hash (one mutex per
-// shard); tier placement (LRU lists, arenas, moves) is under one placement mutex. Lock order:
-// shard mutex, then placement mutex. TryAcquireFromMemory takes only the key's shard mutex and
+// shard); tier placement (LRU lists, arena slices, moves) is under the placement mutex of the
+// key's partition (a shard belongs to one partition). Lock order: shard mutex, then placement
+// mutex; no code holds two partitions' mutexes. TryAcquireFromMemory takes only the key's
+// shard mutex and
 // releasing a ReadHandle takes no lock, so readers on many threads share no lock; the one
 // exception is the last release of a dead entry's pin (replaced, deleted or dropped while
 // read), which frees its memory under the placement mutex. So never release a handle while
@@ -97,6 +103,17 @@ struct CacheOptions {
 
   uint64_t max_key_size = 1024;
   int index_shards = 16;
+  // Placement partitions (a divisor of index_shards): each owns an equal slice of every memory tier
+  // (whole pages) with its own LRU lists and lock, and a key's partition is fixed by its hash,
+  // so puts, evictions and moves of keys in different partitions share no lock. Eviction is
+  // LRU within a partition. An object larger than one slice does not fit that tier (it goes to
+  // the next tier down, or disk). 1: one lock and one LRU order for the whole tier.
+  int placement_partitions = 1;
+  // The partition count a node with `io_threads` I/O threads gets by default: the largest
+  // divisor of index_shards that is at most io_threads and leaves every enabled memory tier
+  // slices of at least min_slice bytes (1 when none does).
+  static int AutoPartitions(const CacheOptions& options, int io_threads,
+                            uint64_t min_slice = uint64_t{256} << 20);
   std::chrono::milliseconds promotion_window{10'000};
   // false: reads never promote (the admission rule is off); an entry stays in the tier it was
   // written to or spilled to. A replica cache uses this: its copies are installed in the top tier.
@@ -313,8 +330,9 @@ class TieredCache {
   CacheStats GetStats() const;
   bool tier_enabled(Tier t) const;
   uint64_t tier_capacity(Tier t) const;
-  // The largest object any tier can hold.
+  // The largest object any tier can hold (for a memory tier: one placement partition's slice).
   uint64_t max_object_size() const;
+  int placement_partitions() const;
   // Why the GPU tier is off (empty when on or not configured).
   const std::string& gpu_tier_note() const;
   // Whether the host tier is pinned (cudaHostAlloc) memory; false without a host tier. When not,

@@ -3,7 +3,8 @@
 // one arena of pinned memory (cudaHostAlloc) when the CUDA runtime works, page-aligned ordinary
 // memory (mmap) otherwise. The region is freed only when the arena is destroyed; the cache
 // destroys arenas last, after every entry (and every pin) is gone.
-// Thread-safety: not thread-safe; the cache serializes Allocate/Free under its placement lock.
+// Thread-safety: not thread-safe; the cache serializes Allocate/Free of an arena (or of a
+// Slice) under the lock of the placement partition that owns it.
 // base() and pointers derived from it may be read and written from any thread.
 #pragma once
 
@@ -30,6 +31,12 @@ class MemoryArena {
                                                          HostMode mode = HostMode::kAuto);
   // Device memory on `device` (cudaMalloc). Unavailable/NotSupported without a usable GPU.
   static Result<std::unique_ptr<MemoryArena>> CreateDevice(int device, uint64_t capacity);
+  // `size` bytes of `parent`'s region from `offset`, with an allocator of their own: the cache
+  // gives each placement partition one slice of every arena. The slice frees nothing when it is
+  // destroyed (the parent owns the memory) and must not outlive the parent; it reports the
+  // parent's kind, device, pinning and note. REQUIRES: offset + size <= parent.capacity().
+  static std::unique_ptr<MemoryArena> Slice(const MemoryArena& parent, uint64_t offset,
+                                            uint64_t size);
 
   ~MemoryArena();
   MemoryArena(const MemoryArena&) = delete;
@@ -72,6 +79,7 @@ class MemoryArena {
   uint64_t mapped_size_;
   RangeAllocator allocator_;
   std::string note_;
+  bool owns_memory_ = true;  // false for a Slice
 };
 
 }  // namespace gkv
