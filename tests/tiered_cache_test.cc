@@ -1266,8 +1266,10 @@ TEST(TieredCachePartitionTest, AnObjectLargerThanASliceGoesToTheNextTier) {
   EXPECT_EQ(r.status().code(), StatusCode::kNoSpace) << r.status().ToString();
 }
 
-// Objects on disk are found again by a cache reopened with another partition count.
-TEST(TieredCachePartitionTest, AReopenWithOtherPartitionsFindsEveryDiskObject) {
+// Objects on disk are found again by a cache reopened with another partition count, each in
+// its key's partition: a recovered key promoted to memory stays there while 200 puts fill every
+// other partition (in any other partition, those puts would have evicted it).
+TEST(TieredCachePartitionTest, AReopenWithOtherPartitionsPlacesEveryDiskObjectInItsPartition) {
   testing::TempDir dir;
   Random rng(testing::TestSeed());
   std::map<std::string, std::string> values;
@@ -1281,17 +1283,31 @@ TEST(TieredCachePartitionTest, AReopenWithOtherPartitionsFindsEveryDiskObject) {
     }
     ASSERT_TRUE(c->Flush().ok());
   }
+  constexpr int kParts = 8;
   CacheOptions o = SmallOptions(dir.path(), 0, 256 * kKiB, 16 << 20);
-  o.placement_partitions = 8;
+  o.placement_partitions = kParts;
   auto c = MustOpen(o);
   ASSERT_TRUE(c);
+  EXPECT_EQ(c->GetStats().tiers[2].objects, values.size());
+  std::string hot;
   for (const auto& [k, v] : values) {
-    std::string out;
+    if (PartitionOf(k, kParts) != 0) hot = k;
+  }
+  ASSERT_FALSE(hot.empty());
+  std::string out;
+  ASSERT_TRUE(c->Get(hot, &out).ok());
+  ASSERT_TRUE(c->Get(hot, &out).ok());  // the second read within the window promotes it
+  ASSERT_EQ(TierOf(*c, hot), Tier::kHost);
+  const std::string filler(16 * kKiB, 'f');
+  for (const std::string& k : KeysIn("fill", PartitionOf(hot, kParts), kParts, 200, true)) {
+    ASSERT_TRUE(c->Put(k, filler.data(), filler.size()).ok()) << k;
+  }
+  EXPECT_EQ(TierOf(*c, hot), Tier::kHost);
+  for (const auto& [k, v] : values) {
     auto got = c->Get(k, &out);
     ASSERT_TRUE(got.ok()) << k << ": " << got.status().ToString();
     EXPECT_EQ(out, v) << k;
   }
-  EXPECT_EQ(c->GetStats().tiers[2].objects, values.size());
 }
 
 TEST(TieredCachePartitionTest, ThePartitionCountMustDivideTheShards) {
@@ -1315,12 +1331,16 @@ TEST(TieredCachePartitionTest, ANodeGetsAsManyPartitionsAsIoThreadsWhileSlicesSt
   EXPECT_EQ(CacheOptions::AutoPartitions(o, 64), 16);  // at most one per shard
   o.host_capacity = uint64_t{512} << 20;
   EXPECT_EQ(CacheOptions::AutoPartitions(o, 8), 2);  // slices of at least 256 MiB
+  o.gpu_tier_in_host_memory = true;                  // a GPU tier that Open turns on
   o.gpu_capacity = uint64_t{80} << 30;
   EXPECT_EQ(CacheOptions::AutoPartitions(o, 8), 2);  // every memory tier's slices
   o.host_capacity = 0;
   EXPECT_EQ(CacheOptions::AutoPartitions(o, 8), 8);
   o.gpu_capacity = uint64_t{128} << 20;
   EXPECT_EQ(CacheOptions::AutoPartitions(o, 8), 1);
+  // A GPU tier on a machine without a usable GPU is off, and does not count.
+  o.gpu_tier_in_host_memory = false;
+  EXPECT_EQ(CacheOptions::AutoPartitions(o, 8), ProbeCuda().usable ? 1 : 8);
 }
 
 }  // namespace

@@ -165,6 +165,10 @@ struct TieredCache::Impl {
   // DrainEvictions. A leaf lock: taken under partition locks, nothing is taken under it.
   std::mutex pending_mu;
   std::vector<PendingOp> pending;  // guarded by pending_mu
+  // Set (under pending_mu) when work is queued, cleared when it is taken: a DrainEvictions that
+  // reads false skips the lock. Work queued concurrently with a drain is left to the next one,
+  // as it was when the drain took the lock a moment before it was queued.
+  std::atomic<bool> pending_queued{false};
 
   size_t ShardIndex(std::string_view key) const { return HashKey(key) % shards.size(); }
   Shard& ShardFor(std::string_view key) { return *shards[ShardIndex(key)]; }
@@ -656,6 +660,7 @@ struct TieredCache::Impl {
   void AddPending(PendingOp op) {
     std::lock_guard<std::mutex> lock(pending_mu);
     pending.push_back(std::move(op));
+    pending_queued.store(true, std::memory_order_release);
   }
 
   void RemoveFromIndexLater(Entry* e) {
@@ -667,6 +672,7 @@ struct TieredCache::Impl {
     if (evicted.empty()) return;
     std::lock_guard<std::mutex> lock(pending_mu);
     for (const auto& ev : evicted) pending.push_back({PendingOp::kDiskEvicted, ev.key, ev.version});
+    pending_queued.store(true, std::memory_order_release);
   }
 
   Status Copy(void* dst, MemoryKind dk, const void* src, MemoryKind sk, uint64_t size) {
@@ -686,9 +692,12 @@ struct TieredCache::Impl {
   // Applies what the disk tier evicted, and index removals queued under partition locks.
   // REQUIRES: no lock held.
   void DrainEvictions() {
+    // Most calls find nothing queued: they take no lock that every partition shares.
+    if (!pending_queued.load(std::memory_order_acquire)) return;
     std::vector<PendingOp> work;
     {
       std::lock_guard<std::mutex> lock(pending_mu);
+      pending_queued.store(false, std::memory_order_relaxed);
       if (pending.empty()) return;
       work.swap(pending);
     }
@@ -841,11 +850,14 @@ TieredCache::~TieredCache() {
 
 int CacheOptions::AutoPartitions(const CacheOptions& options, int io_threads, uint64_t min_slice) {
   const int shards = std::max(1, options.index_shards);
+  // A GPU tier that Open will turn off (no usable GPU) does not count.
+  const bool gpu_on =
+      options.gpu_capacity > 0 && (options.gpu_tier_in_host_memory || ProbeCuda().usable);
   int best = 1;
   for (int p = 2; p <= std::min(io_threads, shards); ++p) {
     if (shards % p != 0) continue;
     bool fits = true;
-    for (uint64_t capacity : {options.gpu_capacity, options.host_capacity}) {
+    for (uint64_t capacity : {gpu_on ? options.gpu_capacity : 0, options.host_capacity}) {
       if (capacity > 0 && capacity / static_cast<uint64_t>(p) < min_slice) fits = false;
     }
     if (fits) best = p;
@@ -925,8 +937,9 @@ Result<std::unique_ptr<TieredCache>> TieredCache::Open(const CacheOptions& optio
       }
     }
   }
-  // Each partition gets one slice of every arena: equal slices, whole pages, the last one
-  // taking the remainder. An object larger than the smallest slice does not fit the tier.
+  // Each partition gets one slice of every arena: equal slices of whole pages (what is left
+  // past the last, under a page per partition, goes unused), so an object fits a tier in one
+  // partition exactly when it fits in every other.
   const uint64_t nparts = impl->partitions.size();
   for (int t = 0; t < 2; ++t) {
     if (impl->arenas[t].empty()) continue;
@@ -939,13 +952,11 @@ Result<std::unique_ptr<TieredCache>> TieredCache::Open(const CacheOptions& optio
     }
     for (auto& part : impl->partitions) {
       TierState& ts = part->tiers[t];
-      const uint64_t offset = part->index * slice;
-      const uint64_t size = part->index + 1 == nparts ? capacity - offset : slice;
       for (const auto& arena : impl->arenas[t]) {
-        ts.arenas.push_back(MemoryArena::Slice(*arena, offset, size));
+        ts.arenas.push_back(MemoryArena::Slice(*arena, part->index * slice, slice));
       }
       ts.enabled = true;
-      ts.capacity = size;
+      ts.capacity = slice;
     }
     impl->tier_on[t] = true;
     impl->tier_fits[t] = slice;

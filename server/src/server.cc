@@ -722,9 +722,12 @@ Result<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
     rep.promote_on_read = false;  // copies stay where they were installed (the top tier)
     own.gpu_capacity -= rep.gpu_capacity;
     own.host_capacity -= rep.host_capacity;
-    if (options.cache.placement_partitions <= 0) {
-      rep.placement_partitions = CacheOptions::AutoPartitions(rep, io_threads);
-    }
+    // As many partitions as the node's own cache at most, fewer where the replica share would
+    // leave slices under the automatic rule's minimum (an explicit count included: a small
+    // share must not refuse every hot object, or fail to split at all).
+    rep.placement_partitions = CacheOptions::AutoPartitions(
+        rep,
+        options.cache.placement_partitions > 0 ? options.cache.placement_partitions : io_threads);
     auto rc = TieredCache::Open(rep);
     if (!rc.ok()) return rc.status().WithContext("opening the replica cache");
     impl->replica_cache = std::move(*rc);

@@ -110,8 +110,8 @@ struct CacheOptions {
   // the next tier down, or disk). 1: one lock and one LRU order for the whole tier.
   int placement_partitions = 1;
   // The partition count a node with `io_threads` I/O threads gets by default: the largest
-  // divisor of index_shards that is at most io_threads and leaves every enabled memory tier
-  // slices of at least min_slice bytes (1 when none does).
+  // divisor of index_shards that is at most io_threads and leaves every memory tier Open would
+  // turn on slices of at least min_slice bytes (1 when none does).
   static int AutoPartitions(const CacheOptions& options, int io_threads,
                             uint64_t min_slice = uint64_t{256} << 20);
   std::chrono::milliseconds promotion_window{10'000};
