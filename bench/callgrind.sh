@@ -3,6 +3,7 @@
 # on a noisy machine, unlike timings): GET and PUT of 64 B and 4 KiB values, server side and
 # client side. Allocations are calls to malloc and its kin (bench/callgrind_allocs.py).
 #   bench/callgrind.sh [N]      (default 2000 requests per run)
+# GKV_SERVER_ARGS adds flags to the node's command line (e.g. "--placement-partitions 2").
 # Method: one node on 127.0.0.1, one client thread with one request in flight (gkv-bench
 # --threads 1 --connections 1). For each case the measured side runs under
 # `valgrind --tool=callgrind` twice, with N and 2N requests (a fresh node each time), and the
@@ -36,8 +37,9 @@ start_server() {
   port=$(free_port)
   printf 'nodes:\n  - {id: n0, address: 127.0.0.1:%s}\n' "$port" > "$dir/cluster.yaml"
   rm -rf "$dir/disk"
+  # shellcheck disable=SC2086
   "$@" "$bin/gkv-server" --cluster "$dir/cluster.yaml" --node n0 --host-mem 64MiB \
-    --threads 1 > "$dir/server.log" 2>&1 &
+    --threads 1 ${GKV_SERVER_ARGS:-} > "$dir/server.log" 2>&1 &
   server_pid=$!
   for _ in $(seq 1 300); do
     grep -q "up on" "$dir/server.log" 2> /dev/null && return 0
