@@ -171,6 +171,7 @@ TEST(IntegrationTest, ANodeSpreadsConnectionsOverItsIoThreadsAndEachServesGets) 
   auto stats = clients[0]->NodeStats(0);
   ASSERT_TRUE(stats.ok()) << stats.status().ToString();
   EXPECT_EQ(testing::StatsCounter(*clients[0], 0, "io_threads"), 3u);
+  EXPECT_EQ(testing::StatsCounter(*clients[0], 0, "placement_partitions"), 2u);  // the harness's
   const std::string field = "\"requests_by_io_thread\":[";
   const size_t at = stats->find(field);
   ASSERT_NE(at, std::string::npos) << *stats;

@@ -1324,20 +1324,24 @@ TEST(TieredCachePartitionTest, ThePartitionCountMustDivideTheShards) {
 
 TEST(TieredCachePartitionTest, ANodeGetsAsManyPartitionsAsIoThreadsWhileSlicesStayLarge) {
   CacheOptions o;
-  o.host_capacity = uint64_t{4} << 30;
+  o.host_capacity = uint64_t{16} << 30;
   EXPECT_EQ(CacheOptions::AutoPartitions(o, 1), 1);
   EXPECT_EQ(CacheOptions::AutoPartitions(o, 4), 4);
   EXPECT_EQ(CacheOptions::AutoPartitions(o, 3), 2);    // a divisor of the 16 shards
   EXPECT_EQ(CacheOptions::AutoPartitions(o, 64), 16);  // at most one per shard
-  o.host_capacity = uint64_t{512} << 20;
-  EXPECT_EQ(CacheOptions::AutoPartitions(o, 8), 2);  // slices of at least 256 MiB
-  o.gpu_tier_in_host_memory = true;                  // a GPU tier that Open turns on
+  o.host_capacity = uint64_t{2} << 30;
+  EXPECT_EQ(CacheOptions::AutoPartitions(o, 8), 2);  // slices of at least 1 GiB
+  o.host_capacity = uint64_t{1} << 30;
+  EXPECT_EQ(CacheOptions::AutoPartitions(o, 8), 1);
+  o.host_capacity = uint64_t{4} << 30;
+  EXPECT_EQ(CacheOptions::AutoPartitions(o, 8, uint64_t{256} << 20), 8);  // another minimum
+  o.gpu_tier_in_host_memory = true;  // a GPU tier that Open turns on
   o.gpu_capacity = uint64_t{80} << 30;
-  EXPECT_EQ(CacheOptions::AutoPartitions(o, 8), 2);  // every memory tier's slices
+  EXPECT_EQ(CacheOptions::AutoPartitions(o, 8), 4);  // every memory tier's slices
   o.host_capacity = 0;
   EXPECT_EQ(CacheOptions::AutoPartitions(o, 8), 8);
-  o.gpu_capacity = uint64_t{128} << 20;
-  EXPECT_EQ(CacheOptions::AutoPartitions(o, 8), 1);
+  o.gpu_capacity = uint64_t{1} << 30;  // gpu-check's tiers: one partition, 256 MiB values fit
+  EXPECT_EQ(CacheOptions::AutoPartitions(o, 4), 1);
   // A GPU tier on a machine without a usable GPU is off, and does not count.
   o.gpu_tier_in_host_memory = false;
   EXPECT_EQ(CacheOptions::AutoPartitions(o, 8), ProbeCuda().usable ? 1 : 8);

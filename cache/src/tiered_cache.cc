@@ -1683,6 +1683,7 @@ CacheStats TieredCache::GetStats() const {
     }
   }
   for (int t = 0; t < kTierCount; ++t) st.tiers[t].enabled = I.tier_on[t];
+  st.placement_partitions = I.partitions.size();
   if (I.disk) {
     st.tiers[2].capacity = I.disk->capacity();
     st.tiers[2].used_bytes = I.disk->used_bytes();

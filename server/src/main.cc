@@ -78,7 +78,7 @@ int main(int argc, char** argv) {
   app.add_option("--placement-partitions", placement_partitions,
                  "cache placement partitions, each with its own slice of every memory tier, "
                  "LRU and lock (a divisor of 16; 0: as many as I/O threads while each slice "
-                 "keeps at least 256 MiB)")
+                 "keeps at least 1 GiB)")
       ->check(CLI::Range(0, 16));
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error");
   app.add_option("--metrics-port", metrics_port, "serve Prometheus metrics on this port (/metrics)")

@@ -68,6 +68,7 @@ std::string RenderStatsJson(const std::string& node_id, const CacheStats& st,
   const int io_threads =
       static_cast<int>(std::min<uint64_t>(counters.io_threads.load(), ServerCounters::kIoSlots));
   j += ",\"io_threads\":" + std::to_string(counters.io_threads.load());
+  j += ",\"placement_partitions\":" + std::to_string(st.placement_partitions);
   j += ",\"requests_by_io_thread\":[";
   for (int i = 0; i < io_threads; ++i) {
     if (i) j += ",";

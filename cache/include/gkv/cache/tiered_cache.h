@@ -113,7 +113,7 @@ struct CacheOptions {
   // divisor of index_shards that is at most io_threads and leaves every memory tier Open would
   // turn on slices of at least min_slice bytes (1 when none does).
   static int AutoPartitions(const CacheOptions& options, int io_threads,
-                            uint64_t min_slice = uint64_t{256} << 20);
+                            uint64_t min_slice = uint64_t{1} << 30);
   std::chrono::milliseconds promotion_window{10'000};
   // false: reads never promote (the admission rule is off); an entry stays in the tier it was
   // written to or spilled to. A replica cache uses this: its copies are installed in the top tier.
@@ -149,6 +149,7 @@ struct CacheStats {
   uint64_t disk_evictions = 0;  // objects the disk tier dropped past its capacity
   uint64_t dropped = 0;         // objects evicted with no lower tier able to take them
   uint64_t durable_writes = 0;
+  uint64_t placement_partitions = 0;
 };
 
 class TieredCache;
