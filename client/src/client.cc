@@ -138,6 +138,9 @@ struct Client::Impl {
   // A client call refused with WrongNode (the node's ring and ours differ) is sent again after
   // this, with the ring as it is then, until its deadline.
   static constexpr auto kWrongNodeRetry = std::chrono::milliseconds(5);
+  // A read that found a node failed while keys move and every other node missed: how many times
+  // it is asked again (after the node's reconnect backoff) before it fails.
+  static constexpr int kFailedNodeRetries = 3;
   static bool Misrouted(const Status& s) { return s.code() == StatusCode::kWrongNode; }
   std::unique_ptr<UcxTransport> transport;
   std::atomic<uint64_t> next_id{1};
@@ -535,6 +538,10 @@ struct Client::Impl {
     size_t first_previous = 0;  // nodes from here on are previous rings' owners (asked as such)
     bool moving = false;        // keys may be moving (Routing::Moving): a miss asks the next node
     Status failure;             // the first node failure (unavailable, timeout) so far
+    int failed_node = -1;       // the node of `failure`
+    // Attempts made again because a node failed while every other node missed (kept across
+    // attempts).
+    int failed_node_retries = 0;
   };
   using GetCallPtr = std::shared_ptr<GetCall>;
 
@@ -562,6 +569,7 @@ struct Client::Impl {
     call->first_previous = call->nodes.size();
     call->moving = route->Moving();
     call->failure = Status::OK();
+    call->failed_node = -1;
     if (call->moving) {
       for (int n :
            route->PreviousOwners(call->key, options.replicas,
@@ -606,7 +614,10 @@ struct Client::Impl {
   void OnGetAnswer(const GetCallPtr& call, size_t i, Result<Value> r) {
     GetCall& c = *call;
     const StatusCode code = r.status().code();
-    if (NodeFailure(r.status()) && c.failure.ok()) c.failure = r.status();
+    if (NodeFailure(r.status()) && c.failure.ok()) {
+      c.failure = r.status();
+      c.failed_node = c.nodes[i];
+    }
     const bool move_on =
         NodeFailure(r.status()) ||
         (c.moving && (code == StatusCode::kNotFound || code == StatusCode::kWrongNode));
@@ -617,7 +628,18 @@ struct Client::Impl {
     if (i + 1 == c.nodes.size()) {
       if (!c.moving || code != StatusCode::kNotFound) return RetryOrEndGet(call, std::move(r));
       // A node that failed may hold the newest version: no copy elsewhere stands in for it.
-      if (!c.failure.ok()) return RetryOrEndGet(call, c.failure);
+      // While keys move, that node may be on its way back (a restart on its old disk, whose
+      // first connection can fail): the read is asked again, after the node's reconnect
+      // backoff, up to kFailedNodeRetries times while the deadline allows, before it fails.
+      if (!c.failure.ok()) {
+        const auto again = std::max(Clock::now() + kWrongNodeRetry,
+                                    health[c.failed_node].down_until + kWrongNodeRetry);
+        if (c.failed_node_retries < kFailedNodeRetries && again < c.deadline) {
+          c.failed_node_retries++;
+          return AddTimer(again, [this, call] { StartGet(call); });
+        }
+        return RetryOrEndGet(call, c.failure);
+      }
       // Every node missed while keys may be moving. The key may have moved between the
       // questions: a handoff installs a key at its new owner before it deletes the old copy,
       // so the owner, asked once more, now has it if it moved at all. That last ask also gets
