@@ -89,6 +89,7 @@ class ElasticCluster {
     pid_t pid = SpawnLogged(std::move(args), log(id));
     ASSERT_GT(pid, 0);
     pids_[id] = pid;
+    ports_[id] = port;
     ASSERT_TRUE(WaitMember(id, true, milliseconds(15000))) << "node " << id << " did not register";
   }
 
@@ -153,6 +154,8 @@ class ElasticCluster {
     return false;
   }
 
+  uint16_t port(const std::string& id) { return ports_[id]; }
+
   std::unique_ptr<Client> OpenClient() {
     ClientOptions o;
     o.cluster_file = file_;
@@ -168,6 +171,7 @@ class ElasticCluster {
   EtcdConfig etcd_config_;
   std::string file_;
   std::map<std::string, pid_t> pids_;
+  std::map<std::string, uint16_t> ports_;
 };
 
 // A value that names its key and write number, with filler derived from both (checked).
@@ -562,6 +566,43 @@ TEST(ElasticTest, ANodeBackOnItsOldDiskServesNothingOlder) {
   const double share = ShareOn(*c, checker, kKeys, "n1");
   std::printf("  n1 is the first owner of %.3f of the keys and holds them\n", share);
   EXPECT_GT(share, 0.2);
+}
+
+// A call waiting to be asked again when its client closes gets its answer before the client is
+// gone; it is not dropped with the timer that held it. Here the waits are WrongNode retries: a
+// client that knows n0 alone sends every key there, and n0 refuses those that n1 owns (about
+// half), which the client asks again every few milliseconds until their 20 s deadline.
+TEST(ElasticTest, CallsWaitingToBeAskedAgainAreAnsweredWhenTheClientCloses) {
+  ElasticCluster cluster;
+  cluster.Start("n0");
+  cluster.Start("n1");
+  TempDir dir;
+  const std::string only_n0 = dir.Sub("only-n0.yaml");
+  {
+    std::ofstream f(only_n0);
+    f << "nodes:\n  - {id: n0, address: 127.0.0.1:" << cluster.port("n0") << "}\n";
+  }
+  ClientOptions o;
+  o.cluster_file = only_n0;
+  o.default_timeout = milliseconds(20000);
+  auto c = Client::Open(o);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  constexpr int kCalls = 32;
+  std::atomic<int> answered{0}, aborted{0};
+  for (int i = 0; i < kCalls; ++i) {
+    (*c)->GetAsync("parked-" + std::to_string(i), {}, [&](Result<Value> r) {
+      if (r.status().code() == StatusCode::kAborted) aborted++;
+      answered++;
+    });
+  }
+  std::this_thread::sleep_for(milliseconds(300));
+  EXPECT_LT(answered.load(), kCalls) << "no call was refused as misrouted: nothing waited";
+  const auto closing = Clock::now();
+  c->reset();
+  const double close_s = std::chrono::duration<double>(Clock::now() - closing).count();
+  EXPECT_EQ(answered.load(), kCalls) << "calls dropped when the client closed";
+  EXPECT_GT(aborted.load(), 0);
+  EXPECT_LT(close_s, 5.0);
 }
 
 TEST(ElasticTest, EtcdRestartingMidRunFailsNoRequest) {

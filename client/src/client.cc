@@ -138,9 +138,12 @@ struct Client::Impl {
   // A client call refused with WrongNode (the node's ring and ours differ) is sent again after
   // this, with the ring as it is then, until its deadline.
   static constexpr auto kWrongNodeRetry = std::chrono::milliseconds(5);
-  // A read that found a node failed while keys move and every other node missed: how many times
-  // it is asked again (after the node's reconnect backoff) before it fails.
+  // A read that found one of the key's current owners failed while keys move, every other node
+  // having missed: how many times it is asked again before it fails, the first after
+  // kFailedNodeRetryDelay (or the node's reconnect backoff, if later), each next one after twice
+  // as long.
   static constexpr int kFailedNodeRetries = 3;
+  static constexpr auto kFailedNodeRetryDelay = std::chrono::milliseconds(20);
   static bool Misrouted(const Status& s) { return s.code() == StatusCode::kWrongNode; }
   std::unique_ptr<UcxTransport> transport;
   std::atomic<uint64_t> next_id{1};
@@ -213,6 +216,11 @@ struct Client::Impl {
   using Timer = std::pair<Clock::time_point, std::function<void()>>;
   static bool LaterTimer(const Timer& a, const Timer& b) { return a.first > b.first; }
   std::vector<Timer> timers;
+  // Set by ~Client (worker thread): from then on a request fails at once with Aborted instead of
+  // connecting, and the timers still waiting (retries) are run at once, so each call they hold
+  // gets its answer.
+  bool closing = false;
+
   void AddTimer(Clock::time_point at, std::function<void()> fn) {
     timers.emplace_back(at, std::move(fn));
     std::push_heap(timers.begin(), timers.end(), LaterTimer);
@@ -413,6 +421,7 @@ struct Client::Impl {
              size_t size, MemoryKind kind, Clock::time_point deadline,
              std::function<void(const PendingPtr&, std::unique_ptr<Incoming>)> on_reply,
              std::function<void(Status)> on_error, Clock::time_point transfer_deadline = {}) {
+    if (closing) return on_error(Status::Aborted("client closed"));
     if (node < 0 || static_cast<size_t>(node) >= nodes.size()) {
       return on_error(Status::Unavailable("no node owns the key: the ring has no members"));
     }
@@ -539,7 +548,8 @@ struct Client::Impl {
     bool moving = false;        // keys may be moving (Routing::Moving): a miss asks the next node
     Status failure;             // the first node failure (unavailable, timeout) so far
     int failed_node = -1;       // the node of `failure`
-    // Attempts made again because a node failed while every other node missed (kept across
+    bool failed_owner = false;  // ... one of the key's owners under the current ring
+    // Attempts made again because an owner failed while every other node missed (kept across
     // attempts).
     int failed_node_retries = 0;
   };
@@ -570,6 +580,7 @@ struct Client::Impl {
     call->moving = route->Moving();
     call->failure = Status::OK();
     call->failed_node = -1;
+    call->failed_owner = false;
     if (call->moving) {
       for (int n :
            route->PreviousOwners(call->key, options.replicas,
@@ -617,6 +628,7 @@ struct Client::Impl {
     if (NodeFailure(r.status()) && c.failure.ok()) {
       c.failure = r.status();
       c.failed_node = c.nodes[i];
+      c.failed_owner = i < c.first_previous;
     }
     const bool move_on =
         NodeFailure(r.status()) ||
@@ -628,13 +640,17 @@ struct Client::Impl {
     if (i + 1 == c.nodes.size()) {
       if (!c.moving || code != StatusCode::kNotFound) return RetryOrEndGet(call, std::move(r));
       // A node that failed may hold the newest version: no copy elsewhere stands in for it.
-      // While keys move, that node may be on its way back (a restart on its old disk, whose
-      // first connection can fail): the read is asked again, after the node's reconnect
-      // backoff, up to kFailedNodeRetries times while the deadline allows, before it fails.
+      // An owner under the current ring may be on its way back (a node that restarted on its
+      // old disk and joined again, whose first connection can fail): the read is asked again,
+      // a few times while the deadline leaves room, before it fails. Not a previous owner (one
+      // that left; it is not coming back for this key) and not a fail-open read (its caller
+      // would rather load the value itself at once).
       if (!c.failure.ok()) {
-        const auto again = std::max(Clock::now() + kWrongNodeRetry,
+        const auto now = Clock::now();
+        const auto again = std::max(now + kFailedNodeRetryDelay * (1 << c.failed_node_retries),
                                     health[c.failed_node].down_until + kWrongNodeRetry);
-        if (c.failed_node_retries < kFailedNodeRetries && again < c.deadline) {
+        if (c.failed_owner && !c.fail_open && c.failed_node_retries < kFailedNodeRetries &&
+            again + kFailedNodeRetryDelay < c.deadline) {
           c.failed_node_retries++;
           return AddTimer(again, [this, call] { StartGet(call); });
         }
@@ -1205,8 +1221,17 @@ Client::~Client() {
   I->watcher.reset();  // no view is posted after this
   std::promise<void> drained;
   I->transport->Post([I, &drained] {
+    I->closing = true;
     for (size_t n = 0; n < I->nodes.size(); ++n) {
       I->FailNode(static_cast<int>(n), Status::Aborted("client closed"), true);
+    }
+    // Calls waiting to be asked again (a WrongNode or failed-node retry, a batch's hedge) are
+    // asked now: every request fails at once, so each gets its answer and adds no timer.
+    for (int guard = 0; !I->timers.empty() && guard < 1'000'000; ++guard) {
+      std::pop_heap(I->timers.begin(), I->timers.end(), Impl::LaterTimer);
+      std::function<void()> fn = std::move(I->timers.back().second);
+      I->timers.pop_back();
+      fn();
     }
     drained.set_value();
   });
