@@ -587,6 +587,15 @@ TEST(ElasticTest, CallsWaitingToBeAskedAgainAreAnsweredWhenTheClientCloses) {
   o.default_timeout = milliseconds(20000);
   auto c = Client::Open(o);
   ASSERT_TRUE(c.ok()) << c.status().ToString();
+  // Until n0's ring has n1 in it, n0 answers every key: wait for a first refusal.
+  GetOptions probe;
+  probe.timeout = milliseconds(100);
+  bool refused = false;
+  for (int i = 0; !refused && i < 200; ++i) {
+    auto r = (*c)->Get("probe-" + std::to_string(i), probe);
+    refused = r.status().code() == StatusCode::kWrongNode;
+  }
+  ASSERT_TRUE(refused) << "n0 never refused a key as another node's";
   constexpr int kCalls = 32;
   std::atomic<int> answered{0}, aborted{0};
   for (int i = 0; i < kCalls; ++i) {
