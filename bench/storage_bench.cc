@@ -43,6 +43,15 @@ std::string TempPath(const char* name) {
   return p.string();
 }
 
+std::unique_ptr<TieredCache> OpenCache(const CacheOptions& o) {
+  auto c = TieredCache::Open(o);
+  if (!c.ok()) {
+    fprintf(stderr, "cache open failed: %s\n", c.status().ToString().c_str());
+    std::abort();
+  }
+  return std::move(*c);
+}
+
 std::unique_ptr<TieredCache> OpenCache(
     uint64_t gpu, uint64_t host, const std::string& disk, uint64_t disk_cap, bool real_gpu = false,
     std::chrono::milliseconds window = std::chrono::milliseconds(0)) {
@@ -53,12 +62,7 @@ std::unique_ptr<TieredCache> OpenCache(
   o.disk_path = disk;
   o.disk_capacity = disk_cap;
   o.promotion_window = window;
-  auto c = TieredCache::Open(o);
-  if (!c.ok()) {
-    fprintf(stderr, "cache open failed: %s\n", c.status().ToString().c_str());
-    std::abort();
-  }
-  return std::move(*c);
+  return OpenCache(o);
 }
 
 void SetBytes(benchmark::State& state, int64_t size) {
@@ -266,8 +270,9 @@ BENCHMARK(BM_DurablePutBatch)
 std::unique_ptr<TieredCache> fast_cache;
 std::vector<std::string> fast_keys;
 
-void FastSetup(const benchmark::State&) {
-  fast_cache = OpenCache(0, 64ull << 20, "", 0);
+// Makes `cache` the fast-path benchmarks' cache, holding 4096 keys of 64 B.
+void SetFastCache(std::unique_ptr<TieredCache> cache) {
+  fast_cache = std::move(cache);
   fast_keys.clear();
   std::string v(64, 'v');
   for (int i = 0; i < 4096; ++i) {
@@ -275,6 +280,8 @@ void FastSetup(const benchmark::State&) {
     (void)fast_cache->Put(fast_keys.back(), v.data(), v.size());
   }
 }
+
+void FastSetup(const benchmark::State&) { SetFastCache(OpenCache(0, 64ull << 20, "", 0)); }
 void FastTeardown(const benchmark::State&) {
   fast_cache.reset();
   fast_keys.clear();
@@ -330,18 +337,7 @@ void FastPutSetup(const benchmark::State& state) {
   o.host_capacity = 64ull << 20;
   o.host_mode = MemoryArena::HostMode::kPageable;
   o.placement_partitions = static_cast<int>(state.range(0));
-  auto c = TieredCache::Open(o);
-  if (!c.ok()) {
-    fprintf(stderr, "cache open failed: %s\n", c.status().ToString().c_str());
-    std::abort();
-  }
-  fast_cache = std::move(*c);
-  fast_keys.clear();
-  std::string v(64, 'v');
-  for (int i = 0; i < 4096; ++i) {
-    fast_keys.push_back("key/" + std::to_string(i));
-    (void)fast_cache->Put(fast_keys.back(), v.data(), v.size());
-  }
+  SetFastCache(OpenCache(o));
 }
 
 void BM_FastPuts(benchmark::State& state) {

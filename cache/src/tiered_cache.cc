@@ -157,10 +157,6 @@ struct TieredCache::Impl {
   // (Declared after `arenas`: the partitions' slices go before the arenas they slice.)
   struct Partition;
   std::vector<std::unique_ptr<Partition>> partitions;
-  bool tier_on[kTierCount] = {};
-  // Memory tiers: the largest object the tier can hold (one partition's slice of an arena).
-  // Disk: the disk tier's capacity.
-  uint64_t tier_fits[kTierCount] = {};
   // Work found under a partition lock that needs a shard lock or disk I/O, done afterwards by
   // DrainEvictions. A leaf lock: taken under partition locks, nothing is taken under it.
   std::mutex pending_mu;
@@ -175,8 +171,11 @@ struct TieredCache::Impl {
   uint32_t PartitionIndex(size_t shard_index) const {
     return static_cast<uint32_t>(shard_index % partitions.size());
   }
-  Partition& PartFor(std::string_view key) { return *partitions[PartitionIndex(ShardIndex(key))]; }
+  Partition& PartOfShard(size_t shard_index) { return *partitions[PartitionIndex(shard_index)]; }
   Partition& PartOf(const Entry* e) { return *partitions[e->partition]; }
+  // Every partition's tiers have one shape, fixed at Open (read without a lock): whether each
+  // is on, and its capacity, which for a memory tier is the largest object it holds (a slice).
+  const TierState& Shape(Tier t) const { return partitions.front()->tiers[static_cast<int>(t)]; }
 
   // Versions are hybrid clocks: a version is at least the wall clock in microseconds times 1024
   // (WallClockVersion), above every version this node handed out or installed before. So
@@ -767,7 +766,7 @@ struct TieredCache::Impl {
 
   Tier TopMemoryTierFor(uint64_t size) const {
     for (Tier t : {fast_tier, slow_tier}) {
-      if (tier_on[static_cast<int>(t)] && size <= tier_fits[static_cast<int>(t)]) return t;
+      if (Shape(t).enabled && size <= Shape(t).capacity) return t;
     }
     return Tier::kDisk;
   }
@@ -808,6 +807,7 @@ WriteHandle& WriteHandle::operator=(WriteHandle&& o) noexcept {
     Release();
     cache_ = o.cache_;
     key_ = std::move(o.key_);
+    shard_ = o.shard_;
     tensor_ = std::move(o.tensor_);
     size_ = o.size_;
     tier_ = o.tier_;
@@ -830,7 +830,7 @@ WriteHandle::~WriteHandle() { Release(); }
 
 void WriteHandle::Release() {
   if (cache_ && arena_ && data_) {
-    std::lock_guard<std::mutex> lock(cache_->impl_->PartFor(key_).mu);
+    std::lock_guard<std::mutex> lock(cache_->impl_->PartOfShard(shard_).mu);
     arena_->Free(data_);
   }
   cache_ = nullptr;
@@ -958,8 +958,6 @@ Result<std::unique_ptr<TieredCache>> TieredCache::Open(const CacheOptions& optio
       ts.enabled = true;
       ts.capacity = slice;
     }
-    impl->tier_on[t] = true;
-    impl->tier_fits[t] = slice;
   }
   // Disk tier, with warm restart.
   if (!options.disk_path.empty()) {
@@ -969,8 +967,6 @@ Result<std::unique_ptr<TieredCache>> TieredCache::Open(const CacheOptions& optio
     d.durable_share = options.disk_durable_share;
     d.crash_fs = options.disk_crash_fs;
     GKV_ASSIGN_OR_RETURN(impl->disk, DiskTier::Open(d));
-    impl->tier_on[2] = true;
-    impl->tier_fits[2] = options.disk_capacity;
     for (auto& part : impl->partitions) {
       part->tiers[2].enabled = true;
       part->tiers[2].capacity = options.disk_capacity;
@@ -1007,7 +1003,8 @@ Result<std::unique_ptr<TieredCache>> TieredCache::Open(const CacheOptions& optio
                    FormatSize(impl->disk->used_bytes()));
     }
   }
-  if (!impl->tier_on[0] && !impl->tier_on[1] && !impl->tier_on[2]) {
+  if (!impl->Shape(Tier::kGpu).enabled && !impl->Shape(Tier::kHost).enabled &&
+      !impl->Shape(Tier::kDisk).enabled) {
     return Status::InvalidArgument("no cache tier is enabled");
   }
   return std::unique_ptr<TieredCache>(new TieredCache(std::move(impl)));
@@ -1031,10 +1028,11 @@ Result<WriteHandle> TieredCache::Reserve(std::string_view key, uint64_t size,
   WriteHandle h;
   h.cache_ = this;
   h.key_ = std::string(key);
+  h.shard_ = I.ShardIndex(key);
   h.tensor_ = tensor;
   h.size_ = size;
   {
-    Impl::Partition& part = I.PartFor(key);
+    Impl::Partition& part = I.PartOfShard(h.shard_);
     std::unique_lock<std::mutex> lock(part.mu);
     for (Tier t : {I.fast_tier, I.slow_tier}) {
       MemoryArena* arena = nullptr;
@@ -1096,7 +1094,7 @@ std::vector<Result<uint64_t>> TieredCache::CommitBatch(std::vector<WriteHandle> 
     }
     auto e = MakePooledShared<Entry>();
     e->key = h.key_;
-    e->partition = I.PartitionIndex(I.ShardIndex(h.key_));
+    e->partition = I.PartitionIndex(h.shard_);
     e->size = h.size_;
     e->tensor = h.tensor_;
     if (h.handed_version_ != 0) {
@@ -1175,7 +1173,7 @@ uint64_t TieredCache::Publish(WriteHandle& h, std::shared_ptr<void> entry) {
   bool replaces_disk_copy = false;
   Impl::Partition& part = I.PartOf(e.get());
   {
-    Shard& s = I.ShardFor(e->key);
+    Shard& s = *I.shards[h.shard_];
     std::lock_guard<std::mutex> shard_lock(s.mu);
     std::lock_guard<std::mutex> lock(part.mu);
     if (h.tier_ != Tier::kDisk) {
@@ -1224,7 +1222,8 @@ TieredCache::FastPath TieredCache::TryReserveInMemory(std::string_view key, uint
   }
   // Released before the partition lock is taken: releasing a reservation takes that lock.
   *out = WriteHandle();
-  Impl::Partition& part = I.PartFor(key);
+  const size_t si = I.ShardIndex(key);
+  Impl::Partition& part = I.PartOfShard(si);
   std::lock_guard<std::mutex> lock(part.mu);
   for (Tier t : {I.fast_tier, I.slow_tier}) {
     const TierState& ts = part.tiers[static_cast<int>(t)];
@@ -1234,6 +1233,7 @@ TieredCache::FastPath TieredCache::TryReserveInMemory(std::string_view key, uint
     if (!p) return FastPath::kNeedsSlowPath;  // would have to evict
     out->cache_ = this;
     out->key_ = std::string(key);
+    out->shard_ = si;
     out->tensor_ = tensor;
     out->size_ = size;
     out->tier_ = t;
@@ -1253,9 +1253,8 @@ TieredCache::FastPath TieredCache::TryCommitInMemory(WriteHandle* h, uint64_t* v
       I.version_limit.load()) {
     return FastPath::kNeedsSlowPath;
   }
-  const size_t si = I.ShardIndex(h->key_);
-  Shard& s = *I.shards[si];
-  const uint32_t pi = I.PartitionIndex(si);
+  Shard& s = *I.shards[h->shard_];
+  const uint32_t pi = I.PartitionIndex(h->shard_);
   Impl::Partition& part = *I.partitions[pi];
   std::shared_ptr<Entry> old;
   {
@@ -1682,7 +1681,7 @@ CacheStats TieredCache::GetStats() const {
       st.tiers[t].hits += s->hits[t].load(std::memory_order_relaxed);
     }
   }
-  for (int t = 0; t < kTierCount; ++t) st.tiers[t].enabled = I.tier_on[t];
+  for (int t = 0; t < kTierCount; ++t) st.tiers[t].enabled = I.Shape(static_cast<Tier>(t)).enabled;
   st.placement_partitions = I.partitions.size();
   if (I.disk) {
     st.tiers[2].capacity = I.disk->capacity();
@@ -1691,18 +1690,19 @@ CacheStats TieredCache::GetStats() const {
   return st;
 }
 
-bool TieredCache::tier_enabled(Tier t) const { return impl_->tier_on[static_cast<int>(t)]; }
+bool TieredCache::tier_enabled(Tier t) const { return impl_->Shape(t).enabled; }
 
 uint64_t TieredCache::tier_capacity(Tier t) const {
   const int i = static_cast<int>(t);
-  if (i == 2) return impl_->tier_on[2] ? impl_->tier_fits[2] : 0;
+  if (t == Tier::kDisk) return impl_->Shape(t).capacity;
   return impl_->arenas[i].empty() ? 0 : impl_->arenas[i].front()->capacity();
 }
 
 uint64_t TieredCache::max_object_size() const {
   uint64_t m = 0;
   for (int t = 0; t < 2; ++t) {
-    if (impl_->tier_on[t]) m = std::max(m, impl_->tier_fits[t]);
+    const TierState& shape = impl_->Shape(static_cast<Tier>(t));
+    if (shape.enabled) m = std::max(m, shape.capacity);
   }
   if (impl_->disk)
     m = std::max(m, impl_->disk->capacity() -

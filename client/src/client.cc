@@ -1227,12 +1227,7 @@ Client::~Client() {
     }
     // Calls waiting to be asked again (a WrongNode or failed-node retry, a batch's hedge) are
     // asked now: every request fails at once, so each gets its answer and adds no timer.
-    for (int guard = 0; !I->timers.empty() && guard < 1'000'000; ++guard) {
-      std::pop_heap(I->timers.begin(), I->timers.end(), Impl::LaterTimer);
-      std::function<void()> fn = std::move(I->timers.back().second);
-      I->timers.pop_back();
-      fn();
-    }
+    I->RunTimers(Clock::time_point::max());
     drained.set_value();
   });
   drained.get_future().wait();

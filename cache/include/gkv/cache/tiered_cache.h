@@ -207,6 +207,7 @@ class WriteHandle {
   void Release();
   TieredCache* cache_ = nullptr;
   std::string key_;
+  size_t shard_ = 0;  // the key's index shard (and so its placement partition)
   TensorMeta tensor_;
   uint64_t size_ = 0;
   Tier tier_ = Tier::kHost;
