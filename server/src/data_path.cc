@@ -250,7 +250,11 @@ bool Server::Impl::ServeHere(std::unique_ptr<Incoming>& msg) {
   }
   const bool get = r.h.opcode == w::Opcode::kGet && (r.h.flags & w::kFlagReplicaRead) == 0 &&
                    msg->payload_size() == 0;
-  if (!get && r.h.opcode != w::Opcode::kPut) return false;
+  // Batches too, except an MGET of replica rows (the copies are worker 0's to find).
+  const bool batch = (r.h.opcode == w::Opcode::kMultiGet &&
+                      (r.h.flags & w::kFlagVersionedKeys) == 0) ||
+                     r.h.opcode == w::Opcode::kMultiPut;
+  if (!get && !batch && r.h.opcode != w::Opcode::kPut) return false;
   IoWorker& ws = W();
   r.worker = ws.index;
   if (!options.cluster.secret.empty()) {
@@ -267,8 +271,8 @@ bool Server::Impl::ServeHere(std::unique_ptr<Incoming>& msg) {
   }
   if (r.h.budget_ms > 0) r.deadline = r.start + std::chrono::milliseconds(r.h.budget_ms);
   if (!get) {
-    // A put: admitted here (or refused: this connection's limits are kept here), or worker 0
-    // decides (node claims, near the node's limit); the rest as on worker 0.
+    // A put or a batch: admitted here (or refused: this connection's limits are kept here), or
+    // worker 0 decides (node claims, near the node's limit); the rest as on worker 0.
     bool to_worker0 = false;
     Status admitted = AdmitHere(&r, msg->payload_size(), &to_worker0);
     if (to_worker0) return false;
@@ -280,7 +284,13 @@ bool Server::Impl::ServeHere(std::unique_ptr<Incoming>& msg) {
       ReplyStatus(r, admitted);  // the unreceived payload is released with `msg`
       return true;
     }
-    HandlePut(r, body, std::move(msg));
+    if (r.h.opcode == w::Opcode::kMultiGet) {
+      HandleMultiGet(r, std::move(msg));
+    } else if (r.h.opcode == w::Opcode::kMultiPut) {
+      HandleMultiPut(r, std::move(msg));
+    } else {
+      HandlePut(r, body, std::move(msg));
+    }
     return true;
   }
   static thread_local std::string key;  // keeps its capacity: no allocation per request
@@ -405,36 +415,64 @@ void Server::Impl::HandleMultiGet(const Req& r, std::unique_ptr<Incoming> msg) {
                       (*rows)[i].key = std::move(keys[i]);
                       if (versioned) (*rows)[i].replica_version = versions[i];
                     }
-                    // I/O thread: count every row toward hotness and load, find the copies replica
-                    // rows name, and note the hints of primary rows (checked again when the reply
-                    // goes out).
-                    PostReply([this, r, rows] {
-                      for (BatchRow& row : *rows) {
-                        if (row.replica_version == 0 && Misrouted(r, row.key)) {
-                          row.misrouted = true;
-                          continue;
-                        }
-                        if (row.replica_version == 0 && HeldBack(r, row.key)) {
-                          row.held_back = true;
-                          continue;
-                        }
-                        if (row.replica_version != 0) {
-                          if (replication_on())
-                            row.replica_key = ReplicaRowKey(row.key, row.replica_version);
-                          if (!row.replica_key.empty()) CountRow();
-                          continue;
-                        }
-                        CountRow();
-                        if (!replication_on()) continue;
-                        CountRead(row.key);
-                        auto it = registry.find(row.key);
-                        if (it == registry.end()) continue;
-                        row.hint_version = it->second.version;  // HintFor: serving ones only
-                        row.hint = HintFor(row.key, row.hint_version);
-                      }
-                      SubmitRequestWork(r, [this, r, rows] { ServeMultiGet(r, rows); });
-                    });
+                    transport->PostTo(r.worker, [this, r, rows] { MultiGetRows(r, rows); });
                   });
+}
+
+void Server::Impl::MultiGetRows(const Req& r, std::shared_ptr<std::vector<BatchRow>> rows) {
+  const bool control = OnControlThread();
+  // What only worker 0 can tell (held-back keys, misrouted ones under a ring this worker has
+  // not been given yet): it runs the whole pass.
+  if (!control && (catching_up.load(std::memory_order_relaxed) ||
+                   (elastic() && W().ring->epoch() != ring_epoch_now.load(std::memory_order_acquire)))) {
+    return transport->Post([this, r, rows] { MultiGetRows(r, rows); });
+  }
+  bool hints_wanted = false;
+  for (BatchRow& row : *rows) {
+    if (row.replica_version == 0 && Misrouted(r, row.key)) {
+      row.misrouted = true;
+      continue;
+    }
+    if (row.replica_version == 0 && HeldBack(r, row.key)) {
+      row.held_back = true;
+      continue;
+    }
+    if (row.replica_version != 0) {  // (worker 0 only: ServeHere leaves these batches to it)
+      if (replication_on()) row.replica_key = ReplicaRowKey(row.key, row.replica_version);
+      if (!row.replica_key.empty()) CountRow();
+      continue;
+    }
+    CountRow();
+    if (!replication_on()) continue;
+    CountRead(row.key);
+    if (control || replicated_keys.MaybeContains(row.key)) {
+      row.wants_hint = true;
+      hints_wanted = true;
+    }
+  }
+  auto serve = [this, r, rows] {
+    SubmitRequestWork(r, [this, r, rows] { ServeMultiGet(r, rows); });
+  };
+  if (!hints_wanted) return serve();
+  if (control) {
+    NoteBatchHints(*rows);
+    return serve();
+  }
+  transport->Post([this, rows, serve] {
+    NoteBatchHints(*rows);
+    serve();
+  });
+}
+
+void Server::Impl::NoteBatchHints(std::vector<BatchRow>& rows) {
+  // Noted now, checked again when the reply goes out (copies may be withdrawn meanwhile).
+  for (BatchRow& row : rows) {
+    if (!row.wants_hint) continue;
+    auto it = registry.find(row.key);
+    if (it == registry.end()) continue;
+    row.hint_version = it->second.version;  // HintFor: serving ones only
+    row.hint = HintFor(row.key, row.hint_version);
+  }
 }
 
 std::shared_ptr<std::string> Server::Impl::ReserveBatchReply(uint64_t values) {
@@ -528,7 +566,11 @@ void Server::Impl::ServeMultiGet(const Req& r, std::shared_ptr<std::vector<Batch
   }
   if (!cs.ok()) return PostReply([this, r, cs] { ReplyStatus(r, cs); });
   parts->block = w::EncodeBatchGetBlock(*results);
-  PostReply([this, r, rows, results, parts] {
+  bool hinted = false;
+  for (const w::BatchGetResult& res : *results) hinted = hinted || !res.hint.empty();
+  // Hinted rows are checked on worker 0 (then the reply crosses to the request's worker);
+  // without any, the reply goes straight to the request's worker.
+  auto send = [this, r, rows, results, parts] {
     // A hint noted before the executor ran must still hold now: copies withdrawn meanwhile are
     // never hinted. Rare; the block (not the values) is then encoded again.
     bool changed = false;
@@ -547,11 +589,13 @@ void Server::Impl::ServeMultiGet(const Req& r, std::shared_ptr<std::vector<Batch
     segments.push_back({parts->block.data(), parts->block.size()});
     segments.insert(segments.end(), parts->values.begin(), parts->values.end());
     ReplyGather(r, w::EncodeStatusReply(Status::OK()), std::move(segments), [parts] {});
-  });
+  };
+  if (hinted) return PostReply(std::move(send));
+  transport->PostTo(r.worker, std::move(send));
 }
 
 void Server::Impl::HandleMultiPut(const Req& r, std::unique_ptr<Incoming> msg) {
-  const bool peer_conn_request = peer_node_of_conn.count(r.conn) > 0;
+  const bool peer_conn_request = FromPeer(r.conn);
   ReadPayloadThen(r, std::move(msg),
                   [this, r, peer_conn_request](Status s, std::shared_ptr<PayloadBuffer> buf) {
                     std::vector<w::BatchPutItem> items;
@@ -600,11 +644,28 @@ void Server::Impl::HandleMultiPut(const Req& r, std::unique_ptr<Incoming> msg) {
                     for (size_t i = 0; i < items.size(); ++i) {
                       if (results[i].code == StatusCode::kOk) keys.push_back(items[i].key);
                     }
-                    PostReply([this, r, payload, keys = std::move(keys), epoch = now->epoch()] {
-                      NoteCommitted(keys, epoch);
-                      AfterWrite(keys, [this, r, payload] { ReplyPayload(r, payload); });
+                    transport->PostTo(r.worker, [this, r, payload, keys = std::move(keys),
+                                                 epoch = now->epoch()]() mutable {
+                      FinishMultiPut(r, std::move(payload), std::move(keys), epoch);
                     });
                   });
+}
+
+void Server::Impl::FinishMultiPut(const Req& r, std::shared_ptr<std::string> payload,
+                                  std::vector<std::string> keys, uint64_t epoch) {
+  auto on_control = [this, r, payload, keys, epoch] {
+    NoteCommitted(keys, epoch);
+    AfterWrite(keys, [this, r, payload] { ReplyPayload(r, payload); });
+  };
+  if (OnControlThread()) return on_control();
+  // Another worker: as its fast puts (FinishFastPut), worker 0 only when it has something to do.
+  bool control_needed =
+      catching_up.load(std::memory_order_relaxed) || RingMovedSince(epoch);
+  for (size_t i = 0; i < keys.size() && !control_needed; ++i) {
+    control_needed = WriteWaitsForCopies(keys[i]);
+  }
+  if (control_needed) return transport->Post(std::move(on_control));
+  ReplyPayload(r, payload);
 }
 
 void Server::Impl::HandleStats(const Req& r) {

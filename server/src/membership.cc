@@ -21,9 +21,7 @@ bool Server::Impl::Misrouted(const Req& r, std::string_view key) const {
   if (!elastic() || (r.h.flags & w::kFlagPreviousOwner)) return false;
   // Nodes call each other through the client protocol too (a peer forwarding nothing today):
   // only client connections are held to the ring.
-  if (OnControlThread() ? peer_node_of_conn.count(r.conn) > 0 : W().peer_conns.count(r.conn) > 0) {
-    return false;
-  }
+  if (FromPeer(r.conn)) return false;
   return !Owns(*RingHere(), key);
 }
 

@@ -126,8 +126,9 @@ struct BatchRow {
   std::string replica_key;       // a replica row: the copy's key here ("" if none)
   std::vector<uint16_t> hint;    // a primary row: copies of hint_version
   uint64_t hint_version = 0;
-  bool misrouted = false;  // not this node's key in its ring: answered wrong_node
-  bool held_back = false;  // recovered, not yet confirmed (catching up): answered not_found
+  bool misrouted = false;   // not this node's key in its ring: answered wrong_node
+  bool held_back = false;   // recovered, not yet confirmed (catching up): answered not_found
+  bool wants_hint = false;  // counted on a worker other than 0: worker 0 notes the hint
 };
 
 struct Server::Impl {
@@ -301,6 +302,11 @@ struct Server::Impl {
   bool Owns(const RingView& r, std::string_view key) const;
   // A client request for a key this node does not own: WrongNode (static clusters: never).
   bool Misrouted(const Req& r, std::string_view key) const;
+  // Whether `conn` said PEER_HELLO (a node of this cluster). Any I/O worker, for its own
+  // connections (worker 0: every connection).
+  bool FromPeer(ConnId conn) const {
+    return OnControlThread() ? peer_node_of_conn.count(conn) > 0 : W().peer_conns.count(conn) > 0;
+  }
   Status WrongNode() const;             // (quotes no key bytes)
   int NodeIndex(const NodeInfo& node);  // I/O thread: the table index, added when new
   void GrowNodeTables();
@@ -571,9 +577,10 @@ struct Server::Impl {
   // answers false (nothing done, `msg` untouched) when it needs worker 0: a message of any
   // other kind, a connection not yet known to have authenticated, a key with copies (hints)
   // or one that is not in memory, catch-up, shutdown.
-  // Puts too (ServeHere): a PUT admitted here (AdmitHere) runs HandlePut on this worker; its
-  // slow steps go through the executors and worker 0 as on worker 0, and the reply comes back
-  // here (Reply sends from the request's own worker).
+  // Puts and batches too: a PUT, an MPUT or an MGET of primary rows admitted here (AdmitHere)
+  // runs its handler on this worker; its slow steps go through the executors (and worker 0
+  // where they need its state) as on worker 0, and the reply comes back here (Reply sends from
+  // the request's own worker).
   bool ServeHere(std::unique_ptr<Incoming>& msg);
   // Worker 0, after a connection of another worker authenticated (or said PEER_HELLO): that
   // worker may serve its GETs from now on.
@@ -677,11 +684,26 @@ struct Server::Impl {
 
   void ReplyPayload(const Req& r, std::shared_ptr<std::string> payload);
 
+  // MGET and MPUT run on the request's own I/O worker (ServeHere) or on worker 0, which hands
+  // worker-0-only steps (hints, catch-up, ring changes, copies to withdraw) back to itself.
   void HandleMultiGet(const Req& r, std::unique_ptr<Incoming> msg);
+  // I/O thread (the request's worker, or worker 0): counts every row toward hotness and load,
+  // marks misrouted and held-back rows, finds the copies replica rows name and notes the hints
+  // of primary rows, then hands the rows to an executor. On a worker other than 0 it hands
+  // itself to worker 0 while the node catches up or its ring copy is behind, and the hint
+  // lookup of rows whose key may have copies (replicated_keys) to worker 0.
+  void MultiGetRows(const Req& r, std::shared_ptr<std::vector<BatchRow>> rows);
+  // Worker 0: the hints of the rows MultiGetRows marked (BatchRow::wants_hint).
+  void NoteBatchHints(std::vector<BatchRow>& rows);
   // Executor: reads the rows (own cache or replica cache), gathers the reply.
   void ServeMultiGet(const Req& r, std::shared_ptr<std::vector<BatchRow>> rows);
 
   void HandleMultiPut(const Req& r, std::unique_ptr<Incoming> msg);
+  // The request's I/O worker, after an MPUT committed `keys` under the ring of `epoch`: reply
+  // at once, or first let worker 0 note the keys (ring moved, catching up) and withdraw their
+  // copies (AfterWrite).
+  void FinishMultiPut(const Req& r, std::shared_ptr<std::string> payload,
+                      std::vector<std::string> keys, uint64_t epoch);
 
   void HandleStats(const Req& r);
 
