@@ -12,7 +12,8 @@
 //   DurablePut/SIZE/threads:N      durable puts (synced write-through) of distinct keys, N threads
 //   DurablePutBatch/SIZE           durable CommitBatch of 64 objects (one RocksDB write, one sync)
 //   FastPathThreads/P/threads:N    fast-path gets of 64 B objects from N threads
-//                                  (P=1: one operation in 8 is a put)
+//                                  (P=1: one operation in 8 is a put; P=2: keys of 40 bytes,
+//                                  longer than std::string's inline buffer)
 //   FastPuts/partitions:P/threads:N  fast-path puts of 64 B objects from N threads, the cache
 //                                  in P placement partitions
 //   IndexOverhead                  heap bytes of index metadata per cached object (measured)
@@ -266,29 +267,36 @@ BENCHMARK(BM_DurablePutBatch)
 
 // The node's I/O-thread paths from N threads on one cache: fast-path gets (TryAcquireFromMemory
 // and release) of 64 B host-tier objects, and with Arg 1 one put (TryReserveInMemory +
-// TryCommitInMemory) in every 8 operations. What readers on different threads share shows here.
+// TryCommitInMemory) in every 8 operations; Arg 2 reads keys of 40 bytes (what a key past the
+// small-string buffer costs a read). What readers on different threads share shows here.
 std::unique_ptr<TieredCache> fast_cache;
 std::vector<std::string> fast_keys;
 
-// Makes `cache` the fast-path benchmarks' cache, holding 4096 keys of 64 B.
-void SetFastCache(std::unique_ptr<TieredCache> cache) {
+// Makes `cache` the fast-path benchmarks' cache, holding 4096 keys of 64 B (keys of 40 bytes
+// when `long_keys`).
+void SetFastCache(std::unique_ptr<TieredCache> cache, bool long_keys = false) {
   fast_cache = std::move(cache);
   fast_keys.clear();
   std::string v(64, 'v');
   for (int i = 0; i < 4096; ++i) {
-    fast_keys.push_back("key/" + std::to_string(i));
+    const std::string n = std::to_string(i);
+    fast_keys.push_back(long_keys
+                            ? "embeddings/user-table/row/" + std::string(14 - n.size(), '0') + n
+                            : "key/" + n);
     (void)fast_cache->Put(fast_keys.back(), v.data(), v.size());
   }
 }
 
-void FastSetup(const benchmark::State&) { SetFastCache(OpenCache(0, 64ull << 20, "", 0)); }
+void FastSetup(const benchmark::State& state) {
+  SetFastCache(OpenCache(0, 64ull << 20, "", 0), state.range(0) == 2);
+}
 void FastTeardown(const benchmark::State&) {
   fast_cache.reset();
   fast_keys.clear();
 }
 
 void BM_FastPathThreads(benchmark::State& state) {
-  const bool with_puts = state.range(0) != 0;
+  const bool with_puts = state.range(0) == 1;
   Random rng(state.thread_index() + 11);
   std::string v(64, 'p');
   ReadHandle rh;
@@ -322,6 +330,7 @@ void BM_FastPathThreads(benchmark::State& state) {
 BENCHMARK(BM_FastPathThreads)
     ->Arg(0)
     ->Arg(1)
+    ->Arg(2)
     ->ThreadRange(1, 4)
     ->UseRealTime()
     ->Setup(FastSetup)

@@ -95,9 +95,18 @@ struct PendingOp {
 };
 
 // Aligned so that two shards' locks and counters never share a cache line.
+// The index's hash: looks a key up by std::string_view without making a std::string of it (a
+// key longer than the small-string buffer would cost an allocation on every read).
+struct KeyHash {
+  using is_transparent = void;
+  size_t operator()(std::string_view key) const noexcept {
+    return std::hash<std::string_view>{}(key);
+  }
+};
+
 struct alignas(64) Shard {
   std::mutex mu;
-  std::unordered_map<std::string, std::shared_ptr<Entry>> map;
+  std::unordered_map<std::string, std::shared_ptr<Entry>, KeyHash, std::equal_to<>> map;
   // Reads of this shard's keys, summed by GetStats: counted here rather than on counters every
   // reader of the node shares (relaxed).
   std::atomic<uint64_t> hits[kTierCount] = {};
@@ -251,14 +260,14 @@ struct TieredCache::Impl {
     Shard& s = *shards[si];
     std::lock_guard<std::mutex> shard_lock(s.mu);
     std::lock_guard<std::mutex> lock(partitions[PartitionIndex(si)]->mu);
-    auto it = s.map.find(std::string(key));
+    auto it = s.map.find(key);
     return it != s.map.end() && it->second->live ? it->second->version : 0;
   }
 
   std::shared_ptr<Entry> Lookup(std::string_view key) {
     Shard& s = ShardFor(key);
     std::lock_guard<std::mutex> lock(s.mu);
-    auto it = s.map.find(std::string(key));
+    auto it = s.map.find(key);
     return it == s.map.end() ? nullptr : it->second;
   }
 
@@ -1398,7 +1407,7 @@ Result<ReadHandle> TieredCache::Acquire(std::string_view key) {
       if (s.IsNotFound()) {
         Shard& sh = I.ShardFor(key);
         std::lock_guard<std::mutex> sl(sh.mu);
-        auto it = sh.map.find(std::string(key));
+        auto it = sh.map.find(key);
         if (it != sh.map.end() && it->second.get() == e) {
           std::lock_guard<std::mutex> l2(part.mu);
           if (e->tier == Tier::kDisk) {
@@ -1465,7 +1474,7 @@ TieredCache::FastPath TieredCache::TryAcquireFromMemory(std::string_view key, Re
   std::shared_ptr<Entry> sp;
   {
     std::lock_guard<std::mutex> shard_lock(s.mu);
-    auto it = s.map.find(std::string(key));
+    auto it = s.map.find(key);
     if (it == s.map.end()) {
       s.misses.fetch_add(1, std::memory_order_relaxed);
       return FastPath::kMiss;
@@ -1562,7 +1571,7 @@ Status TieredCache::DeleteVersion(std::string_view key, uint64_t version) {
   {
     Shard& s = I.ShardFor(key);
     std::lock_guard<std::mutex> shard_lock(s.mu);
-    auto it = s.map.find(std::string(key));
+    auto it = s.map.find(key);
     if (it == s.map.end()) return Status::NotFound("key not found");
     if (version != 0 && it->second->version != version) {
       return Status::Aborted("the key has another version now");

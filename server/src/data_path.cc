@@ -251,9 +251,9 @@ bool Server::Impl::ServeHere(std::unique_ptr<Incoming>& msg) {
   const bool get = r.h.opcode == w::Opcode::kGet && (r.h.flags & w::kFlagReplicaRead) == 0 &&
                    msg->payload_size() == 0;
   // Batches too, except an MGET of replica rows (the copies are worker 0's to find).
-  const bool batch = (r.h.opcode == w::Opcode::kMultiGet &&
-                      (r.h.flags & w::kFlagVersionedKeys) == 0) ||
-                     r.h.opcode == w::Opcode::kMultiPut;
+  const bool batch =
+      (r.h.opcode == w::Opcode::kMultiGet && (r.h.flags & w::kFlagVersionedKeys) == 0) ||
+      r.h.opcode == w::Opcode::kMultiPut;
   if (!get && !batch && r.h.opcode != w::Opcode::kPut) return false;
   IoWorker& ws = W();
   r.worker = ws.index;
@@ -423,8 +423,9 @@ void Server::Impl::MultiGetRows(const Req& r, std::shared_ptr<std::vector<BatchR
   const bool control = OnControlThread();
   // What only worker 0 can tell (held-back keys, misrouted ones under a ring this worker has
   // not been given yet): it runs the whole pass.
-  if (!control && (catching_up.load(std::memory_order_relaxed) ||
-                   (elastic() && W().ring->epoch() != ring_epoch_now.load(std::memory_order_acquire)))) {
+  if (!control &&
+      (catching_up.load(std::memory_order_relaxed) ||
+       (elastic() && W().ring->epoch() != ring_epoch_now.load(std::memory_order_acquire)))) {
     return transport->Post([this, r, rows] { MultiGetRows(r, rows); });
   }
   bool hints_wanted = false;
@@ -596,59 +597,59 @@ void Server::Impl::ServeMultiGet(const Req& r, std::shared_ptr<std::vector<Batch
 
 void Server::Impl::HandleMultiPut(const Req& r, std::unique_ptr<Incoming> msg) {
   const bool peer_conn_request = FromPeer(r.conn);
-  ReadPayloadThen(r, std::move(msg),
-                  [this, r, peer_conn_request](Status s, std::shared_ptr<PayloadBuffer> buf) {
-                    std::vector<w::BatchPutItem> items;
-                    size_t block = 0;
-                    const bool versioned = (r.h.flags & w::kFlagClientVersion) != 0;
-                    if (s.ok()) s = w::DecodeBatchPutBlock(buf->view(), &items, &block, versioned);
-                    if (!s.ok()) return PostReply([this, r, s] { ReplyStatus(r, s); });
-                    std::vector<w::BatchPutResult> results(items.size());
-                    RingPtr now = CurrentRing();
-                    // Every item is reserved and filled, then all are committed together: a durable
-                    // batch is one RocksDB write with one sync (CommitBatch), not one fsync per
-                    // item. Items fail on their own (too large, no room); the others still land.
-                    std::vector<WriteHandle> handles;
-                    std::vector<size_t> slot;  // item index of each handle
-                    size_t off = block;
-                    for (size_t i = 0; i < items.size(); off += items[i].size, ++i) {
-                      Status is = CheckValueSize(items[i].size);
-                      if (is.ok() && versioned) is = CheckClientVersion(items[i].version);
-                      if (is.ok() && elastic() && (r.h.flags & w::kFlagPreviousOwner) == 0 &&
-                          !peer_conn_request && !Owns(*now, items[i].key)) {
-                        is = Status::WrongNode("");
-                      }
-                      Result<WriteHandle> h =
-                          is.ok() ? cache->Reserve(items[i].key, items[i].size, items[i].tensor)
-                                  : Result<WriteHandle>(is);
-                      if (h.ok()) {
-                        is = cache->CopyBytes(h->data(), h->memory_kind(), buf->data() + off,
-                                              MemoryKind::kHost, items[i].size);
-                      } else {
-                        is = h.status();
-                      }
-                      results[i].code = is.code();
-                      if (!is.ok()) continue;  // the reservation (if any) goes with `h`
-                      if (versioned) h->RequestVersion(items[i].version);
-                      handles.push_back(std::move(*h));
-                      slot.push_back(i);
-                    }
-                    auto committed =
-                        cache->CommitBatch(std::move(handles), (r.h.flags & w::kFlagDurable) != 0);
-                    for (size_t j = 0; j < committed.size(); ++j) {
-                      results[slot[j]].code = committed[j].status().code();
-                      if (committed[j].ok()) results[slot[j]].version = *committed[j];
-                    }
-                    auto payload = std::make_shared<std::string>(w::EncodeBatchPutResults(results));
-                    std::vector<std::string> keys;  // the ones written (their copies must go first)
-                    for (size_t i = 0; i < items.size(); ++i) {
-                      if (results[i].code == StatusCode::kOk) keys.push_back(items[i].key);
-                    }
-                    transport->PostTo(r.worker, [this, r, payload, keys = std::move(keys),
-                                                 epoch = now->epoch()]() mutable {
-                      FinishMultiPut(r, std::move(payload), std::move(keys), epoch);
-                    });
-                  });
+  ReadPayloadThen(
+      r, std::move(msg),
+      [this, r, peer_conn_request](Status s, std::shared_ptr<PayloadBuffer> buf) {
+        std::vector<w::BatchPutItem> items;
+        size_t block = 0;
+        const bool versioned = (r.h.flags & w::kFlagClientVersion) != 0;
+        if (s.ok()) s = w::DecodeBatchPutBlock(buf->view(), &items, &block, versioned);
+        if (!s.ok()) return PostReply([this, r, s] { ReplyStatus(r, s); });
+        std::vector<w::BatchPutResult> results(items.size());
+        RingPtr now = CurrentRing();
+        // Every item is reserved and filled, then all are committed together: a durable
+        // batch is one RocksDB write with one sync (CommitBatch), not one fsync per
+        // item. Items fail on their own (too large, no room); the others still land.
+        std::vector<WriteHandle> handles;
+        std::vector<size_t> slot;  // item index of each handle
+        size_t off = block;
+        for (size_t i = 0; i < items.size(); off += items[i].size, ++i) {
+          Status is = CheckValueSize(items[i].size);
+          if (is.ok() && versioned) is = CheckClientVersion(items[i].version);
+          if (is.ok() && elastic() && (r.h.flags & w::kFlagPreviousOwner) == 0 &&
+              !peer_conn_request && !Owns(*now, items[i].key)) {
+            is = Status::WrongNode("");
+          }
+          Result<WriteHandle> h = is.ok()
+                                      ? cache->Reserve(items[i].key, items[i].size, items[i].tensor)
+                                      : Result<WriteHandle>(is);
+          if (h.ok()) {
+            is = cache->CopyBytes(h->data(), h->memory_kind(), buf->data() + off, MemoryKind::kHost,
+                                  items[i].size);
+          } else {
+            is = h.status();
+          }
+          results[i].code = is.code();
+          if (!is.ok()) continue;  // the reservation (if any) goes with `h`
+          if (versioned) h->RequestVersion(items[i].version);
+          handles.push_back(std::move(*h));
+          slot.push_back(i);
+        }
+        auto committed = cache->CommitBatch(std::move(handles), (r.h.flags & w::kFlagDurable) != 0);
+        for (size_t j = 0; j < committed.size(); ++j) {
+          results[slot[j]].code = committed[j].status().code();
+          if (committed[j].ok()) results[slot[j]].version = *committed[j];
+        }
+        auto payload = std::make_shared<std::string>(w::EncodeBatchPutResults(results));
+        std::vector<std::string> keys;  // the ones written (their copies must go first)
+        for (size_t i = 0; i < items.size(); ++i) {
+          if (results[i].code == StatusCode::kOk) keys.push_back(items[i].key);
+        }
+        transport->PostTo(
+            r.worker, [this, r, payload, keys = std::move(keys), epoch = now->epoch()]() mutable {
+              FinishMultiPut(r, std::move(payload), std::move(keys), epoch);
+            });
+      });
 }
 
 void Server::Impl::FinishMultiPut(const Req& r, std::shared_ptr<std::string> payload,
@@ -659,8 +660,7 @@ void Server::Impl::FinishMultiPut(const Req& r, std::shared_ptr<std::string> pay
   };
   if (OnControlThread()) return on_control();
   // Another worker: as its fast puts (FinishFastPut), worker 0 only when it has something to do.
-  bool control_needed =
-      catching_up.load(std::memory_order_relaxed) || RingMovedSince(epoch);
+  bool control_needed = catching_up.load(std::memory_order_relaxed) || RingMovedSince(epoch);
   for (size_t i = 0; i < keys.size() && !control_needed; ++i) {
     control_needed = WriteWaitsForCopies(keys[i]);
   }
