@@ -19,6 +19,7 @@
 #include <memory>
 #include <random>
 #include <set>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -83,6 +84,27 @@ inline uint64_t StatsCounter(Client& c, int node, const std::string& name,
     return 0;
   }
   return std::stoull(stats->substr(at + name.size() + 3));
+}
+
+// Node `node`'s count of requests answered by each of its I/O threads (requests_by_io_thread in
+// its stats). A missing field or node fails the test (and reads as an empty list).
+inline std::vector<uint64_t> RequestsByIoThread(Client& client, int node = 0) {
+  std::vector<uint64_t> by_thread;
+  auto stats = client.NodeStats(node);
+  if (!stats.ok()) {
+    ADD_FAILURE() << "stats of node " << node << ": " << stats.status().ToString();
+    return by_thread;
+  }
+  const std::string field = "\"requests_by_io_thread\":[";
+  const size_t at = stats->find(field);
+  if (at == std::string::npos) {
+    ADD_FAILURE() << "no requests_by_io_thread in the stats of node " << node;
+    return by_thread;
+  }
+  const size_t end = stats->find(']', at);
+  std::stringstream list(stats->substr(at + field.size(), end - at - field.size()));
+  for (std::string n; std::getline(list, n, ',');) by_thread.push_back(std::stoull(n));
+  return by_thread;
 }
 
 class Cluster {

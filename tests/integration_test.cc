@@ -127,26 +127,6 @@ TEST(IntegrationTest, NodesRegisterTheirArenasWithUcxAndServeThroughThem) {
       << *client->NodeStats(0);
 }
 
-// Node `node`'s count of requests answered by each of its I/O threads (requests_by_io_thread).
-std::vector<uint64_t> RequestsByIoThread(Client& client, int node = 0) {
-  std::vector<uint64_t> by_thread;
-  auto stats = client.NodeStats(node);
-  if (!stats.ok()) {
-    ADD_FAILURE() << stats.status().ToString();
-    return by_thread;
-  }
-  const std::string field = "\"requests_by_io_thread\":[";
-  const size_t at = stats->find(field);
-  if (at == std::string::npos) {
-    ADD_FAILURE() << "no requests_by_io_thread in " << *stats;
-    return by_thread;
-  }
-  const size_t end = stats->find(']', at);
-  std::stringstream list(stats->substr(at + field.size(), end - at - field.size()));
-  for (std::string n; std::getline(list, n, ',');) by_thread.push_back(std::stoull(n));
-  return by_thread;
-}
-
 // --io-threads: a node spreads its connections over its UCX workers; the workers other than 0
 // serve GETs from memory themselves (counted per I/O thread in STATS), and everything else they
 // hand to worker 0, which answers on their connections. Every value read back intact, on a
@@ -175,7 +155,7 @@ TEST(IntegrationTest, ANodeSpreadsConnectionsOverItsIoThreadsAndEachServesGets) 
     }
     EXPECT_EQ(clients[c]->Get("io/absent").status().code(), StatusCode::kNotFound);
     // A durable put takes the executors and worker 0 (and its payload is received on the
-    // connection's own worker); a delete is worker 0's.
+    // connection's own worker).
     const std::string durable_key = "io/" + std::to_string(c) + "/durable";
     const std::string value = RandomValue(rng, 256 << 10);
     PutOptions durable;
@@ -190,7 +170,7 @@ TEST(IntegrationTest, ANodeSpreadsConnectionsOverItsIoThreadsAndEachServesGets) 
   }
   EXPECT_EQ(testing::StatsCounter(*clients[0], 0, "io_threads"), 3u);
   EXPECT_EQ(testing::StatsCounter(*clients[0], 0, "placement_partitions"), 2u);  // the harness's
-  const std::vector<uint64_t> by_thread = RequestsByIoThread(*clients[0]);
+  const std::vector<uint64_t> by_thread = testing::RequestsByIoThread(*clients[0]);
   ASSERT_EQ(by_thread.size(), 3u);
   // Six connections over three workers: two each, and each worker other than 0 answered at
   // least the GETs of its two connections itself.
@@ -199,11 +179,12 @@ TEST(IntegrationTest, ANodeSpreadsConnectionsOverItsIoThreadsAndEachServesGets) 
   EXPECT_GE(by_thread[2], 80u);
 }
 
-// --io-threads: MGET and MPUT run on their connection's own I/O worker too (receive, row pass,
-// reply), worker 0 taking part only for keys with copies, catch-up or a ring change. Six
-// connections over three workers; every value (64 B to 1 MiB, so eager and rendezvous rows)
-// reads back intact and a missing key reads as not found.
-TEST(IntegrationTest, BatchesAreServedOnTheirConnectionsOwnIoThread) {
+// --io-threads: MGET, MPUT, DELETE and STAT run on their connection's own I/O worker too
+// (receive, row pass, reply), worker 0 taking part only for keys with copies, catch-up or a ring
+// change. Six connections over three workers; every value (64 B to 1 MiB, so eager and
+// rendezvous rows) reads back intact, a missing key reads as not found, and a deleted key is
+// gone.
+TEST(IntegrationTest, BatchesDeletesAndStatsAreServedOnTheirConnectionsOwnIoThread) {
   NodeSpec spec;
   spec.io_threads = 3;
   spec.secret = "batch-threads-secret";
@@ -214,7 +195,7 @@ TEST(IntegrationTest, BatchesAreServedOnTheirConnectionsOwnIoThread) {
     clients.push_back(cluster.NewClient(std::chrono::seconds(30)));
     ASSERT_TRUE(clients.back());
   }
-  const std::vector<uint64_t> before = RequestsByIoThread(*clients[0]);
+  const std::vector<uint64_t> before = testing::RequestsByIoThread(*clients[0]);
   ASSERT_EQ(before.size(), 3u);
   constexpr int kRounds = 10;
   const size_t sizes[] = {64, 4096, 100 << 10, 1 << 20};
@@ -243,17 +224,22 @@ TEST(IntegrationTest, BatchesAreServedOnTheirConnectionsOwnIoThread) {
         ASSERT_TRUE(got[i]->view() == values[i]) << keys[i];
       }
       EXPECT_EQ(got.back().status().code(), StatusCode::kNotFound);
+      auto stat = clients[c]->Stat(keys[3]);
+      ASSERT_TRUE(stat.ok()) << stat.status().ToString();
+      EXPECT_EQ(stat->size, values[3].size());
+      ASSERT_TRUE(clients[c]->Delete(keys[3]).ok());
+      EXPECT_EQ(clients[c]->Get(keys[3]).status().code(), StatusCode::kNotFound);
     }
   }
-  const std::vector<uint64_t> after = RequestsByIoThread(*clients[0]);
+  const std::vector<uint64_t> after = testing::RequestsByIoThread(*clients[0]);
   ASSERT_EQ(after.size(), 3u);
-  // Each worker's two connections sent 2 x kRounds x 2 batches: the others' are answered there
-  // (but a connection's first one, which may arrive before worker 0 has told the connection's
-  // worker that it authenticated), and worker 0 answered its own (and the stats calls), not all
-  // 120.
-  EXPECT_GE(after[1] - before[1], uint64_t{4 * kRounds - 2});
-  EXPECT_GE(after[2] - before[2], uint64_t{4 * kRounds - 2});
-  EXPECT_LT(after[0] - before[0], uint64_t{6 * kRounds});
+  // Each worker's two connections sent 2 x kRounds x 5 requests (MPUT, MGET, STAT, DELETE,
+  // GET): the others' are answered there (but a connection's first one, which may arrive before
+  // worker 0 has told the connection's worker that it authenticated), and worker 0 answered its
+  // own (and the stats calls), not the others' batches, stats and deletes too.
+  EXPECT_GE(after[1] - before[1], uint64_t{10 * kRounds - 2});
+  EXPECT_GE(after[2] - before[2], uint64_t{10 * kRounds - 2});
+  EXPECT_LT(after[0] - before[0], uint64_t{15 * kRounds});
 }
 
 TEST(IntegrationTest, GetIntoASmallerBufferIsRefused) {

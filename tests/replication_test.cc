@@ -16,6 +16,7 @@ namespace {
 using testing::Cluster;
 using testing::KeyOn;
 using testing::NodeSpec;
+using testing::RequestsByIoThread;
 using testing::StatsCounter;
 using Clock = std::chrono::steady_clock;
 
@@ -95,6 +96,72 @@ TEST(ReplicationTest, HotKeysAreCopiedServeReadsCoolDownAndAreCopiedAgain) {
   for (int i = 0; i < 3000; ++i) ASSERT_TRUE(client->Get("hot").ok());
   EXPECT_EQ(Sum(*client, "refused"), 0u);
   EXPECT_GT(Sum(*client, "reads_served"), served + 300) << "the new copies served no read";
+}
+
+// --io-threads 2 (the harness's): a hot key's GETs and MGET rows are answered by whichever I/O
+// worker holds the reader's connection, hints included (replicated_keys publishes the serving
+// copies to every worker), not handed to worker 0. Each of four clients reads alone in turn,
+// so the primary's per-worker counts say which worker its connection is on; a client on
+// worker 1 must be answered there and must then read the copies the hints name.
+TEST(ReplicationTest, AHotKeyIsServedWithItsHintsByTheReadersOwnIoThread) {
+  NodeSpec spec;
+  spec.extra_args = {"--replicate-hot", "100", "--hot-replicas", "2"};
+  Cluster cluster(3, spec);
+  std::vector<std::unique_ptr<Client>> clients;
+  for (int c = 0; c < 4; ++c) {
+    clients.push_back(cluster.NewClient(std::chrono::seconds(2)));
+    ASSERT_TRUE(clients.back());
+  }
+  Client& first = *clients[0];
+  const std::string hot = KeyOn(first, 0);
+  std::vector<std::string> batch = {hot};
+  for (int salt = 1; salt <= 3; ++salt) batch.push_back(KeyOn(first, 0, salt));
+  for (const std::string& k : batch) {
+    const std::string v = "v-" + k;
+    ASSERT_TRUE(first.Put(k, v.data(), v.size()).ok());
+  }
+  auto read = [&](Client& c, int n, bool batches) {
+    for (int i = 0; i < n; ++i) {
+      if (batches) {
+        auto got = c.MultiGet(batch);
+        for (size_t j = 0; j < got.size(); ++j) {
+          ASSERT_TRUE(got[j].ok()) << got[j].status().ToString();
+          ASSERT_EQ(got[j]->view(), "v-" + batch[j]);
+        }
+      } else {
+        auto got = c.Get(hot);
+        ASSERT_TRUE(got.ok()) << got.status().ToString();
+        ASSERT_EQ(got->view(), "v-" + hot);
+      }
+    }
+  };
+  const auto copies_until = Clock::now() + std::chrono::seconds(10);
+  while (Sum(first, "created") < 2 && Clock::now() < copies_until) {
+    for (auto& c : clients) read(*c, 200, false);
+  }
+  ASSERT_EQ(Sum(first, "created"), 2u) << "the hot key should have two copies";
+  int on_worker1[2] = {0, 0};  // GET phases, MGET phases answered by worker 1
+  for (size_t c = 0; c < clients.size(); ++c) {
+    for (bool batches : {false, true}) {
+      const std::vector<uint64_t> before = RequestsByIoThread(first);
+      const uint64_t served_before = Sum(first, "reads_served");
+      read(*clients[c], 300, batches);
+      const std::vector<uint64_t> after = RequestsByIoThread(first);
+      const uint64_t served = Sum(first, "reads_served") - served_before;
+      ASSERT_EQ(after.size(), 2u);
+      const uint64_t w0 = after[0] - before[0], w1 = after[1] - before[1];
+      std::cout << "client " << c << (batches ? " MGET" : " GET") << ": node 0 answered " << w0
+                << " on worker 0, " << w1 << " on worker 1; copies served " << served << "\n";
+      if (w1 < 50) continue;  // (the stats calls themselves are answered by worker 0)
+      ++on_worker1[batches];
+      // A third of the reads go to the primary, the rest to the two copies its hints name.
+      EXPECT_GT(served, 50u) << "client " << c << " got no hint from worker 1";
+    }
+  }
+  // Four connections dealt to two workers in turn (peer connections may come between): some
+  // are on worker 1, and it answered their reads of the hot key itself.
+  EXPECT_GE(on_worker1[0], 1) << "no GET of the hot key was answered by worker 1";
+  EXPECT_GE(on_worker1[1], 1) << "no MGET with the hot key was answered by worker 1";
 }
 
 // Issue 13 item 3: copies live in the highest tier the receiving node has (its GPU tier here,

@@ -250,11 +250,14 @@ bool Server::Impl::ServeHere(std::unique_ptr<Incoming>& msg) {
   }
   const bool get = r.h.opcode == w::Opcode::kGet && (r.h.flags & w::kFlagReplicaRead) == 0 &&
                    msg->payload_size() == 0;
-  // Batches too, except an MGET of replica rows (the copies are worker 0's to find).
+  // Batches too, except an MGET of replica rows (the copies are worker 0's to find), and
+  // deletes and stats.
   const bool batch =
       (r.h.opcode == w::Opcode::kMultiGet && (r.h.flags & w::kFlagVersionedKeys) == 0) ||
       r.h.opcode == w::Opcode::kMultiPut;
-  if (!get && !batch && r.h.opcode != w::Opcode::kPut) return false;
+  const bool key_op = (r.h.opcode == w::Opcode::kDelete || r.h.opcode == w::Opcode::kStat) &&
+                      msg->payload_size() == 0;
+  if (!get && !batch && !key_op && r.h.opcode != w::Opcode::kPut) return false;
   IoWorker& ws = W();
   r.worker = ws.index;
   if (!options.cluster.secret.empty()) {
@@ -288,6 +291,8 @@ bool Server::Impl::ServeHere(std::unique_ptr<Incoming>& msg) {
       HandleMultiGet(r, std::move(msg));
     } else if (r.h.opcode == w::Opcode::kMultiPut) {
       HandleMultiPut(r, std::move(msg));
+    } else if (key_op) {
+      HandleKeyOp(r, body);
     } else {
       HandlePut(r, body, std::move(msg));
     }
@@ -296,8 +301,6 @@ bool Server::Impl::ServeHere(std::unique_ptr<Incoming>& msg) {
   static thread_local std::string key;  // keeps its capacity: no allocation per request
   if (!w::DecodeKeyRequest(body, &key).ok()) return false;
   if (Misrouted(r, key)) return false;  // worker 0 answers wrong_node
-  // A key with copies: worker 0's reply carries their hint.
-  if (replication_on() && replicated_keys.MaybeContains(key)) return false;
   ReadHandle fast;
   const auto fp = cache->TryAcquireFromMemory(key, &fast, device_zero_copy());
   if (fp == TieredCache::FastPath::kNeedsSlowPath) return false;  // counted nothing
@@ -311,7 +314,15 @@ bool Server::Impl::ServeHere(std::unique_ptr<Incoming>& msg) {
   }
   CountRow();
   if (replication_on()) CountRead(key);
-  static const std::vector<uint16_t> kNoHint;  // a key with copies went to worker 0
+  static const std::vector<uint16_t> kNoHint;
+  if (fp == TieredCache::FastPath::kServed && replication_on()) {
+    // A key with copies: the reply names them (replicated_keys, readable here).
+    const std::vector<uint16_t> hint = HintFor(key, fast.info().version);
+    if (!hint.empty()) {
+      ReplyFromMemory(r, fp, std::move(fast), hint);
+      return true;
+    }
+  }
   ReplyFromMemory(r, fp, std::move(fast), kNoHint);
   return true;
 }
@@ -386,18 +397,29 @@ void Server::Impl::HandleKeyOp(const Req& r, std::string_view body) {
       // Before the delete: a handoff or repair landing meanwhile is refused too.
       RememberDelete(key, client_version);
       Status ds = cache->Delete(key);
-      return PostReply([this, r, ds, key] {
-        if (ds.ok() || ds.code() == StatusCode::kNotFound) Confirm(key);
-        AfterWrite({key}, [this, r, ds] { ReplyStatus(r, ds); });
-      });
+      return transport->PostTo(r.worker, [this, r, ds, key] { FinishDelete(r, ds, key); });
     }
     auto st = cache->Stat(key);
     Status status = st.status();
     w::ObjectMeta meta = st.ok() ? ToWire(*st) : w::ObjectMeta{};
-    PostReply([this, r, status, meta] {
+    transport->PostTo(r.worker, [this, r, status, meta] {
       Reply(r, status, w::EncodeObjectReply(status, meta), nullptr, 0, MemoryKind::kHost, nullptr);
     });
   });
+}
+
+void Server::Impl::FinishDelete(const Req& r, const Status& ds, const std::string& key) {
+  auto on_control = [this, r, ds, key] {
+    if (ds.ok() || ds.code() == StatusCode::kNotFound) Confirm(key);
+    AfterWrite({key}, [this, r, ds] { ReplyStatus(r, ds); });
+  };
+  if (OnControlThread()) return on_control();
+  // Another worker (as FinishMultiPut): worker 0 only when the key has copies to withdraw or
+  // the node catches up (Confirm).
+  if (catching_up.load(std::memory_order_relaxed) || WriteWaitsForCopies(key)) {
+    return transport->Post(std::move(on_control));
+  }
+  ReplyStatus(r, ds);
 }
 
 void Server::Impl::HandleMultiGet(const Req& r, std::unique_ptr<Incoming> msg) {
@@ -428,7 +450,6 @@ void Server::Impl::MultiGetRows(const Req& r, std::shared_ptr<std::vector<BatchR
        (elastic() && W().ring->epoch() != ring_epoch_now.load(std::memory_order_acquire)))) {
     return transport->Post([this, r, rows] { MultiGetRows(r, rows); });
   }
-  bool hints_wanted = false;
   for (BatchRow& row : *rows) {
     if (row.replica_version == 0 && Misrouted(r, row.key)) {
       row.misrouted = true;
@@ -444,36 +465,9 @@ void Server::Impl::MultiGetRows(const Req& r, std::shared_ptr<std::vector<BatchR
       continue;
     }
     CountRow();
-    if (!replication_on()) continue;
-    CountRead(row.key);
-    if (control || replicated_keys.MaybeContains(row.key)) {
-      row.wants_hint = true;
-      hints_wanted = true;
-    }
+    if (replication_on()) CountRead(row.key);
   }
-  auto serve = [this, r, rows] {
-    SubmitRequestWork(r, [this, r, rows] { ServeMultiGet(r, rows); });
-  };
-  if (!hints_wanted) return serve();
-  if (control) {
-    NoteBatchHints(*rows);
-    return serve();
-  }
-  transport->Post([this, rows, serve] {
-    NoteBatchHints(*rows);
-    serve();
-  });
-}
-
-void Server::Impl::NoteBatchHints(std::vector<BatchRow>& rows) {
-  // Noted now, checked again when the reply goes out (copies may be withdrawn meanwhile).
-  for (BatchRow& row : rows) {
-    if (!row.wants_hint) continue;
-    auto it = registry.find(row.key);
-    if (it == registry.end()) continue;
-    row.hint_version = it->second.version;  // HintFor: serving ones only
-    row.hint = HintFor(row.key, row.hint_version);
-  }
+  SubmitRequestWork(r, [this, r, rows] { ServeMultiGet(r, rows); });
 }
 
 std::shared_ptr<std::string> Server::Impl::ReserveBatchReply(uint64_t values) {
@@ -494,6 +488,7 @@ void Server::Impl::ServeMultiGet(const Req& r, std::shared_ptr<std::vector<Batch
   auto results = std::make_shared<std::vector<w::BatchGetResult>>(rows->size());
   std::vector<ReadHandle> handles;
   std::vector<TieredCache*> owners;  // the cache each handle's bytes come from
+  std::vector<size_t> hint_rows;     // rows found whose key may have copies
   handles.reserve(rows->size());
   uint64_t total = 0;
   for (size_t i = 0; i < rows->size(); ++i) {
@@ -521,8 +516,8 @@ void Server::Impl::ServeMultiGet(const Req& r, std::shared_ptr<std::vector<Batch
     if (row.replica_version != 0) {
       res.meta.version = row.replica_version;  // the primary's version
       counters.replica_reads.fetch_add(1, std::memory_order_relaxed);
-    } else if (res.meta.version == row.hint_version) {
-      res.hint = row.hint;
+    } else if (replication_on() && replicated_keys.MaybeContains(row.key)) {
+      hint_rows.push_back(i);  // its hint is looked up when the reply goes out
     }
     total += got->size();
     handles.push_back(std::move(*got));
@@ -566,32 +561,22 @@ void Server::Impl::ServeMultiGet(const Req& r, std::shared_ptr<std::vector<Batch
     hd = ReadHandle();  // copied: its pin goes now
   }
   if (!cs.ok()) return PostReply([this, r, cs] { ReplyStatus(r, cs); });
-  parts->block = w::EncodeBatchGetBlock(*results);
-  bool hinted = false;
-  for (const w::BatchGetResult& res : *results) hinted = hinted || !res.hint.empty();
-  // Hinted rows are checked on worker 0 (then the reply crosses to the request's worker);
-  // without any, the reply goes straight to the request's worker.
-  auto send = [this, r, rows, results, parts] {
-    // A hint noted before the executor ran must still hold now: copies withdrawn meanwhile are
-    // never hinted. Rare; the block (not the values) is then encoded again.
-    bool changed = false;
-    for (size_t i = 0; i < rows->size(); ++i) {
+  // The block is encoded here unless a row may carry a hint: hints are looked up on the
+  // request's I/O worker as the reply goes out (HintFor: copies withdrawn meanwhile are never
+  // named), and the block then encoded there.
+  if (hint_rows.empty()) parts->block = w::EncodeBatchGetBlock(*results);
+  auto send = [this, r, rows, results, parts, hint_rows = std::move(hint_rows)] {
+    for (size_t i : hint_rows) {
       w::BatchGetResult& res = (*results)[i];
-      if (res.hint.empty()) continue;
-      std::vector<uint16_t> now = HintFor((*rows)[i].key, res.meta.version);
-      if (now != res.hint) {
-        res.hint = std::move(now);
-        changed = true;
-      }
+      res.hint = HintFor((*rows)[i].key, res.meta.version);
     }
-    if (changed) parts->block = w::EncodeBatchGetBlock(*results);
+    if (!hint_rows.empty()) parts->block = w::EncodeBatchGetBlock(*results);
     std::vector<UcxTransport::Segment> segments;
     segments.reserve(parts->values.size() + 1);
     segments.push_back({parts->block.data(), parts->block.size()});
     segments.insert(segments.end(), parts->values.begin(), parts->values.end());
     ReplyGather(r, w::EncodeStatusReply(Status::OK()), std::move(segments), [parts] {});
   };
-  if (hinted) return PostReply(std::move(send));
   transport->PostTo(r.worker, std::move(send));
 }
 

@@ -19,17 +19,16 @@ bool Server::Impl::CoveredByFloor(const std::string& key, uint64_t attempt) cons
   return fl != replica_floor.end() && fl->second.attempt >= attempt;
 }
 
-std::vector<uint16_t> Server::Impl::HintFor(const std::string& key, uint64_t version) const {
+std::vector<uint16_t> Server::Impl::HintFor(std::string_view key, uint64_t version) const {
   std::vector<uint16_t> hint;
-  auto it = registry.find(key);
-  if (it == registry.end() || it->second.state != CopyState::kServing ||
-      it->second.version != version) {
-    return hint;
-  }
+  if (!replication_on()) return hint;
+  thread_local std::vector<int> nodes;
+  if (!replicated_keys.ServingCopies(key, version, &nodes)) return hint;
   // On the wire a node is its position in the ring (the cluster file's order for a static
   // cluster; under etcd, members sorted by id), which clients map to their own node tables.
-  for (int n : it->second.nodes) {
-    const int p = ring->position(n);
+  const RingPtr& here = RingHere();
+  for (int n : nodes) {
+    const int p = here->position(n);
     if (p >= 0) hint.push_back(static_cast<uint16_t>(p));
   }
   return hint;
@@ -110,8 +109,8 @@ void Server::Impl::StartReplication(const std::string& key) {
   std::vector<int> targets = ReplicaTargets(key);
   if (targets.empty()) return;
   const uint64_t attempt = ++next_attempt;
-  // Listed for the other I/O workers before the copy reads the value (they then leave this
-  // key's GETs to worker 0, whose replies carry the hints).
+  // Listed for the other I/O workers before the copy reads the value (a put they publish after
+  // this then goes through AfterWrite); no hints until the copies serve (SetServing).
   replicated_keys.Add(key);
   ReplicaSet& set = registry[key];
   set = ReplicaSet{};
@@ -181,6 +180,7 @@ void Server::Impl::ReplicationDone(const std::string& key, uint64_t attempt, uin
   set.state = CopyState::kServing;
   set.nodes = nodes;
   set.version = version;
+  replicated_keys.SetServing(key, version, nodes);  // hinted from now on, by every I/O worker
   counters.replicas_created.fetch_add(nodes.size(), std::memory_order_relaxed);
   std::string list;
   for (int n : nodes) list += (list.empty() ? "" : ",") + options.cluster.nodes[n].id;
@@ -193,6 +193,8 @@ void Server::Impl::Withdraw(const std::string& key, const char* why) {
   ReplicaSet& set = it->second;
   set.state = CopyState::kWithdrawing;
   set.unconfirmed = set.nodes.size();
+  // Hinted by no I/O worker from here on, before the first INVALIDATE goes out.
+  replicated_keys.SetServing(key, set.version, {});
   // No new attempt while a hint of this one can still be alive (kWithdrawWait covers every
   // hint, whether or not the holders confirm early): a new attempt may copy the same version to
   // the same node, and an old hint must never find that copy after a later write was

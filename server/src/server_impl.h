@@ -124,11 +124,8 @@ struct BatchRow {
   std::string key;
   uint64_t replica_version = 0;  // a replica row: the version its hint named
   std::string replica_key;       // a replica row: the copy's key here ("" if none)
-  std::vector<uint16_t> hint;    // a primary row: copies of hint_version
-  uint64_t hint_version = 0;
-  bool misrouted = false;   // not this node's key in its ring: answered wrong_node
-  bool held_back = false;   // recovered, not yet confirmed (catching up): answered not_found
-  bool wants_hint = false;  // counted on a worker other than 0: worker 0 notes the hint
+  bool misrouted = false;        // not this node's key in its ring: answered wrong_node
+  bool held_back = false;        // recovered, not yet confirmed (catching up): answered not_found
 };
 
 struct Server::Impl {
@@ -577,10 +574,10 @@ struct Server::Impl {
   // answers false (nothing done, `msg` untouched) when it needs worker 0: a message of any
   // other kind, a connection not yet known to have authenticated, a key with copies (hints)
   // or one that is not in memory, catch-up, shutdown.
-  // Puts and batches too: a PUT, an MPUT or an MGET of primary rows admitted here (AdmitHere)
-  // runs its handler on this worker; its slow steps go through the executors (and worker 0
-  // where they need its state) as on worker 0, and the reply comes back here (Reply sends from
-  // the request's own worker).
+  // Puts, batches and key operations too: a PUT, an MPUT, an MGET of primary rows, a DELETE or
+  // a STAT admitted here (AdmitHere) runs its handler on this worker; its slow steps go through the
+  // executors (and worker 0 where they need its state) as on worker 0, and the reply comes back
+  // here (Reply sends from the request's own worker).
   bool ServeHere(std::unique_ptr<Incoming>& msg);
   // Worker 0, after a connection of another worker authenticated (or said PEER_HELLO): that
   // worker may serve its GETs from now on.
@@ -660,8 +657,9 @@ struct Server::Impl {
   // Executor thread: copy from staging if any, commit (write-through when durable), reply.
   void CommitAndReply(const std::shared_ptr<PutOp>& op);
 
-  // Nodes holding a copy of exactly `version` of `key`, for the GET reply's hint.
-  std::vector<uint16_t> HintFor(const std::string& key, uint64_t version) const;
+  // Nodes serving a copy of exactly `version` of `key`, for a GET reply's or an MGET row's
+  // hint, as ring positions. Any I/O worker (replicated_keys, the worker's ring).
+  std::vector<uint16_t> HintFor(std::string_view key, uint64_t version) const;
 
   void SendObject(const Req& r, const std::string& key, std::shared_ptr<ReadHandle> handle,
                   const void* data, MemoryKind kind, std::shared_ptr<std::string> staging);
@@ -680,22 +678,24 @@ struct Server::Impl {
   Status StageForSend(TieredCache& from, const ReadHandle& h, const void** data, MemoryKind* kind,
                       std::shared_ptr<std::string>* staging);
 
+  // DELETE and STAT (on the request's own I/O worker, or on worker 0).
   void HandleKeyOp(const Req& r, std::string_view body);
+  // The request's I/O worker, after the delete of `key` (status `ds`): reply at once, or first
+  // let worker 0 confirm the key (catching up) and withdraw its copies (AfterWrite).
+  void FinishDelete(const Req& r, const Status& ds, const std::string& key);
 
   void ReplyPayload(const Req& r, std::shared_ptr<std::string> payload);
 
-  // MGET and MPUT run on the request's own I/O worker (ServeHere) or on worker 0, which hands
-  // worker-0-only steps (hints, catch-up, ring changes, copies to withdraw) back to itself.
+  // MGET and MPUT run on the request's own I/O worker (ServeHere) or on worker 0, which the
+  // steps that need its state go to (catch-up, a ring copy that is behind, copies to withdraw).
   void HandleMultiGet(const Req& r, std::unique_ptr<Incoming> msg);
   // I/O thread (the request's worker, or worker 0): counts every row toward hotness and load,
-  // marks misrouted and held-back rows, finds the copies replica rows name and notes the hints
-  // of primary rows, then hands the rows to an executor. On a worker other than 0 it hands
-  // itself to worker 0 while the node catches up or its ring copy is behind, and the hint
-  // lookup of rows whose key may have copies (replicated_keys) to worker 0.
+  // marks misrouted and held-back rows and finds the copies replica rows name, then hands the
+  // rows to an executor. On a worker other than 0 it hands itself to worker 0 while the node
+  // catches up or the worker's ring copy is behind.
   void MultiGetRows(const Req& r, std::shared_ptr<std::vector<BatchRow>> rows);
-  // Worker 0: the hints of the rows MultiGetRows marked (BatchRow::wants_hint).
-  void NoteBatchHints(std::vector<BatchRow>& rows);
-  // Executor: reads the rows (own cache or replica cache), gathers the reply.
+  // Executor: reads the rows (own cache or replica cache), gathers the reply (the hints of rows
+  // whose key may have copies are looked up on the request's worker as it goes out).
   void ServeMultiGet(const Req& r, std::shared_ptr<std::vector<BatchRow>> rows);
 
   void HandleMultiPut(const Req& r, std::unique_ptr<Incoming> msg);
@@ -737,38 +737,69 @@ struct Server::Impl {
   Clock::time_point last_copy_floor{};
   // Worker 0: the part of CountRead after the sketch (est: the key's estimate).
   void ConsiderCopying(const std::string& key, uint32_t est);
-  // Keys in `registry` (any state), readable by every I/O worker: a worker other than 0 hands a
-  // GET of such a key to worker 0 (its reply carries hints). Worker 0 adds a key before it
-  // starts copying it and removes it when the registry entry goes.
-  // A set of keys sharded by hash. MaybeContains is the GET path's question ("does this key
-  // have copies?"), asked on every I/O worker: a 64-bit filter per shard (a bit per key hash,
-  // set while a key with that bit is in the shard) answers most keys "no" without the shard's
+  // Keys in `registry` (any state), readable by every I/O worker, with the copies each one
+  // serves: every I/O worker answers the GETs and MGET rows of such keys with their hints
+  // itself (HintFor), and a worker other than 0 hands a write of one to worker 0 (AfterWrite).
+  // Worker 0 adds a key before it starts copying it, publishes its copies when they serve,
+  // stops publishing them before it withdraws them (so no hint is made after a withdrawal
+  // began: see kWithdrawWait), and removes the key when the registry entry goes.
+  // Sharded by key hash. MaybeContains is the read path's question ("may this key have
+  // copies?"), asked for every key read: a 64-bit filter per shard (a bit per key hash, set
+  // while a key with that bit is in the shard) answers most keys "no" without the shard's
   // mutex. A key's bit is set, under the shard's mutex, before Add returns, and stays set while
   // the key is in the set (Remove recomputes the filter from the keys left).
-  class KeySet {
+  class ReplicatedKeys {
    public:
-    bool MaybeContains(const std::string& key) const {
+    bool MaybeContains(std::string_view key) const {
       if (size_.load(std::memory_order_acquire) == 0) return false;
       const uint64_t h = HashKey(key);
       Shard& s = shards_[h % kShards];
       if ((s.filter.load(std::memory_order_acquire) & BitOf(h)) == 0) return false;
       std::lock_guard<std::mutex> lock(s.mu);
-      return s.keys.count(key) > 0;
+      return s.keys.find(key) != s.keys.end();
     }
+    // The nodes (table indices) that serve a copy of exactly `version` of `key`; false when none.
+    bool ServingCopies(std::string_view key, uint64_t version, std::vector<int>* nodes) const {
+      if (size_.load(std::memory_order_acquire) == 0) return false;
+      const uint64_t h = HashKey(key);
+      Shard& s = shards_[h % kShards];
+      if ((s.filter.load(std::memory_order_acquire) & BitOf(h)) == 0) return false;
+      std::lock_guard<std::mutex> lock(s.mu);
+      auto it = s.keys.find(key);
+      if (it == s.keys.end() || it->second.nodes.empty() || it->second.version != version) {
+        return false;
+      }
+      *nodes = it->second.nodes;
+      return true;
+    }
+    // Worker 0 only (as the registry it mirrors).
     void Add(const std::string& key) {
       const uint64_t h = HashKey(key);
       Shard& s = shards_[h % kShards];
       std::lock_guard<std::mutex> lock(s.mu);
       s.filter.fetch_or(BitOf(h), std::memory_order_acq_rel);
-      if (s.keys.insert(key).second) size_.fetch_add(1, std::memory_order_acq_rel);
+      auto [it, added] = s.keys.try_emplace(key);
+      if (added) size_.fetch_add(1, std::memory_order_acq_rel);
+      it->second = Copies{};
+    }
+    // `nodes` serve `version` of `key` (which was added); empty `nodes`: none does (any more).
+    void SetServing(const std::string& key, uint64_t version, std::vector<int> nodes) {
+      Shard& s = shards_[HashKey(key) % kShards];
+      std::lock_guard<std::mutex> lock(s.mu);
+      auto it = s.keys.find(key);
+      if (it == s.keys.end()) return;
+      it->second.version = version;
+      it->second.nodes = std::move(nodes);
     }
     void Remove(const std::string& key) {
       Shard& s = shards_[HashKey(key) % kShards];
       std::lock_guard<std::mutex> lock(s.mu);
-      if (s.keys.erase(key) == 0) return;
+      auto it = s.keys.find(key);
+      if (it == s.keys.end()) return;
+      s.keys.erase(it);
       size_.fetch_sub(1, std::memory_order_acq_rel);
       uint64_t filter = 0;
-      for (const std::string& k : s.keys) filter |= BitOf(HashKey(k));
+      for (const auto& [k, copies] : s.keys) filter |= BitOf(HashKey(k));
       s.filter.store(filter, std::memory_order_release);
     }
 
@@ -776,15 +807,25 @@ struct Server::Impl {
     static constexpr size_t kShards = 16;
     // (The shard index uses the hash's low bits; the filter bit comes from higher ones.)
     static uint64_t BitOf(uint64_t hash) { return uint64_t{1} << ((hash >> 32) & 63); }
+    struct Copies {
+      uint64_t version = 0;
+      std::vector<int> nodes;  // serving `version`; empty: copying or withdrawing
+    };
+    struct Hash {
+      using is_transparent = void;
+      size_t operator()(std::string_view k) const noexcept {
+        return std::hash<std::string_view>{}(k);
+      }
+    };
     struct alignas(64) Shard {
       std::mutex mu;
-      std::unordered_set<std::string> keys;
+      std::unordered_map<std::string, Copies, Hash, std::equal_to<>> keys;
       std::atomic<uint64_t> filter{0};
     };
     mutable Shard shards_[kShards];
     std::atomic<size_t> size_{0};
   };
-  KeySet replicated_keys;
+  ReplicatedKeys replicated_keys;
 
   std::vector<int> ReplicaTargets(const std::string& key) const;
 
