@@ -94,7 +94,6 @@ struct PendingOp {
   uint64_t version;
 };
 
-// Aligned so that two shards' locks and counters never share a cache line.
 // The index's hash: looks a key up by std::string_view without making a std::string of it (a
 // key longer than the small-string buffer would cost an allocation on every read).
 struct KeyHash {
@@ -104,6 +103,7 @@ struct KeyHash {
   }
 };
 
+// Aligned so that two shards' locks and counters never share a cache line.
 struct alignas(64) Shard {
   std::mutex mu;
   std::unordered_map<std::string, std::shared_ptr<Entry>, KeyHash, std::equal_to<>> map;

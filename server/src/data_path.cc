@@ -392,7 +392,7 @@ void Server::Impl::HandleKeyOp(const Req& r, std::string_view body) {
   }
   if (!s.ok()) return ReplyStatus(r, s);
   SubmitRequestWork(r, [this, r, key = std::move(key), client_version] {
-    if (r.Expired()) return PostReply([this, r] { ReplyStatus(r, DeadlinePassed()); });
+    if (r.Expired()) return PostReplyStatus(r, DeadlinePassed());
     if (r.h.opcode == w::Opcode::kDelete) {
       // Before the delete: a handoff or repair landing meanwhile is refused too.
       RememberDelete(key, client_version);
@@ -431,7 +431,7 @@ void Server::Impl::HandleMultiGet(const Req& r, std::unique_ptr<Incoming> msg) {
                     std::vector<uint64_t> versions;
                     if (s.ok())
                       s = w::DecodeKeyList(buf->view(), &keys, versioned ? &versions : nullptr);
-                    if (!s.ok()) return PostReply([this, r, s] { ReplyStatus(r, s); });
+                    if (!s.ok()) return PostReplyStatus(r, s);
                     auto rows = std::make_shared<std::vector<BatchRow>>(keys.size());
                     for (size_t i = 0; i < keys.size(); ++i) {
                       (*rows)[i].key = std::move(keys[i]);
@@ -484,7 +484,7 @@ std::shared_ptr<std::string> Server::Impl::ReserveBatchReply(uint64_t values) {
 }
 
 void Server::Impl::ServeMultiGet(const Req& r, std::shared_ptr<std::vector<BatchRow>> rows) {
-  if (r.Expired()) return PostReply([this, r] { ReplyStatus(r, DeadlinePassed()); });
+  if (r.Expired()) return PostReplyStatus(r, DeadlinePassed());
   auto results = std::make_shared<std::vector<w::BatchGetResult>>(rows->size());
   std::vector<ReadHandle> handles;
   std::vector<TieredCache*> owners;  // the cache each handle's bytes come from
@@ -517,7 +517,7 @@ void Server::Impl::ServeMultiGet(const Req& r, std::shared_ptr<std::vector<Batch
       res.meta.version = row.replica_version;  // the primary's version
       counters.replica_reads.fetch_add(1, std::memory_order_relaxed);
     } else if (replication_on() && replicated_keys.MaybeContains(row.key)) {
-      hint_rows.push_back(i);  // its hint is looked up when the reply goes out
+      hint_rows.push_back(i);  // its hint is noted below
     }
     total += got->size();
     handles.push_back(std::move(*got));
@@ -529,11 +529,9 @@ void Server::Impl::ServeMultiGet(const Req& r, std::shared_ptr<std::vector<Batch
   std::shared_ptr<std::string> accounting = ReserveBatchReply(total);
   if (!accounting) {
     handles.clear();
-    return PostReply([this, r, total] {
-      ReplyStatus(r,
-                  Status::Busy("node has " + FormatSize(batch_reply_bytes->load()) +
-                               " of batch replies in flight; this one needs " + FormatSize(total)));
-    });
+    return PostReplyStatus(
+        r, Status::Busy("node has " + FormatSize(batch_reply_bytes->load()) +
+                        " of batch replies in flight; this one needs " + FormatSize(total)));
   }
   struct Parts {
     std::shared_ptr<std::string> accounting;
@@ -560,17 +558,29 @@ void Server::Impl::ServeMultiGet(const Req& r, std::shared_ptr<std::vector<Batch
     parts->staged.push_back(std::move(copy));
     hd = ReadHandle();  // copied: its pin goes now
   }
-  if (!cs.ok()) return PostReply([this, r, cs] { ReplyStatus(r, cs); });
-  // The block is encoded here unless a row may carry a hint: hints are looked up on the
-  // request's I/O worker as the reply goes out (HintFor: copies withdrawn meanwhile are never
-  // named), and the block then encoded there.
-  if (hint_rows.empty()) parts->block = w::EncodeBatchGetBlock(*results);
-  auto send = [this, r, rows, results, parts, hint_rows = std::move(hint_rows)] {
+  if (!cs.ok()) return PostReplyStatus(r, cs);
+  // Hints are noted here from the copies published now (and the node's current ring) and
+  // checked again on the request's I/O worker as the reply goes out, so copies withdrawn
+  // meanwhile are never named; the block is encoded again there only if one changed (rare).
+  if (!hint_rows.empty()) {
+    const RingPtr ring_now = CurrentRing();
     for (size_t i : hint_rows) {
       w::BatchGetResult& res = (*results)[i];
-      res.hint = HintFor((*rows)[i].key, res.meta.version);
+      res.hint = HintFor((*rows)[i].key, res.meta.version, *ring_now);
     }
-    if (!hint_rows.empty()) parts->block = w::EncodeBatchGetBlock(*results);
+  }
+  parts->block = w::EncodeBatchGetBlock(*results);
+  auto send = [this, r, rows, results, parts, hint_rows = std::move(hint_rows)] {
+    bool changed = false;
+    for (size_t i : hint_rows) {
+      w::BatchGetResult& res = (*results)[i];
+      std::vector<uint16_t> now = HintFor((*rows)[i].key, res.meta.version);
+      if (now != res.hint) {
+        res.hint = std::move(now);
+        changed = true;
+      }
+    }
+    if (changed) parts->block = w::EncodeBatchGetBlock(*results);
     std::vector<UcxTransport::Segment> segments;
     segments.reserve(parts->values.size() + 1);
     segments.push_back({parts->block.data(), parts->block.size()});
@@ -589,7 +599,7 @@ void Server::Impl::HandleMultiPut(const Req& r, std::unique_ptr<Incoming> msg) {
         size_t block = 0;
         const bool versioned = (r.h.flags & w::kFlagClientVersion) != 0;
         if (s.ok()) s = w::DecodeBatchPutBlock(buf->view(), &items, &block, versioned);
-        if (!s.ok()) return PostReply([this, r, s] { ReplyStatus(r, s); });
+        if (!s.ok()) return PostReplyStatus(r, s);
         std::vector<w::BatchPutResult> results(items.size());
         RingPtr now = CurrentRing();
         // Every item is reserved and filled, then all are committed together: a durable

@@ -224,8 +224,9 @@ void Server::Impl::CatchUpTick(Clock::time_point now) {
     mark_retry.store(false);
     executors->Submit([this] { SyncHandoffMark(); });
   }
-  if (!catching_up.load(std::memory_order_relaxed) || joined_at == Clock::time_point{}) return;
-  const auto since = now - joined_at;
+  const Clock::time_point joined = joined_at.load(std::memory_order_relaxed);
+  if (!catching_up.load(std::memory_order_relaxed) || joined == Clock::time_point{}) return;
+  const auto since = now - joined;
   if (since < kCatchUpMin) return;
   // Other nodes' scans: one running keeps this node catching up; one not seen yet (a member
   // whose watch lags) is waited for up to kCatchUpQuiet. Nodes that only catch up don't count.

@@ -19,16 +19,16 @@ bool Server::Impl::CoveredByFloor(const std::string& key, uint64_t attempt) cons
   return fl != replica_floor.end() && fl->second.attempt >= attempt;
 }
 
-std::vector<uint16_t> Server::Impl::HintFor(std::string_view key, uint64_t version) const {
+std::vector<uint16_t> Server::Impl::HintFor(std::string_view key, uint64_t version,
+                                            const RingView& ring) const {
   std::vector<uint16_t> hint;
   if (!replication_on()) return hint;
   thread_local std::vector<int> nodes;
   if (!replicated_keys.ServingCopies(key, version, &nodes)) return hint;
   // On the wire a node is its position in the ring (the cluster file's order for a static
   // cluster; under etcd, members sorted by id), which clients map to their own node tables.
-  const RingPtr& here = RingHere();
   for (int n : nodes) {
-    const int p = here->position(n);
+    const int p = ring.position(n);
     if (p >= 0) hint.push_back(static_cast<uint16_t>(p));
   }
   return hint;

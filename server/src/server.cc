@@ -802,7 +802,7 @@ Result<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
     }
     impl->SyncHandoffMark();  // on while catching up (or a scan started before registering)
     // From now on the cluster routes to this run, and clients see its mark.
-    impl->transport->Post([raw] { raw->joined_at = Clock::now(); });
+    impl->transport->Post([raw] { raw->joined_at.store(Clock::now()); });
   }
   if (options.metrics_port) {
     Status ms = impl->StartMetrics();

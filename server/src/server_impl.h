@@ -9,10 +9,10 @@
 //   handoff.cc      moving keys to their new owners when the ring changes, and repair of copies
 // Threading: everything here runs on the transport's worker 0 (the I/O thread, or control
 // thread) unless a comment says "executor" (executors hand results back with PostReply) or
-// "any I/O worker". With --io-threads N > 1 the other workers serve the GETs from memory and the
-// PUTs of their own connections (ServeHere) and hand every other message to worker 0
-// (docs/ARCHITECTURE.md, "Threads"); the per-connection state they touch is in IoWorker, one
-// per worker.
+// "any I/O worker". With --io-threads N > 1 the other workers serve the GETs from memory, the
+// PUTs, batches, deletes and stats of their own connections (ServeHere), handing to worker 0 what
+// needs its state, and hand every other message to worker 0 (docs/ARCHITECTURE.md, "Threads");
+// the per-connection state they touch is in IoWorker, one per worker.
 #pragma once
 
 #include <httplib.h>
@@ -119,7 +119,8 @@ struct PayloadBuffer {
   std::string_view view() const { return {bytes.get(), size}; }
 };
 
-// One MultiGet row on its way through the I/O thread (counting, copies, hints) and an executor.
+// One MultiGet row on its way through the I/O thread (routing, counting, replica copies) and an
+// executor.
 struct BatchRow {
   std::string key;
   uint64_t replica_version = 0;  // a replica row: the version its hint named
@@ -328,8 +329,9 @@ struct Server::Impl {
   std::atomic<bool> catching_up{false};
   // Set (posted by Start) once this run is registered and its mark is on; before that a held
   // back read answers unavailable (a previous run's record may still route clients here,
-  // and they have no mark telling them to look further).
-  Clock::time_point joined_at{};
+  // and they have no mark telling them to look further). Atomic: an executor reads it for a
+  // held-back MGET row (HeldBackStatus).
+  std::atomic<Clock::time_point> joined_at{Clock::time_point{}};
   // Other nodes seen with a scan running while this node's record is in etcd.
   std::set<std::string> seen_marks;
   static constexpr auto kCatchUpMin = std::chrono::seconds(3);
@@ -349,7 +351,7 @@ struct Server::Impl {
   // The answer to a held-back read: not_found (the client looks further), or unavailable
   // before this run registered (its clients may not know to look further).
   Status HeldBackStatus() const {
-    return joined_at == Clock::time_point{}
+    return joined_at.load(std::memory_order_relaxed) == Clock::time_point{}
                ? Status::Unavailable("node is starting: catching up with the cluster")
                : Status::NotFound("key not confirmed since this node restarted");
   }
@@ -561,6 +563,10 @@ struct Server::Impl {
 
   // From an executor thread: hand the reply to the I/O thread.
   void PostReply(std::function<void()> fn) { transport->Post(std::move(fn)); }
+  // From an executor thread: answer `r` with `s` from the request's own I/O worker.
+  void PostReplyStatus(const Req& r, Status s) {
+    transport->PostTo(r.worker, [this, r, s = std::move(s)] { ReplyStatus(r, s); });
+  }
 
   // Reads a batch payload fully into a buffer, then continues on an executor (or, with
   // on_executor false, on the I/O thread).
@@ -570,14 +576,14 @@ struct Server::Impl {
 
   // --- dispatch (I/O thread) ---
   void OnMessage(std::unique_ptr<Incoming> msg);
-  // An I/O worker other than 0: serves a plain GET of its own connection from memory, or
-  // answers false (nothing done, `msg` untouched) when it needs worker 0: a message of any
-  // other kind, a connection not yet known to have authenticated, a key with copies (hints)
-  // or one that is not in memory, catch-up, shutdown.
-  // Puts, batches and key operations too: a PUT, an MPUT, an MGET of primary rows, a DELETE or
-  // a STAT admitted here (AdmitHere) runs its handler on this worker; its slow steps go through the
-  // executors (and worker 0 where they need its state) as on worker 0, and the reply comes back
-  // here (Reply sends from the request's own worker).
+  // An I/O worker other than 0: serves a plain GET of its own connection from memory (with the
+  // hint of a key with copies), or answers false (nothing done, `msg` untouched) when it needs
+  // worker 0: a message of any other kind, a connection not yet known to have authenticated, a
+  // key that is not in memory or not this node's, catch-up, a ring copy that is behind,
+  // shutdown. Puts, batches and key operations too: a PUT, an MPUT, an MGET of primary rows, a
+  // DELETE or a STAT admitted here (AdmitHere) runs its handler on this worker; its slow steps
+  // go through the executors (and worker 0 where they need its state) as on worker 0, and the
+  // reply comes back here (Reply sends from the request's own worker).
   bool ServeHere(std::unique_ptr<Incoming>& msg);
   // Worker 0, after a connection of another worker authenticated (or said PEER_HELLO): that
   // worker may serve its GETs from now on.
@@ -658,8 +664,12 @@ struct Server::Impl {
   void CommitAndReply(const std::shared_ptr<PutOp>& op);
 
   // Nodes serving a copy of exactly `version` of `key`, for a GET reply's or an MGET row's
-  // hint, as ring positions. Any I/O worker (replicated_keys, the worker's ring).
-  std::vector<uint16_t> HintFor(std::string_view key, uint64_t version) const;
+  // hint, as positions in `ring`. Any thread (replicated_keys has its own locks).
+  std::vector<uint16_t> HintFor(std::string_view key, uint64_t version, const RingView& ring) const;
+  // The same with the calling I/O worker's ring (I/O threads only).
+  std::vector<uint16_t> HintFor(std::string_view key, uint64_t version) const {
+    return HintFor(key, version, *RingHere());
+  }
 
   void SendObject(const Req& r, const std::string& key, std::shared_ptr<ReadHandle> handle,
                   const void* data, MemoryKind kind, std::shared_ptr<std::string> staging);
