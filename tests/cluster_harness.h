@@ -38,7 +38,8 @@ struct NodeSpec {
   bool disk = true;
   int threads = 2;  // --threads (executors)
   // --io-threads: 2, so every cluster test runs a node's connections on two UCX workers
-  // (worker 0 and another, which serves plain GETs itself and hands the rest to worker 0).
+  // (worker 0 and another, which serves its connections' data requests itself and hands the
+  // rest to worker 0).
   int io_threads = 2;
   // --placement-partitions: 2, so every cluster test runs a node's cache as two placement
   // partitions (two slices of each memory tier, two locks), one per I/O thread.

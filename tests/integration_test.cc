@@ -128,9 +128,9 @@ TEST(IntegrationTest, NodesRegisterTheirArenasWithUcxAndServeThroughThem) {
 }
 
 // --io-threads: a node spreads its connections over its UCX workers; the workers other than 0
-// serve GETs from memory themselves (counted per I/O thread in STATS), and everything else they
-// hand to worker 0, which answers on their connections. Every value read back intact, on a
-// cluster with a secret (a connection's worker learns that it authenticated).
+// serve their connections' GETs and PUTs themselves (counted per I/O thread in STATS). Every
+// value read back intact, on a cluster with a secret (a connection's worker learns that it
+// authenticated).
 TEST(IntegrationTest, ANodeSpreadsConnectionsOverItsIoThreadsAndEachServesGets) {
   NodeSpec spec;
   spec.io_threads = 3;
@@ -154,7 +154,7 @@ TEST(IntegrationTest, ANodeSpreadsConnectionsOverItsIoThreadsAndEachServesGets) 
       }
     }
     EXPECT_EQ(clients[c]->Get("io/absent").status().code(), StatusCode::kNotFound);
-    // A durable put takes the executors and worker 0 (and its payload is received on the
+    // A durable put takes the executors (its payload is received, and its reply sent, on the
     // connection's own worker).
     const std::string durable_key = "io/" + std::to_string(c) + "/durable";
     const std::string value = RandomValue(rng, 256 << 10);
@@ -240,6 +240,55 @@ TEST(IntegrationTest, BatchesDeletesAndStatsAreServedOnTheirConnectionsOwnIoThre
   EXPECT_GE(after[1] - before[1], uint64_t{10 * kRounds - 2});
   EXPECT_GE(after[2] - before[2], uint64_t{10 * kRounds - 2});
   EXPECT_LT(after[0] - before[0], uint64_t{15 * kRounds});
+}
+
+// --io-threads: a GET that needs an executor (an object spilled to the disk tier, or promoted
+// back by its read) is answered by the connection's own I/O worker too. 24 MiB of 1 MiB values
+// (half of them durable puts, committed on an executor) in an 8 MiB host tier: many reads come
+// from disk, every byte intact.
+TEST(IntegrationTest, DiskReadsAreAnsweredByTheirConnectionsOwnIoThread) {
+  NodeSpec spec;
+  spec.io_threads = 3;
+  spec.host_mem = "8MiB";
+  Cluster cluster(1, spec);
+  Random rng(testing::TestSeed());
+  std::vector<std::unique_ptr<Client>> clients;
+  for (int c = 0; c < 6; ++c) {
+    clients.push_back(cluster.NewClient(std::chrono::seconds(30)));
+    ASSERT_TRUE(clients.back());
+  }
+  std::vector<std::string> values;
+  for (int i = 0; i < 24; ++i) {
+    values.push_back(RandomValue(rng, 1 << 20));
+    PutOptions durable;
+    durable.durable = i % 2 == 0;
+    auto put = clients[i % 6]->Put("spill/" + std::to_string(i), values.back().data(),
+                                   values.back().size(), durable);
+    ASSERT_TRUE(put.ok()) << put.status().ToString();
+  }
+  const std::vector<uint64_t> before = testing::RequestsByIoThread(*clients[0]);
+  ASSERT_EQ(before.size(), 3u);
+  const uint64_t disk_hits_before = testing::StatsCounter(*clients[0], 0, "hits", "\"disk\":");
+  for (int c = 0; c < 6; ++c) {
+    for (int i = 0; i < 24; ++i) {
+      auto got = clients[c]->Get("spill/" + std::to_string(i));
+      ASSERT_TRUE(got.ok()) << got.status().ToString();
+      ASSERT_TRUE(got->view() == values[i]) << i;
+    }
+  }
+  const std::vector<uint64_t> after = testing::RequestsByIoThread(*clients[0]);
+  ASSERT_EQ(after.size(), 3u);
+  // The reads that took the slow path: a third of them or more came from disk (the rest
+  // mostly from values promoted back, which evicts others).
+  const uint64_t disk_reads =
+      testing::StatsCounter(*clients[0], 0, "hits", "\"disk\":") - disk_hits_before;
+  std::cout << disk_reads << " of 144 reads came from disk; by I/O thread: " << after[0] - before[0]
+            << " / " << after[1] - before[1] << " / " << after[2] - before[2] << "\n";
+  EXPECT_GE(disk_reads, 48u) << "too few reads came from the disk tier";
+  // Each worker's two connections read 2 x 24 values, from disk or memory: answered there.
+  EXPECT_GE(after[1] - before[1], 48u - 2);
+  EXPECT_GE(after[2] - before[2], 48u - 2);
+  EXPECT_LT(after[0] - before[0], 72u);
 }
 
 TEST(IntegrationTest, GetIntoASmallerBufferIsRefused) {

@@ -110,7 +110,7 @@ void Server::Impl::SlowPut(std::shared_ptr<PutOp> op) {
   const Req& r = op->req;
   SubmitRequestWork(r, [this, op] {
     if (op->req.Expired()) {
-      return PostReply([this, op] {
+      return transport->PostTo(op->req.worker, [this, op] {
         op->msg.reset();
         ReplyStatus(op->req, DeadlinePassed());
       });
@@ -120,7 +120,7 @@ void Server::Impl::SlowPut(std::shared_ptr<PutOp> op) {
       Status err = reserved.status();
       // Dropping the message releases an unreceived rendezvous payload (the sender's send is
       // cancelled); the reply carries the reason.
-      return PostReply([this, op, err] {
+      return transport->PostTo(op->req.worker, [this, op, err] {
         op->msg.reset();
         ReplyStatus(op->req, err);
       });
@@ -141,7 +141,7 @@ void Server::Impl::SlowPut(std::shared_ptr<PutOp> op) {
         if (!rs.ok()) {
           return executors->Submit([this, op, rs] {
             op->handle = WriteHandle();
-            PostReply([this, op, rs] { ReplyStatus(op->req, rs); });
+            PostReplyStatus(op->req, rs);
           });
         }
         executors->Submit([this, op] { CommitAndReply(op); });
@@ -184,14 +184,14 @@ void Server::Impl::CommitAndReply(const std::shared_ptr<PutOp>& op) {
     else
       s = v.status();
   }
-  PostReply([this, op, s, version] {
+  // Finished on the request's own worker (worker 0 only if FinishWrite needs it).
+  transport->PostTo(op->req.worker, [this, op, s, version] {
     auto reply = [this, op, s, version] {
       Reply(op->req, s, w::EncodePutReply(s, version), nullptr, 0, MemoryKind::kHost, nullptr);
     };
     // Nothing was written when it failed: the copies stay, and the error is not held up.
     if (!s.ok()) return reply();
-    NoteCommitted({op->put.key}, op->ring_epoch);
-    AfterWrite({op->put.key}, reply);
+    FinishWrite({op->put.key}, op->ring_epoch, std::move(reply));
   });
 }
 
@@ -208,11 +208,11 @@ void Server::Impl::SendObject(const Req& r, const std::string& key,
 void Server::Impl::ReadOnExecutor(const Req& r, TieredCache* from, std::string key,
                                   std::optional<Status> error_as, SendRead send) {
   SubmitRequestWork(r, [this, r, from, key = std::move(key), error_as, send] {
-    if (r.Expired()) return PostReply([this, r] { ReplyStatus(r, DeadlinePassed()); });
+    if (r.Expired()) return PostReplyStatus(r, DeadlinePassed());
     auto acquired = from->Acquire(key);
     if (!acquired.ok()) {
       Status err = error_as ? *error_as : acquired.status();
-      return PostReply([this, r, err] {
+      return transport->PostTo(r.worker, [this, r, err] {
         Reply(r, err, w::EncodeObjectReply(err, {}), nullptr, 0, MemoryKind::kHost, nullptr);
       });
     }
@@ -221,8 +221,9 @@ void Server::Impl::ReadOnExecutor(const Req& r, TieredCache* from, std::string k
     const void* data = nullptr;
     MemoryKind kind = MemoryKind::kHost;
     Status cs = StageForSend(*from, *handle, &data, &kind, &staging);
-    if (!cs.ok()) return PostReply([this, r, cs] { ReplyStatus(r, cs); });
-    PostReply([send, handle, data, kind, staging] { send(handle, data, kind, staging); });
+    if (!cs.ok()) return PostReplyStatus(r, cs);
+    transport->PostTo(r.worker,
+                      [send, handle, data, kind, staging] { send(handle, data, kind, staging); });
   });
 }
 
@@ -303,7 +304,6 @@ bool Server::Impl::ServeHere(std::unique_ptr<Incoming>& msg) {
   if (Misrouted(r, key)) return false;  // worker 0 answers wrong_node
   ReadHandle fast;
   const auto fp = cache->TryAcquireFromMemory(key, &fast, device_zero_copy());
-  if (fp == TieredCache::FastPath::kNeedsSlowPath) return false;  // counted nothing
   // From here on as OnMessage and HandleGet would (the message itself is no longer needed).
   counters.ops[static_cast<int>(r.h.opcode)].fetch_add(1, std::memory_order_relaxed);
   in_flight.fetch_add(1, std::memory_order_acq_rel);
@@ -314,6 +314,17 @@ bool Server::Impl::ServeHere(std::unique_ptr<Incoming>& msg) {
   }
   CountRow();
   if (replication_on()) CountRead(key);
+  if (fp == TieredCache::FastPath::kNeedsSlowPath) {
+    // On disk, to be promoted, or in GPU memory UCX cannot send from: an executor reads it and
+    // the reply goes out here (ReadOnExecutor, SendObject).
+    ReadOnExecutor(
+        r, cache.get(), key, std::nullopt,
+        [this, r, k = std::string(key)](std::shared_ptr<ReadHandle> handle, const void* data,
+                                        MemoryKind kind, std::shared_ptr<std::string> staging) {
+          SendObject(r, k, handle, data, kind, staging);
+        });
+    return true;
+  }
   static const std::vector<uint16_t> kNoHint;
   if (fp == TieredCache::FastPath::kServed && replication_on()) {
     // A key with copies: the reply names them (replicated_keys, readable here).
@@ -414,7 +425,7 @@ void Server::Impl::FinishDelete(const Req& r, const Status& ds, const std::strin
     AfterWrite({key}, [this, r, ds] { ReplyStatus(r, ds); });
   };
   if (OnControlThread()) return on_control();
-  // Another worker (as FinishMultiPut): worker 0 only when the key has copies to withdraw or
+  // Another worker (as FinishWrite): worker 0 only when the key has copies to withdraw or
   // the node catches up (Confirm).
   if (catching_up.load(std::memory_order_relaxed) || WriteWaitsForCopies(key)) {
     return transport->Post(std::move(on_control));
@@ -642,25 +653,27 @@ void Server::Impl::HandleMultiPut(const Req& r, std::unique_ptr<Incoming> msg) {
         }
         transport->PostTo(
             r.worker, [this, r, payload, keys = std::move(keys), epoch = now->epoch()]() mutable {
-              FinishMultiPut(r, std::move(payload), std::move(keys), epoch);
+              FinishWrite(std::move(keys), epoch, [this, r, payload] { ReplyPayload(r, payload); });
             });
       });
 }
 
-void Server::Impl::FinishMultiPut(const Req& r, std::shared_ptr<std::string> payload,
-                                  std::vector<std::string> keys, uint64_t epoch) {
-  auto on_control = [this, r, payload, keys, epoch] {
+void Server::Impl::FinishWrite(std::vector<std::string> keys, uint64_t epoch,
+                               std::function<void()> reply) {
+  if (OnControlThread()) {
     NoteCommitted(keys, epoch);
-    AfterWrite(keys, [this, r, payload] { ReplyPayload(r, payload); });
-  };
-  if (OnControlThread()) return on_control();
+    return AfterWrite(keys, std::move(reply));
+  }
   // Another worker: as its fast puts (FinishFastPut), worker 0 only when it has something to do.
   bool control_needed = catching_up.load(std::memory_order_relaxed) || RingMovedSince(epoch);
   for (size_t i = 0; i < keys.size() && !control_needed; ++i) {
     control_needed = WriteWaitsForCopies(keys[i]);
   }
-  if (control_needed) return transport->Post(std::move(on_control));
-  ReplyPayload(r, payload);
+  if (!control_needed) return reply();
+  transport->Post([this, keys = std::move(keys), epoch, reply = std::move(reply)]() mutable {
+    NoteCommitted(keys, epoch);
+    AfterWrite(keys, std::move(reply));
+  });
 }
 
 void Server::Impl::HandleStats(const Req& r) {

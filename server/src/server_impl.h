@@ -9,9 +9,9 @@
 //   handoff.cc      moving keys to their new owners when the ring changes, and repair of copies
 // Threading: everything here runs on the transport's worker 0 (the I/O thread, or control
 // thread) unless a comment says "executor" (executors hand results back with PostReply) or
-// "any I/O worker". With --io-threads N > 1 the other workers serve the GETs from memory, the
-// PUTs, batches, deletes and stats of their own connections (ServeHere), handing to worker 0 what
-// needs its state, and hand every other message to worker 0 (docs/ARCHITECTURE.md, "Threads");
+// "any I/O worker". With --io-threads N > 1 the other workers serve the GETs, PUTs, batches,
+// deletes and stats of their own connections (ServeHere), handing to worker 0 what needs its
+// state, and hand every other message to worker 0 (docs/ARCHITECTURE.md, "Threads");
 // the per-connection state they touch is in IoWorker, one per worker.
 #pragma once
 
@@ -576,13 +576,13 @@ struct Server::Impl {
 
   // --- dispatch (I/O thread) ---
   void OnMessage(std::unique_ptr<Incoming> msg);
-  // An I/O worker other than 0: serves a plain GET of its own connection from memory (with the
-  // hint of a key with copies), or answers false (nothing done, `msg` untouched) when it needs
-  // worker 0: a message of any other kind, a connection not yet known to have authenticated, a
-  // key that is not in memory or not this node's, catch-up, a ring copy that is behind,
-  // shutdown. Puts, batches and key operations too: a PUT, an MPUT, an MGET of primary rows, a
-  // DELETE or a STAT admitted here (AdmitHere) runs its handler on this worker; its slow steps
-  // go through the executors (and worker 0 where they need its state) as on worker 0, and the
+  // An I/O worker other than 0: serves a plain GET of its own connection (from memory, or
+  // through an executor; with the hint of a key with copies), or answers false (nothing done,
+  // `msg` untouched) when it needs worker 0: a message of any other kind, a connection not yet
+  // known to have authenticated, a key that is not this node's, catch-up, a ring copy that is
+  // behind, shutdown. Puts, batches and key operations too: a PUT, an MPUT, an MGET of primary
+  // rows, a DELETE or a STAT admitted here (AdmitHere) runs its handler on this worker; its slow
+  // steps go through the executors (and worker 0 where they need its state) as on worker 0, and the
   // reply comes back here (Reply sends from the request's own worker).
   bool ServeHere(std::unique_ptr<Incoming>& msg);
   // Worker 0, after a connection of another worker authenticated (or said PEER_HELLO): that
@@ -677,7 +677,7 @@ struct Server::Impl {
   void HandleGet(const Req& r, std::string_view body);
 
   // The slow path of a read: on an executor, Acquire `key` from `from` (errors answered as
-  // `error_as` when given), stage it if needed, then `send` on the I/O thread.
+  // `error_as` when given), stage it if needed, then `send` on the request's I/O worker.
   using SendRead = std::function<void(std::shared_ptr<ReadHandle>, const void* data,
                                       MemoryKind kind, std::shared_ptr<std::string> staging)>;
   void ReadOnExecutor(const Req& r, TieredCache* from, std::string key,
@@ -709,11 +709,10 @@ struct Server::Impl {
   void ServeMultiGet(const Req& r, std::shared_ptr<std::vector<BatchRow>> rows);
 
   void HandleMultiPut(const Req& r, std::unique_ptr<Incoming> msg);
-  // The request's I/O worker, after an MPUT committed `keys` under the ring of `epoch`: reply
-  // at once, or first let worker 0 note the keys (ring moved, catching up) and withdraw their
-  // copies (AfterWrite).
-  void FinishMultiPut(const Req& r, std::shared_ptr<std::string> payload,
-                      std::vector<std::string> keys, uint64_t epoch);
+  // The request's I/O worker, after a write (a PUT's executor commit, an MPUT) committed `keys`
+  // under the ring of `epoch`: `reply` at once, or first let worker 0 note the keys (ring
+  // moved, catching up) and withdraw their copies (AfterWrite), which then runs it.
+  void FinishWrite(std::vector<std::string> keys, uint64_t epoch, std::function<void()> reply);
 
   void HandleStats(const Req& r);
 
