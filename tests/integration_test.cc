@@ -127,6 +127,15 @@ TEST(IntegrationTest, NodesRegisterTheirArenasWithUcxAndServeThroughThem) {
       << *client->NodeStats(0);
 }
 
+// Opens `n` clients of `cluster`, one after another: a node deals their connections to its I/O
+// workers in turn (two each for six clients and three workers).
+void OpenClients(Cluster& cluster, int n, std::vector<std::unique_ptr<Client>>* clients) {
+  for (int c = 0; c < n; ++c) {
+    clients->push_back(cluster.NewClient(std::chrono::seconds(30)));
+    ASSERT_TRUE(clients->back());
+  }
+}
+
 // --io-threads: a node spreads its connections over its UCX workers; the workers other than 0
 // serve their connections' GETs and PUTs themselves (counted per I/O thread in STATS). Every
 // value read back intact, on a cluster with a secret (a connection's worker learns that it
@@ -138,10 +147,7 @@ TEST(IntegrationTest, ANodeSpreadsConnectionsOverItsIoThreadsAndEachServesGets) 
   Cluster cluster(1, spec);
   Random rng(testing::TestSeed());
   std::vector<std::unique_ptr<Client>> clients;
-  for (int c = 0; c < 6; ++c) {
-    clients.push_back(cluster.NewClient(std::chrono::seconds(30)));
-    ASSERT_TRUE(clients.back());
-  }
+  ASSERT_NO_FATAL_FAILURE(OpenClients(cluster, 6, &clients));
   for (int c = 0; c < 6; ++c) {
     for (size_t size : {size_t{64}, size_t{1} << 20}) {
       const std::string key = "io/" + std::to_string(c) + "/" + std::to_string(size);
@@ -191,10 +197,7 @@ TEST(IntegrationTest, BatchesDeletesAndStatsAreServedOnTheirConnectionsOwnIoThre
   Cluster cluster(1, spec);
   Random rng(testing::TestSeed());
   std::vector<std::unique_ptr<Client>> clients;
-  for (int c = 0; c < 6; ++c) {
-    clients.push_back(cluster.NewClient(std::chrono::seconds(30)));
-    ASSERT_TRUE(clients.back());
-  }
+  ASSERT_NO_FATAL_FAILURE(OpenClients(cluster, 6, &clients));
   const std::vector<uint64_t> before = testing::RequestsByIoThread(*clients[0]);
   ASSERT_EQ(before.size(), 3u);
   constexpr int kRounds = 10;
@@ -253,10 +256,7 @@ TEST(IntegrationTest, DiskReadsAreAnsweredByTheirConnectionsOwnIoThread) {
   Cluster cluster(1, spec);
   Random rng(testing::TestSeed());
   std::vector<std::unique_ptr<Client>> clients;
-  for (int c = 0; c < 6; ++c) {
-    clients.push_back(cluster.NewClient(std::chrono::seconds(30)));
-    ASSERT_TRUE(clients.back());
-  }
+  ASSERT_NO_FATAL_FAILURE(OpenClients(cluster, 6, &clients));
   std::vector<std::string> values;
   for (int i = 0; i < 24; ++i) {
     values.push_back(RandomValue(rng, 1 << 20));
