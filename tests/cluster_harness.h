@@ -134,6 +134,7 @@ class Cluster {
   ~Cluster() {
     for (size_t i = 0; i < pids_.size(); ++i) {
       if (pids_[i] <= 0) continue;
+      kill(pids_[i], SIGCONT);  // a node a failed test left stopped (SIGSTOP) takes the SIGTERM
       const int status = StopNode(static_cast<int>(i), SIGTERM);
       if (status != 0) {
         const std::string log = ReadLog(static_cast<int>(i));
