@@ -302,8 +302,6 @@ bool Server::Impl::ServeHere(std::unique_ptr<Incoming>& msg) {
   static thread_local std::string key;  // keeps its capacity: no allocation per request
   if (!w::DecodeKeyRequest(body, &key).ok()) return false;
   if (Misrouted(r, key)) return false;  // worker 0 answers wrong_node
-  ReadHandle fast;
-  const auto fp = cache->TryAcquireFromMemory(key, &fast, device_zero_copy());
   // From here on as OnMessage and HandleGet would (the message itself is no longer needed).
   counters.ops[static_cast<int>(r.h.opcode)].fetch_add(1, std::memory_order_relaxed);
   in_flight.fetch_add(1, std::memory_order_acq_rel);
@@ -312,29 +310,7 @@ bool Server::Impl::ServeHere(std::unique_ptr<Incoming>& msg) {
     ReplyStatus(r, admitted);
     return true;
   }
-  CountRow();
-  if (replication_on()) CountRead(key);
-  if (fp == TieredCache::FastPath::kNeedsSlowPath) {
-    // On disk, to be promoted, or in GPU memory UCX cannot send from: an executor reads it and
-    // the reply goes out here (ReadOnExecutor, SendObject).
-    ReadOnExecutor(
-        r, cache.get(), key, std::nullopt,
-        [this, r, k = std::string(key)](std::shared_ptr<ReadHandle> handle, const void* data,
-                                        MemoryKind kind, std::shared_ptr<std::string> staging) {
-          SendObject(r, k, handle, data, kind, staging);
-        });
-    return true;
-  }
-  static const std::vector<uint16_t> kNoHint;
-  if (fp == TieredCache::FastPath::kServed && replication_on()) {
-    // A key with copies: the reply names them (replicated_keys, readable here).
-    const std::vector<uint16_t> hint = HintFor(key, fast.info().version);
-    if (!hint.empty()) {
-      ReplyFromMemory(r, fp, std::move(fast), hint);
-      return true;
-    }
-  }
-  ReplyFromMemory(r, fp, std::move(fast), kNoHint);
+  ServeGet(r, key);
   return true;
 }
 
@@ -360,6 +336,10 @@ void Server::Impl::HandleGet(const Req& r, std::string_view body) {
   Status s = w::DecodeKeyRequest(body, &key);
   if (s.ok() && Misrouted(r, key)) s = WrongNode();
   if (!s.ok()) return ReplyStatus(r, s);
+  ServeGet(r, key);
+}
+
+void Server::Impl::ServeGet(const Req& r, const std::string& key) {
   CountRow();
   const bool unconfirmed = Unconfirmed(key);
   if (unconfirmed && (r.h.flags & w::kFlagLastResort) == 0) {  // HeldBack
@@ -368,13 +348,12 @@ void Server::Impl::HandleGet(const Req& r, std::string_view body) {
   }
   if (replication_on() && !unconfirmed) CountRead(key);  // no copies of those
   // Hot path: an object in host memory (or in GPU memory that UCX can send) is answered right
-  // here on the I/O thread; anything that may block goes to an executor.
+  // here on the I/O thread, with the hint of a key with copies; anything that may block (disk,
+  // promotion, GPU memory UCX cannot send from) goes to an executor.
   {
     ReadHandle fast;
-    auto fp = cache->TryAcquireFromMemory(key, &fast, device_zero_copy());
-    if (fp == TieredCache::FastPath::kMiss ||
-        (fp == TieredCache::FastPath::kServed &&
-         (fast.memory_kind() == MemoryKind::kHost || device_zero_copy()))) {
+    const auto fp = cache->TryAcquireFromMemory(key, &fast, device_zero_copy());
+    if (fp != TieredCache::FastPath::kNeedsSlowPath) {
       const std::vector<uint16_t> hint = fp == TieredCache::FastPath::kMiss
                                              ? std::vector<uint16_t>{}
                                              : HintFor(key, fast.info().version);

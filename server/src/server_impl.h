@@ -675,6 +675,9 @@ struct Server::Impl {
                   const void* data, MemoryKind kind, std::shared_ptr<std::string> staging);
 
   void HandleGet(const Req& r, std::string_view body);
+  // A GET of `key` (decoded, routed, admitted) on the request's own I/O worker: from memory at
+  // once, or through an executor (ReadOnExecutor, SendObject).
+  void ServeGet(const Req& r, const std::string& key);
 
   // The slow path of a read: on an executor, Acquire `key` from `from` (errors answered as
   // `error_as` when given), stage it if needed, then `send` on the request's I/O worker.
@@ -760,22 +763,18 @@ struct Server::Impl {
   class ReplicatedKeys {
    public:
     bool MaybeContains(std::string_view key) const {
-      if (size_.load(std::memory_order_acquire) == 0) return false;
-      const uint64_t h = HashKey(key);
-      Shard& s = shards_[h % kShards];
-      if ((s.filter.load(std::memory_order_acquire) & BitOf(h)) == 0) return false;
-      std::lock_guard<std::mutex> lock(s.mu);
-      return s.keys.find(key) != s.keys.end();
+      Shard* s = ShardIfMaybe(key);
+      if (s == nullptr) return false;
+      std::lock_guard<std::mutex> lock(s->mu);
+      return s->keys.find(key) != s->keys.end();
     }
     // The nodes (table indices) that serve a copy of exactly `version` of `key`; false when none.
     bool ServingCopies(std::string_view key, uint64_t version, std::vector<int>* nodes) const {
-      if (size_.load(std::memory_order_acquire) == 0) return false;
-      const uint64_t h = HashKey(key);
-      Shard& s = shards_[h % kShards];
-      if ((s.filter.load(std::memory_order_acquire) & BitOf(h)) == 0) return false;
-      std::lock_guard<std::mutex> lock(s.mu);
-      auto it = s.keys.find(key);
-      if (it == s.keys.end() || it->second.nodes.empty() || it->second.version != version) {
+      Shard* s = ShardIfMaybe(key);
+      if (s == nullptr) return false;
+      std::lock_guard<std::mutex> lock(s->mu);
+      auto it = s->keys.find(key);
+      if (it == s->keys.end() || it->second.nodes.empty() || it->second.version != version) {
         return false;
       }
       *nodes = it->second.nodes;
@@ -831,6 +830,14 @@ struct Server::Impl {
       std::unordered_map<std::string, Copies, Hash, std::equal_to<>> keys;
       std::atomic<uint64_t> filter{0};
     };
+    // The shard that may hold `key`, or null when the set is empty or the shard's filter rules
+    // the key out (no lock taken).
+    Shard* ShardIfMaybe(std::string_view key) const {
+      if (size_.load(std::memory_order_acquire) == 0) return nullptr;
+      const uint64_t h = HashKey(key);
+      Shard& s = shards_[h % kShards];
+      return (s.filter.load(std::memory_order_acquire) & BitOf(h)) == 0 ? nullptr : &s;
+    }
     mutable Shard shards_[kShards];
     std::atomic<size_t> size_{0};
   };
