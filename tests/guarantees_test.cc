@@ -571,6 +571,160 @@ TEST(GuaranteesTest, AHungClientIsDisconnectedAfterTheSendTimeout) {
   EXPECT_EQ(used, 0u);
 }
 
+// Stops node 0 once it has answered one more GET than `gets_before` (its ops.get, read through
+// `observer`, a client on its own connection), a few ms into a read whose payload takes tens of
+// ms: its reply's header has gone, its payload is moving. Returns false if that took 5 s.
+bool StopMidRead(Cluster& cluster, Client& observer, uint64_t gets_before) {
+  const auto until = Clock::now() + std::chrono::seconds(5);
+  while (StatsCounter(observer, 0, "get", "\"ops\":{") <= gets_before) {
+    if (Clock::now() > until) return false;
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  cluster.Signal(0, SIGSTOP);
+  return true;
+}
+
+// Issue 12 item 13: a deadline that passes while a value is still arriving used to close the
+// node's connection (UCX 1.22 cannot cancel an active-message transfer), failing every other
+// call on that node and marking it down. A value received into the client's own buffer (Get)
+// now fails alone: the call returns Timeout and the transfer finishes unseen, on the same
+// connection. Into the caller's buffer (GetInto) the connection must still go, but the node is
+// not marked down for it: the next call succeeds at once.
+// Each try stops the node a few ms into a read of 64 MiB (its reply's header has come; its
+// payload takes tens of ms), lets the read's deadline pass, then lets the node go on. The
+// client talks tcp: over shared memory UCX copies a whole payload within one progress call (a
+// CMA read from the node's memory, which needs no help from a stopped node).
+TEST(GuaranteesTest, ACallThatTimesOutMidTransferFailsAlone) {
+  NodeSpec spec;
+  spec.host_mem = "512MiB";
+  Cluster cluster(1, spec);
+  const char* tls_was = std::getenv("UCX_TLS");
+  const std::string tls_saved = tls_was ? tls_was : "";
+  setenv("UCX_TLS", "tcp", 1);  // read when the client makes its UCX context
+  auto client = cluster.NewClient(std::chrono::seconds(10));
+  if (tls_was) {
+    setenv("UCX_TLS", tls_saved.c_str(), 1);
+  } else {
+    unsetenv("UCX_TLS");
+  }
+  ASSERT_TRUE(client);
+  ASSERT_TRUE(client->Ping(0).ok());
+  auto lanes = client->NodeTransports(0);
+  ASSERT_TRUE(lanes.ok()) << lanes.status().ToString();
+  ASSERT_EQ(lanes->find("memory"), std::string::npos) << *lanes;
+  std::string big(64 << 20, '\0');
+  for (size_t i = 0; i < big.size(); i += 4096) big[i] = static_cast<char>(i / 4096);
+  ASSERT_TRUE(client->Put("big", big.data(), big.size()).ok());
+  ASSERT_TRUE(client->Put("small", "s", 1).ok());
+  auto observer = cluster.NewClient();
+  ASSERT_TRUE(observer);
+  const uint64_t accepted = StatsCounter(*observer, 0, "connections_accepted");
+  GetOptions short_deadline;
+  short_deadline.timeout = std::chrono::milliseconds(300);
+  constexpr int kTries = 3;
+
+  int timed_out = 0;
+  for (int attempt = 0; attempt < kTries; ++attempt) {
+    const uint64_t gets = StatsCounter(*observer, 0, "get", "\"ops\":{");
+    auto read = client->GetAsync("big", short_deadline);
+    ASSERT_TRUE(StopMidRead(cluster, *observer, gets));
+    auto beside = client->GetAsync("small");  // waits for the stopped node
+    ASSERT_EQ(read.wait_for(std::chrono::seconds(5)), std::future_status::ready);
+    auto r = read.get();
+    cluster.Signal(0, SIGCONT);
+    auto small = beside.get();
+    EXPECT_TRUE(small.ok()) << "a read beside the timed-out one: " << small.status().ToString();
+    if (r.ok()) {
+      EXPECT_EQ(r->size(), big.size());  // done before the node stopped
+      continue;
+    }
+    EXPECT_EQ(r.status().code(), StatusCode::kTimeout) << r.status().ToString();
+    timed_out++;
+  }
+  EXPECT_GT(timed_out, 0);
+  EXPECT_EQ(StatsCounter(*observer, 0, "connections_accepted"), accepted)
+      << "a timed-out read closed the client's connection";
+  auto again = client->Get("big");
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  EXPECT_TRUE(again->view() == big);
+
+  // Into the caller's buffer the connection goes, and only it: the next call reconnects.
+  std::vector<char> dst(big.size());
+  int into_timed_out = 0;
+  for (int attempt = 0; attempt < kTries; ++attempt) {
+    const uint64_t gets = StatsCounter(*observer, 0, "get", "\"ops\":{");
+    auto read = std::async(std::launch::async, [&] {
+      return client->GetInto("big", dst.data(), dst.size(), short_deadline);
+    });
+    ASSERT_TRUE(StopMidRead(cluster, *observer, gets));
+    ASSERT_EQ(read.wait_for(std::chrono::seconds(5)), std::future_status::ready);
+    auto r = read.get();
+    cluster.Signal(0, SIGCONT);
+    if (r.ok()) continue;
+    EXPECT_EQ(r.status().code(), StatusCode::kTimeout) << r.status().ToString();
+    into_timed_out++;
+    auto next = client->Get("small");
+    EXPECT_TRUE(next.ok()) << "right after a GetInto timed out: " << next.status().ToString();
+  }
+  EXPECT_GT(into_timed_out, 0);
+  auto into = client->GetInto("big", dst.data(), dst.size());
+  ASSERT_TRUE(into.ok()) << into.status().ToString();
+  EXPECT_TRUE(std::string_view(dst.data(), dst.size()) == big);
+}
+
+// The other half of the above: a transfer left running after its call timed out is given the
+// client's default timeout (at least 1 s) to finish. A node that stays stopped past that gets
+// its connection closed, so a stuck transfer cannot hold its buffer for ever, and the client
+// reconnects when the node is back.
+TEST(GuaranteesTest, ATransferLeftRunningIsCutOffWhenItStalls) {
+  NodeSpec spec;
+  spec.host_mem = "512MiB";
+  Cluster cluster(1, spec);
+  const char* tls_was = std::getenv("UCX_TLS");
+  const std::string tls_saved = tls_was ? tls_was : "";
+  setenv("UCX_TLS", "tcp", 1);  // as above: a payload that can stop midway
+  auto client = cluster.NewClient(std::chrono::seconds(1));
+  if (tls_was) {
+    setenv("UCX_TLS", tls_saved.c_str(), 1);
+  } else {
+    unsetenv("UCX_TLS");
+  }
+  ASSERT_TRUE(client);
+  std::string big(64 << 20, 'z');
+  ASSERT_TRUE(client->Put("big", big.data(), big.size()).ok());
+  auto observer = cluster.NewClient();
+  ASSERT_TRUE(observer);
+  const uint64_t accepted = StatsCounter(*observer, 0, "connections_accepted");
+  GetOptions short_deadline;
+  short_deadline.timeout = std::chrono::milliseconds(200);
+  int cut_off = 0;
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    const uint64_t gets = StatsCounter(*observer, 0, "get", "\"ops\":{");
+    auto read = client->GetAsync("big", short_deadline);
+    ASSERT_TRUE(StopMidRead(cluster, *observer, gets));
+    ASSERT_EQ(read.wait_for(std::chrono::seconds(5)), std::future_status::ready);
+    auto r = read.get();
+    std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // past the 1 s grace
+    cluster.Signal(0, SIGCONT);
+    if (r.ok()) continue;  // done before the node stopped
+    EXPECT_EQ(r.status().code(), StatusCode::kTimeout) << r.status().ToString();
+    cut_off++;
+    auto again = client->Get("big");  // after the node's backoff, on a new connection
+    for (int i = 0; i < 20 && !again.ok(); ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      again = client->Get("big");
+    }
+    ASSERT_TRUE(again.ok()) << again.status().ToString();
+    EXPECT_EQ(again->size(), big.size());
+  }
+  ASSERT_GT(cut_off, 0);
+  // One new connection per read cut off (a read whose header had not come when the node stopped
+  // would have timed out without a transfer to cut off, and reconnect nothing).
+  const uint64_t reconnects = StatsCounter(*observer, 0, "connections_accepted") - accepted;
+  EXPECT_GE(reconnects, 1u);
+  EXPECT_LE(reconnects, static_cast<uint64_t>(cut_off));
+}
+
 // Issue 12, review finding 6: MGET replies are gathered in memory; their bytes now count against
 // --max-inflight (each reply alone is allowed). A hung reader holds a 4 MiB batch reply: a second
 // batch gets Busy until the send timeout closes the hung connection and frees the reply.

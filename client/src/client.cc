@@ -79,6 +79,11 @@ struct Client::Impl {
     // large copy is never cut off mid-transfer (which would close the node's connection).
     Clock::time_point transfer_deadline{};
     int io = 0;  // transport operations still holding our buffers
+    // Of those, the ones on memory the client does not keep alive itself: the caller's buffer
+    // (a put's value, GetInto's destination) or one the pending's callbacks own. The others
+    // (a value or batch reply received into a buffer their completion holds) may finish after
+    // the call has returned: see Abandon.
+    int io_on_callers_memory = 0;
     bool finished = false;
     std::function<void()> ready;  // the outcome, run once io == 0
     std::function<void(const std::shared_ptr<Pending>&, std::unique_ptr<Incoming>)> on_reply;
@@ -310,8 +315,8 @@ struct Client::Impl {
 
   void MarkUp(int node) { health[node] = NodeHealth{}; }
 
-  void FailNode(int node, const Status& s, bool force_close) {
-    if (s.code() != StatusCode::kAborted) MarkDown(node);
+  void FailNode(int node, const Status& s, bool force_close, bool mark_down = true) {
+    if (mark_down && s.code() != StatusCode::kAborted) MarkDown(node);
     ConnId conn = node_conn[node];
     std::vector<PendingPtr> victims;
     for (auto& [id, p] : pending) {
@@ -349,10 +354,69 @@ struct Client::Impl {
       if (p->deadline > now) continue;  // extended (see transfer_deadline): a later entry is due
       Status timeout =
           Status::Timeout("no reply from node " + nodes[p->node].id + " within the deadline");
+      if (p->io > 0 && p->io_on_callers_memory == 0) {
+        Abandon(p, timeout);
+        continue;
+      }
       Fail(p, timeout);
-      // Bytes still moving into or out of the caller's buffer: the connection goes, so the
-      // buffer is released before the caller sees the timeout.
-      if (p->io > 0) FailNode(p->node, timeout, /*force_close=*/true);
+      // Bytes still moving into or out of the caller's buffer: UCX 1.22 cannot cancel an
+      // active-message transfer (openucx/ucx#9584), so the connection goes, which releases the
+      // buffer before the caller sees the timeout. The node is not marked down for it: it was
+      // the caller's deadline, not the node, that ran out.
+      if (p->io > 0) {
+        FailNode(p->node,
+                 Status::Unavailable("connection to node " + nodes[p->node].id +
+                                     " closed to cut off another call's transfer at its deadline"),
+                 /*force_close=*/true, /*mark_down=*/false);
+      }
+    }
+    if (!abandoned.empty()) CheckAbandoned(now);
+  }
+
+  // Transfers whose call has already returned Timeout (Abandon), until they end. One still
+  // moving after AbandonedTransferGrace() is stuck (a node that stopped sending mid-payload):
+  // its connection is closed then, which ends it, frees its buffer and fails what else waits on
+  // that node.
+  std::vector<std::pair<Clock::time_point, PendingPtr>> abandoned;
+  Clock::duration AbandonedTransferGrace() const {
+    return std::max<Clock::duration>(options.default_timeout, std::chrono::seconds(1));
+  }
+
+  // Ends a call at its deadline while its payload is still moving into a buffer the client
+  // owns (kept alive by the transfer's own completion, not by the caller): the caller gets
+  // `timeout` now, the transfer runs on and its bytes are dropped when it completes, and the
+  // connection and the other calls on it are left alone.
+  void Abandon(const PendingPtr& p, const Status& timeout) {
+    if (p->finished || !p->on_error) return;
+    pending.erase(p->id);
+    p->finished = true;
+    auto on_error = std::move(p->on_error);
+    p->on_error = nullptr;
+    p->on_reply = nullptr;
+    p->ready = nullptr;
+    abandoned.emplace_back(Clock::now() + AbandonedTransferGrace(), p);
+    on_error(timeout);
+  }
+
+  void CheckAbandoned(Clock::time_point now) {
+    std::vector<int> stuck;
+    std::erase_if(abandoned, [&](const auto& entry) {
+      if (entry.second->io == 0) return true;
+      if (entry.first > now) return false;
+      stuck.push_back(entry.second->node);
+      return true;
+    });
+    for (int node : stuck) {
+      const auto ms =
+          std::chrono::duration_cast<std::chrono::milliseconds>(AbandonedTransferGrace()).count();
+      GKV_LOG_WARN(
+          "closing the connection to node {}: the transfer of a call that timed out "
+          "is still unfinished {} ms later",
+          nodes[node].id, ms);
+      FailNode(node,
+               Status::Unavailable("node " + nodes[node].id + " stalled mid-transfer for " +
+                                   std::to_string(ms) + " ms"),
+               /*force_close=*/true);
     }
   }
 
@@ -444,6 +508,8 @@ struct Client::Impl {
     pending[p->id] = p;
     deadlines.push({deadline, p->id});
     p->io++;
+    const bool sends_callers_memory = payload != nullptr && size > 0;
+    if (sends_callers_memory) p->io_on_callers_memory++;
     // The node learns what is left of the deadline and drops the work if it starts too late.
     const auto left =
         std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
@@ -452,21 +518,27 @@ struct Client::Impl {
     // The transport copies the header before Send returns: one buffer per thread serves all.
     static thread_local std::string message;
     w::EncodeMessageTo(&message, h, body);
-    transport->Send(*conn, w::kAmRequest, message, payload, size, kind, Pooled([this, p](Status s) {
-      p->io--;
-      // Aborted: the server refused the payload; its reply says why.
-      if (!s.ok() && s.code() != StatusCode::kAborted) Fail(p, s);
-      Settle(p);
-    }));
+    transport->Send(*conn, w::kAmRequest, message, payload, size, kind,
+                    Pooled([this, p, sends_callers_memory](Status s) {
+                      p->io--;
+                      if (sends_callers_memory) p->io_on_callers_memory--;
+                      // Aborted: the server refused the payload; its reply says why.
+                      if (!s.ok() && s.code() != StatusCode::kAborted) Fail(p, s);
+                      Settle(p);
+                    }));
   }
 
-  // Receives a reply's payload into `dst`, then runs `then` (worker thread).
+  // Receives a reply's payload into `dst`, then runs `then` (worker thread). `dst_is_ours`:
+  // `dst` is a buffer the client allocated and `then` keeps alive, so the call may end before
+  // the bytes have landed (Abandon); otherwise it is the caller's memory.
   void ReceivePayload(const PendingPtr& p, std::unique_ptr<Incoming> msg, void* dst,
-                      MemoryKind kind, std::function<void(Status)> then) {
+                      MemoryKind kind, bool dst_is_ours, std::function<void(Status)> then) {
     p->io++;
+    if (!dst_is_ours) p->io_on_callers_memory++;
     transport->Receive(std::move(msg), dst, kind,
-                       Pooled([this, p, then = std::move(then)](Status s) {
+                       Pooled([this, p, dst_is_ours, then = std::move(then)](Status s) {
                          p->io--;
+                         if (!dst_is_ours) p->io_on_callers_memory--;
                          then(s);
                          Settle(p);
                        }));
@@ -792,7 +864,7 @@ struct Client::Impl {
             dst = value->mutable_data();
             kind = MemoryKind::kHost;
           }
-          ReceivePayload(p, std::move(msg), dst, kind,
+          ReceivePayload(p, std::move(msg), dst, kind, /*dst_is_ours=*/dst != user_dst,
                          Pooled([this, p, value, shared_done](Status rs2) {
                            if (!rs2.ok()) return Fail(p, rs2);
                            Complete(p, [value, shared_done] { (*shared_done)(std::move(*value)); });
@@ -1200,7 +1272,7 @@ struct Client::Impl {
       if (!s.ok()) return Fail(p, s);
       auto buf = std::make_shared<std::string>();
       buf->resize(msg->payload_size());
-      ReceivePayload(p, std::move(msg), buf->data(), MemoryKind::kHost,
+      ReceivePayload(p, std::move(msg), buf->data(), MemoryKind::kHost, /*dst_is_ours=*/true,
                      [this, p, buf, done](Status s2) {
                        if (!s2.ok()) return Fail(p, s2);
                        Complete(p, [buf, done] { done(buf); });
