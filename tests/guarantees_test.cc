@@ -572,17 +572,25 @@ TEST(GuaranteesTest, AHungClientIsDisconnectedAfterTheSendTimeout) {
 }
 
 // Stops node 0 once it has answered one more GET than `gets_before` (its ops.get, read through
-// `observer`, a client on its own connection), a few ms into a read whose payload takes tens of
+// `observer`, a client on its own connection), `settle` into a read whose payload takes tens of
 // ms: its reply's header has gone, its payload is moving. Returns false if that took 5 s.
-bool StopMidRead(Cluster& cluster, Client& observer, uint64_t gets_before) {
+bool StopMidRead(Cluster& cluster, Client& observer, uint64_t gets_before,
+                 std::chrono::milliseconds settle = std::chrono::milliseconds(5)) {
   const auto until = Clock::now() + std::chrono::seconds(5);
   while (StatsCounter(observer, 0, "get", "\"ops\":{") <= gets_before) {
     if (Clock::now() > until) return false;
   }
-  std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  std::this_thread::sleep_for(settle);
   cluster.Signal(0, SIGSTOP);
   return true;
 }
+
+// Sends node 0 SIGCONT when it goes out of scope: a failed assertion never leaves the node
+// stopped behind a read that waits for it (a std::async future's destructor would wait).
+struct ResumeNode {
+  Cluster& cluster;
+  ~ResumeNode() { cluster.Signal(0, SIGCONT); }
+};
 
 // Issue 12 item 13: a deadline that passes while a value is still arriving used to close the
 // node's connection (UCX 1.22 cannot cancel an active-message transfer), failing every other
@@ -627,6 +635,7 @@ TEST(GuaranteesTest, ACallThatTimesOutMidTransferFailsAlone) {
   for (int attempt = 0; attempt < kTries; ++attempt) {
     const uint64_t gets = StatsCounter(*observer, 0, "get", "\"ops\":{");
     auto read = client->GetAsync("big", short_deadline);
+    ResumeNode resume{cluster};
     ASSERT_TRUE(StopMidRead(cluster, *observer, gets));
     auto beside = client->GetAsync("small");  // waits for the stopped node
     ASSERT_EQ(read.wait_for(std::chrono::seconds(5)), std::future_status::ready);
@@ -656,6 +665,7 @@ TEST(GuaranteesTest, ACallThatTimesOutMidTransferFailsAlone) {
     auto read = std::async(std::launch::async, [&] {
       return client->GetInto("big", dst.data(), dst.size(), short_deadline);
     });
+    ResumeNode resume{cluster};
     ASSERT_TRUE(StopMidRead(cluster, *observer, gets));
     ASSERT_EQ(read.wait_for(std::chrono::seconds(5)), std::future_status::ready);
     auto r = read.get();
@@ -701,6 +711,7 @@ TEST(GuaranteesTest, ATransferLeftRunningIsCutOffWhenItStalls) {
   for (int attempt = 0; attempt < 2; ++attempt) {
     const uint64_t gets = StatsCounter(*observer, 0, "get", "\"ops\":{");
     auto read = client->GetAsync("big", short_deadline);
+    ResumeNode resume{cluster};
     ASSERT_TRUE(StopMidRead(cluster, *observer, gets));
     ASSERT_EQ(read.wait_for(std::chrono::seconds(5)), std::future_status::ready);
     auto r = read.get();
@@ -723,6 +734,47 @@ TEST(GuaranteesTest, ATransferLeftRunningIsCutOffWhenItStalls) {
   const uint64_t reconnects = StatsCounter(*observer, 0, "connections_accepted") - accepted;
   EXPECT_GE(reconnects, 1u);
   EXPECT_LE(reconnects, static_cast<uint64_t>(cut_off));
+}
+
+// And the bound on what abandoned transfers hold: 256 MiB of buffers at most. A read of a
+// value larger than that is never left running: at its deadline it is cut off the old way,
+// which closes the connection.
+TEST(GuaranteesTest, AbandonedTransfersHoldABoundedAmountOfMemory) {
+  NodeSpec spec;
+  spec.host_mem = "1GiB";  // two partitions of 512 MiB: the value stays in memory
+  Cluster cluster(1, spec);
+  const char* tls_was = std::getenv("UCX_TLS");
+  const std::string tls_saved = tls_was ? tls_was : "";
+  setenv("UCX_TLS", "tcp", 1);  // as above: a payload that can stop midway
+  auto client = cluster.NewClient(std::chrono::seconds(10));
+  if (tls_was) {
+    setenv("UCX_TLS", tls_saved.c_str(), 1);
+  } else {
+    unsetenv("UCX_TLS");
+  }
+  ASSERT_TRUE(client);
+  std::string huge((256 << 20) + 4096, 'h');
+  ASSERT_TRUE(client->Put("huge", huge.data(), huge.size()).ok());
+  auto observer = cluster.NewClient();
+  ASSERT_TRUE(observer);
+  const uint64_t accepted = StatsCounter(*observer, 0, "connections_accepted");
+  GetOptions short_deadline;
+  short_deadline.timeout = std::chrono::milliseconds(300);
+  const uint64_t gets = StatsCounter(*observer, 0, "get", "\"ops\":{");
+  auto read = client->GetAsync("huge", short_deadline);
+  {
+    ResumeNode resume{cluster};
+    ASSERT_TRUE(StopMidRead(cluster, *observer, gets));
+    ASSERT_EQ(read.wait_for(std::chrono::seconds(5)), std::future_status::ready);
+  }
+  auto r = read.get();
+  ASSERT_FALSE(r.ok()) << "the read of " << huge.size() << " bytes ended before the node stopped";
+  EXPECT_EQ(r.status().code(), StatusCode::kTimeout) << r.status().ToString();
+  auto again = client->Get("huge");
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  EXPECT_EQ(again->size(), huge.size());
+  EXPECT_EQ(StatsCounter(*observer, 0, "connections_accepted"), accepted + 1)
+      << "a read past the bound was left running instead of cut off";
 }
 
 // Issue 12, review finding 6: MGET replies are gathered in memory; their bytes now count against

@@ -84,6 +84,7 @@ struct Client::Impl {
     // (a value or batch reply received into a buffer their completion holds) may finish after
     // the call has returned: see Abandon.
     int io_on_callers_memory = 0;
+    size_t receiving = 0;  // payload bytes received into the client's own buffers
     bool finished = false;
     std::function<void()> ready;  // the outcome, run once io == 0
     std::function<void(const std::shared_ptr<Pending>&, std::unique_ptr<Incoming>)> on_reply;
@@ -354,7 +355,8 @@ struct Client::Impl {
       if (p->deadline > now) continue;  // extended (see transfer_deadline): a later entry is due
       Status timeout =
           Status::Timeout("no reply from node " + nodes[p->node].id + " within the deadline");
-      if (p->io > 0 && p->io_on_callers_memory == 0) {
+      if (p->io > 0 && p->io_on_callers_memory == 0 &&
+          abandoned_bytes + p->receiving <= kMaxAbandonedBytes) {
         Abandon(p, timeout);
         continue;
       }
@@ -376,8 +378,11 @@ struct Client::Impl {
   // Transfers whose call has already returned Timeout (Abandon), until they end. One still
   // moving after AbandonedTransferGrace() is stuck (a node that stopped sending mid-payload):
   // its connection is closed then, which ends it, frees its buffer and fails what else waits on
-  // that node.
+  // that node. Their buffers hold at most kMaxAbandonedBytes together: past that, a timed-out
+  // transfer is cut off at once, as one into the caller's memory is.
   std::vector<std::pair<Clock::time_point, PendingPtr>> abandoned;
+  static constexpr size_t kMaxAbandonedBytes = size_t{256} << 20;
+  size_t abandoned_bytes = 0;
   Clock::duration AbandonedTransferGrace() const {
     return std::max<Clock::duration>(options.default_timeout, std::chrono::seconds(1));
   }
@@ -395,26 +400,34 @@ struct Client::Impl {
     p->on_reply = nullptr;
     p->ready = nullptr;
     abandoned.emplace_back(Clock::now() + AbandonedTransferGrace(), p);
+    abandoned_bytes += p->receiving;
     on_error(timeout);
   }
 
   void CheckAbandoned(Clock::time_point now) {
-    std::vector<int> stuck;
+    std::vector<PendingPtr> stuck;
     std::erase_if(abandoned, [&](const auto& entry) {
-      if (entry.second->io == 0) return true;
-      if (entry.first > now) return false;
-      stuck.push_back(entry.second->node);
+      const PendingPtr& p = entry.second;
+      if (p->io > 0 && entry.first > now) return false;
+      abandoned_bytes -= p->receiving;
+      if (p->io > 0) stuck.push_back(p);
       return true;
     });
-    for (int node : stuck) {
-      const auto ms =
-          std::chrono::duration_cast<std::chrono::milliseconds>(AbandonedTransferGrace()).count();
+    const auto ms =
+        std::chrono::duration_cast<std::chrono::milliseconds>(AbandonedTransferGrace()).count();
+    for (const PendingPtr& p : stuck) {
+      if (p->io == 0) continue;  // ended by closing an earlier one's connection
+      if (node_conn[p->node] != p->conn) {
+        // Its connection was replaced already (closed or forgotten): close it, nothing else.
+        transport->Close(p->conn, /*force=*/true);
+        continue;
+      }
       GKV_LOG_WARN(
-          "closing the connection to node {}: the transfer of a call that timed out "
-          "is still unfinished {} ms later",
-          nodes[node].id, ms);
-      FailNode(node,
-               Status::Unavailable("node " + nodes[node].id + " stalled mid-transfer for " +
+          "closing the connection to node {}: the transfer of a call that timed out is still "
+          "unfinished {} ms later",
+          nodes[p->node].id, ms);
+      FailNode(p->node,
+               Status::Unavailable("node " + nodes[p->node].id + " stalled mid-transfer for " +
                                    std::to_string(ms) + " ms"),
                /*force_close=*/true);
     }
@@ -484,7 +497,8 @@ struct Client::Impl {
   void Issue(int node, w::Opcode op, uint16_t flags, std::string_view body, const void* payload,
              size_t size, MemoryKind kind, Clock::time_point deadline,
              std::function<void(const PendingPtr&, std::unique_ptr<Incoming>)> on_reply,
-             std::function<void(Status)> on_error, Clock::time_point transfer_deadline = {}) {
+             std::function<void(Status)> on_error, Clock::time_point transfer_deadline = {},
+             std::shared_ptr<const void> payload_owner = {}) {
     if (closing) return on_error(Status::Aborted("client closed"));
     if (node < 0 || static_cast<size_t>(node) >= nodes.size()) {
       return on_error(Status::Unavailable("no node owns the key: the ring has no members"));
@@ -508,7 +522,9 @@ struct Client::Impl {
     pending[p->id] = p;
     deadlines.push({deadline, p->id});
     p->io++;
-    const bool sends_callers_memory = payload != nullptr && size > 0;
+    // `payload_owner` holds a payload the client made (a staged copy, a batch's block): the send
+    // keeps it alive, so the call may end before it is sent (Abandon).
+    const bool sends_callers_memory = payload != nullptr && size > 0 && !payload_owner;
     if (sends_callers_memory) p->io_on_callers_memory++;
     // The node learns what is left of the deadline and drops the work if it starts too late.
     const auto left =
@@ -518,14 +534,15 @@ struct Client::Impl {
     // The transport copies the header before Send returns: one buffer per thread serves all.
     static thread_local std::string message;
     w::EncodeMessageTo(&message, h, body);
-    transport->Send(*conn, w::kAmRequest, message, payload, size, kind,
-                    Pooled([this, p, sends_callers_memory](Status s) {
-                      p->io--;
-                      if (sends_callers_memory) p->io_on_callers_memory--;
-                      // Aborted: the server refused the payload; its reply says why.
-                      if (!s.ok() && s.code() != StatusCode::kAborted) Fail(p, s);
-                      Settle(p);
-                    }));
+    transport->Send(
+        *conn, w::kAmRequest, message, payload, size, kind,
+        Pooled([this, p, sends_callers_memory, payload_owner = std::move(payload_owner)](Status s) {
+          p->io--;
+          if (sends_callers_memory) p->io_on_callers_memory--;
+          // Aborted: the server refused the payload; its reply says why.
+          if (!s.ok() && s.code() != StatusCode::kAborted) Fail(p, s);
+          Settle(p);
+        }));
   }
 
   // Receives a reply's payload into `dst`, then runs `then` (worker thread). `dst_is_ours`:
@@ -535,6 +552,7 @@ struct Client::Impl {
                       MemoryKind kind, bool dst_is_ours, std::function<void(Status)> then) {
     p->io++;
     if (!dst_is_ours) p->io_on_callers_memory++;
+    if (dst_is_ours) p->receiving += msg->payload_size();
     transport->Receive(std::move(msg), dst, kind,
                        Pooled([this, p, dst_is_ours, then = std::move(then)](Status s) {
                          p->io--;
@@ -1255,8 +1273,9 @@ struct Client::Impl {
       flags |= w::kFlagClientVersion;
       w::AppendVersion(&request_body, client_version);
     }
+    // A staged device value (`keepalive`, which `data` points into) is the client's own copy.
     Issue(node, w::Opcode::kPut, flags, request_body, data, size, kind, deadline,
-          std::move(on_reply), Pooled([done](Status s) { done(s); }));
+          std::move(on_reply), Pooled([done](Status s) { done(s); }), {}, keepalive);
   }
 
   // Replies whose payload is a block to read fully (batches, stats).
@@ -1282,7 +1301,7 @@ struct Client::Impl {
     size_t size = request_payload ? request_payload->size() : 0;
     Issue(
         node, op, flags, std::move(body), data, size, MemoryKind::kHost, deadline, on_reply,
-        [done](Status s) { done(s); }, transfer_deadline);
+        [done](Status s) { done(s); }, transfer_deadline, request_payload);
   }
 };
 

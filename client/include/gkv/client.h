@@ -11,12 +11,13 @@
 // nodes a miss is asked of the key's previous owner before it is reported.
 // Thread-safety: a Client is safe to use from many threads at once. Every call has a deadline
 // (per call, or ClientOptions::default_timeout) and returns Timeout or Unavailable instead of
-// hanging. A deadline that passes while a value is still arriving into the client's own buffer
-// (Get, MultiGet, and MultiGetInto, whose rows are copied out of a reply block) fails that
-// call alone: the bytes finish arriving unseen (still moving the default timeout later, at
-// least 1 s, the connection is closed). One that passes while bytes are moving into or out of
-// the caller's buffer (GetInto, Put) closes that node's connection, failing its other calls in
-// flight, so the buffer is never touched after the call returns; the next call reconnects.
+// hanging. A deadline that passes while bytes still move through memory the client owns (what
+// Get, MultiGet and MultiGetInto receive, whose rows are copied out of a reply block) fails
+// that call alone: the bytes finish moving unseen (still moving the default timeout later, at
+// least 1 s, the connection is closed; 256 MiB of such buffers at most). One that passes
+// while bytes move into or out of the caller's buffer (GetInto, Put) closes that node's
+// connection, failing its other calls in flight, so the buffer is never touched after the call
+// returns; the next call reconnects. docs/ARCHITECTURE.md, "Failures", has the details.
 // Ownership: buffers passed to Put/GetInto are borrowed for the duration of the call (for the
 // async forms: until the future is ready or the callback has run).
 #pragma once
