@@ -176,6 +176,59 @@ TEST(ReplicationTest, AHotKeyIsServedWithItsHintsByTheReadersOwnIoThread) {
   EXPECT_GE(on_worker1[1], 1) << "no MGET with the hot key was answered by worker 1";
 }
 
+// The nodes that hold the copies answer their replica reads (GETs and MGET rows naming a
+// version) on the reader's own I/O worker too: the copies they hold (held_copies) are readable
+// by every worker. Before, each such read went to the holder's worker 0.
+TEST(ReplicationTest, CopiesAreReadOnTheReadersOwnIoThread) {
+  NodeSpec spec;
+  spec.extra_args = {"--replicate-hot", "100", "--hot-replicas", "2"};
+  Cluster cluster(3, spec);
+  std::vector<std::unique_ptr<Client>> clients;
+  for (int c = 0; c < 4; ++c) {
+    clients.push_back(cluster.NewClient(std::chrono::seconds(2)));
+    ASSERT_TRUE(clients.back());
+  }
+  Client& first = *clients[0];
+  const std::string hot = KeyOn(first, 0);
+  const std::string value = "v-" + hot;
+  ASSERT_TRUE(first.Put(hot, value.data(), value.size()).ok());
+  ASSERT_NO_FATAL_FAILURE(ReadUntilCopied(first, hot, 2));
+  uint64_t on_worker1[2] = {0, 0};  // by the holders' worker 1: GETs, MGETs
+  for (bool batches : {false, true}) {
+    std::vector<uint64_t> before[3];
+    for (int n = 1; n <= 2; ++n) before[n] = RequestsByIoThread(first, n);
+    const uint64_t served_before = Sum(first, "reads_served");
+    for (auto& c : clients) {
+      for (int i = 0; i < 300; ++i) {
+        if (batches) {
+          auto got = c->MultiGet({hot});
+          ASSERT_TRUE(got[0].ok()) << got[0].status().ToString();
+          ASSERT_EQ(got[0]->view(), value);
+        } else {
+          auto got = c->Get(hot);
+          ASSERT_TRUE(got.ok()) << got.status().ToString();
+          ASSERT_EQ(got->view(), value);
+        }
+      }
+    }
+    const uint64_t served = Sum(first, "reads_served") - served_before;
+    for (int n = 1; n <= 2; ++n) {
+      const std::vector<uint64_t> after = RequestsByIoThread(first, n);
+      ASSERT_EQ(after.size(), 2u);
+      const uint64_t w0 = after[0] - before[n][0], w1 = after[1] - before[n][1];
+      std::cout << (batches ? "MGET" : "GET") << ": holder " << n << " answered " << w0
+                << " on worker 0, " << w1 << " on worker 1\n";
+      on_worker1[batches] += w1;
+    }
+    // Two thirds of the reads go to the copies the primary's hints name.
+    EXPECT_GT(served, 4u * 300 / 3) << (batches ? "MGET" : "GET");
+  }
+  // Each holder has connections from four clients and a peer dealt to its two workers in turn:
+  // worker 1 has some of the readers, and answered their reads itself.
+  EXPECT_GT(on_worker1[0], 100u) << "no replica GET was answered by a holder's worker 1";
+  EXPECT_GT(on_worker1[1], 100u) << "no replica MGET was answered by a holder's worker 1";
+}
+
 // Issue 13 item 3: copies live in the highest tier the receiving node has (its GPU tier here,
 // backed by host memory on a machine without a GPU), within the replica budget.
 TEST(ReplicationTest, CopiesLiveInTheReceivingNodesGpuTier) {

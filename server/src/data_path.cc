@@ -249,13 +249,10 @@ bool Server::Impl::ServeHere(std::unique_ptr<Incoming>& msg) {
   if (!w::DecodeMessage(msg->header().data(), msg->header().size(), &r.h, &body).ok()) {
     return false;
   }
-  const bool get = r.h.opcode == w::Opcode::kGet && (r.h.flags & w::kFlagReplicaRead) == 0 &&
-                   msg->payload_size() == 0;
-  // Batches too, except an MGET of replica rows (the copies are worker 0's to find), and
+  // GETs, of a key's own copy or of a copy held for another node (held_copies), batches,
   // deletes and stats.
-  const bool batch =
-      (r.h.opcode == w::Opcode::kMultiGet && (r.h.flags & w::kFlagVersionedKeys) == 0) ||
-      r.h.opcode == w::Opcode::kMultiPut;
+  const bool get = r.h.opcode == w::Opcode::kGet && msg->payload_size() == 0;
+  const bool batch = r.h.opcode == w::Opcode::kMultiGet || r.h.opcode == w::Opcode::kMultiPut;
   const bool key_op = (r.h.opcode == w::Opcode::kDelete || r.h.opcode == w::Opcode::kStat) &&
                       msg->payload_size() == 0;
   if (!get && !batch && !key_op && r.h.opcode != w::Opcode::kPut) return false;
@@ -299,9 +296,13 @@ bool Server::Impl::ServeHere(std::unique_ptr<Incoming>& msg) {
     }
     return true;
   }
+  // A read of a copy held for another node has no routing to check; a key's own, as on worker 0.
   static thread_local std::string key;  // keeps its capacity: no allocation per request
-  if (!w::DecodeKeyRequest(body, &key).ok()) return false;
-  if (Misrouted(r, key)) return false;  // worker 0 answers wrong_node
+  const bool replica_read = (r.h.flags & w::kFlagReplicaRead) != 0;
+  if (!replica_read) {
+    if (!w::DecodeKeyRequest(body, &key).ok()) return false;
+    if (Misrouted(r, key)) return false;  // worker 0 answers wrong_node
+  }
   // From here on as OnMessage and HandleGet would (the message itself is no longer needed).
   counters.ops[static_cast<int>(r.h.opcode)].fetch_add(1, std::memory_order_relaxed);
   in_flight.fetch_add(1, std::memory_order_acq_rel);
@@ -310,7 +311,11 @@ bool Server::Impl::ServeHere(std::unique_ptr<Incoming>& msg) {
     ReplyStatus(r, admitted);
     return true;
   }
-  ServeGet(r, key);
+  if (replica_read) {
+    HandleReplicaGet(r, body);
+  } else {
+    ServeGet(r, key);
+  }
   return true;
 }
 
@@ -449,7 +454,7 @@ void Server::Impl::MultiGetRows(const Req& r, std::shared_ptr<std::vector<BatchR
       row.held_back = true;
       continue;
     }
-    if (row.replica_version != 0) {  // (worker 0 only: ServeHere leaves these batches to it)
+    if (row.replica_version != 0) {
       if (replication_on()) row.replica_key = ReplicaRowKey(row.key, row.replica_version);
       if (!row.replica_key.empty()) CountRow();
       continue;

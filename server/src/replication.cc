@@ -327,9 +327,9 @@ void Server::Impl::SweepHeldCopies() {
   // A copy the replica budget evicted, or one whose invalidation never arrived, leaves its
   // entry behind: drop the entries whose copy is gone, so the table stays as large as the copies.
   // The lookups run on an executor; an entry is dropped only if it still names the same copy.
-  if (replica_version.empty()) return;
-  auto held = std::make_shared<std::vector<std::pair<std::string, HeldCopy>>>(
-      replica_version.begin(), replica_version.end());
+  if (held_copies.empty()) return;
+  auto held =
+      std::make_shared<std::vector<std::pair<std::string, HeldCopy>>>(held_copies.Snapshot());
   executors->Submit([this, held] {
     auto gone = std::make_shared<std::vector<std::pair<std::string, HeldCopy>>>();
     for (auto& [key, copy] : *held) {
@@ -337,11 +337,7 @@ void Server::Impl::SweepHeldCopies() {
     }
     PostReply([this, gone] {
       for (auto& [key, copy] : *gone) {
-        auto it = replica_version.find(key);
-        if (it != replica_version.end() && it->second.attempt == copy.attempt &&
-            it->second.version == copy.version) {
-          replica_version.erase(it);
-        }
+        held_copies.EraseIf(key, [&copy](const HeldCopy& now) { return now == copy; });
       }
     });
   });
@@ -452,21 +448,15 @@ void Server::Impl::HandleReplicaPut(const Req& r, std::string_view body,
 }
 
 bool Server::Impl::InstallReplica(const std::string& key, const HeldCopy& copy) {
-  auto held = replica_version.find(key);
-  if (CoveredByFloor(key, copy.attempt) ||
-      (held != replica_version.end() && held->second.attempt > copy.attempt)) {
+  HeldCopy held;
+  const bool holds = held_copies.Find(key, &held);
+  if (CoveredByFloor(key, copy.attempt) || (holds && held.attempt > copy.attempt)) {
     DropReplicaCopy(key, copy);  // landed after its invalidation, or older than what we hold
     return false;
   }
-  if (held != replica_version.end()) {
-    if (held->second.attempt == copy.attempt && held->second.version == copy.version) {
-      return true;  // the same copy again (a duplicate message): the same cache key
-    }
-    DropReplicaCopy(key, held->second);
-    held->second = copy;
-  } else {
-    replica_version.emplace(key, copy);
-  }
+  if (holds && held == copy) return true;  // a duplicate message: the same cache key
+  held_copies.Set(key, copy);
+  if (holds) DropReplicaCopy(key, held);
   counters.replica_installs.fetch_add(1, std::memory_order_relaxed);
   return true;
 }
@@ -483,31 +473,31 @@ void Server::Impl::HandleInvalidate(const Req& r, std::string_view body) {
   if (r.h.flags & w::kFlagAllKeys) {
     // The sender restarted: its previous run's copies here go (PeerOnly checked the sender).
     const int sender = peer_node_of_conn[r.conn];
-    for (auto it = replica_version.begin(); it != replica_version.end();) {
-      if (ring->Owner(it->first) != sender) {
-        ++it;
-        continue;
+    for (const auto& [held_key, copy] : held_copies.Snapshot()) {
+      if (ring->Owner(held_key) != sender) continue;
+      HeldCopy erased;
+      if (held_copies.EraseIf(
+              held_key, [](const HeldCopy&) { return true; }, &erased)) {
+        DropReplicaCopy(held_key, erased);
       }
-      DropReplicaCopy(it->first, it->second);
-      it = replica_version.erase(it);
     }
     return ReplyStatus(r, Status::OK());
   }
   Floor& floor = replica_floor[key];
   floor.attempt = std::max(floor.attempt, attempt);
   floor.set_at = Clock::now();
-  auto it = replica_version.find(key);
-  if (it != replica_version.end() && it->second.attempt <= floor.attempt) {
-    DropReplicaCopy(key, it->second);
-    replica_version.erase(it);
+  HeldCopy erased;
+  if (held_copies.EraseIf(
+          key, [&floor](const HeldCopy& held) { return held.attempt <= floor.attempt; }, &erased)) {
+    DropReplicaCopy(key, erased);
   }
   ReplyStatus(r, Status::OK());
 }
 
 std::string Server::Impl::ReplicaRowKey(const std::string& key, uint64_t version) const {
-  auto it = replica_version.find(key);
-  if (it == replica_version.end() || it->second.version != version) return {};
-  return ReplicaKey(key, it->second);
+  HeldCopy held;
+  if (!held_copies.Find(key, &held) || held.version != version) return {};
+  return ReplicaKey(key, held);
 }
 
 void Server::Impl::HandleReplicaGet(const Req& r, std::string_view body) {

@@ -225,8 +225,73 @@ struct Server::Impl {
   struct HeldCopy {
     uint64_t version = 0;
     uint64_t attempt = 0;
+    bool operator==(const HeldCopy&) const = default;
   };
-  std::unordered_map<std::string, HeldCopy> replica_version;
+  // The copies this node holds for others, readable by every I/O worker: each one serves the
+  // replica reads (GETs with kFlagReplicaRead, MGET rows with a version) of its own connections.
+  // Worker 0 is the only writer (installs, invalidations, sweeps), so its check-then-set
+  // sequences need no lock across calls; each call takes one shard's mutex. An INVALIDATE
+  // erases the entry before it is answered, so a replica read that begins after the primary
+  // has its answer finds no entry (one already past its lookup was concurrent with the write).
+  class HeldCopies {
+   public:
+    // Any thread.
+    bool Find(std::string_view key, HeldCopy* copy) const {
+      if (size_.load(std::memory_order_acquire) == 0) return false;
+      const Shard& s = ShardOf(key);
+      std::lock_guard<std::mutex> lock(s.mu);
+      auto it = s.copies.find(key);
+      if (it == s.copies.end()) return false;
+      *copy = it->second;
+      return true;
+    }
+    bool empty() const { return size_.load(std::memory_order_acquire) == 0; }
+    // Worker 0 only.
+    void Set(const std::string& key, const HeldCopy& copy) {
+      Shard& s = ShardOf(key);
+      std::lock_guard<std::mutex> lock(s.mu);
+      auto [it, added] = s.copies.insert_or_assign(key, copy);
+      if (added) size_.fetch_add(1, std::memory_order_acq_rel);
+    }
+    // Erases `key`'s entry when `erase(copy)` says so; the erased copy goes to *erased.
+    template <class Pred>
+    bool EraseIf(const std::string& key, Pred erase, HeldCopy* erased = nullptr) {
+      Shard& s = ShardOf(key);
+      std::lock_guard<std::mutex> lock(s.mu);
+      auto it = s.copies.find(key);
+      if (it == s.copies.end() || !erase(it->second)) return false;
+      if (erased) *erased = it->second;
+      s.copies.erase(it);
+      size_.fetch_sub(1, std::memory_order_acq_rel);
+      return true;
+    }
+    std::vector<std::pair<std::string, HeldCopy>> Snapshot() const {
+      std::vector<std::pair<std::string, HeldCopy>> out;
+      for (const Shard& s : shards_) {
+        std::lock_guard<std::mutex> lock(s.mu);
+        out.insert(out.end(), s.copies.begin(), s.copies.end());
+      }
+      return out;
+    }
+
+   private:
+    static constexpr size_t kShards = 16;
+    struct Hash {
+      using is_transparent = void;
+      size_t operator()(std::string_view k) const noexcept {
+        return std::hash<std::string_view>{}(k);
+      }
+    };
+    struct alignas(64) Shard {
+      mutable std::mutex mu;
+      std::unordered_map<std::string, HeldCopy, Hash, std::equal_to<>> copies;
+    };
+    const Shard& ShardOf(std::string_view key) const { return shards_[HashKey(key) % kShards]; }
+    Shard& ShardOf(std::string_view key) { return shards_[HashKey(key) % kShards]; }
+    Shard shards_[kShards];
+    std::atomic<size_t> size_{0};
+  };
+  HeldCopies held_copies;
   // As replica: installs of attempts up to `attempt` are refused (that attempt was invalidated).
   // A floor only has to outlive the installs in flight that could name such an attempt (they
   // are sent with a 500 ms budget and dropped past it), so floors expire after kFloorLifetime:
