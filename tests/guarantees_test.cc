@@ -585,6 +585,29 @@ bool StopMidRead(Cluster& cluster, Client& observer, uint64_t gets_before,
   return true;
 }
 
+// A client of `cluster` whose UCX context has tcp only (UCX_TLS is set while it is made, then
+// put back): over tcp a payload arrives in pieces, so a node stopped midway stops it. Null
+// (and a failure) when it cannot open or its connection uses shared memory anyway.
+std::unique_ptr<Client> OpenTcpClient(Cluster& cluster, std::chrono::milliseconds timeout) {
+  const char* was = std::getenv("UCX_TLS");
+  const std::string saved = was ? was : "";
+  setenv("UCX_TLS", "tcp", 1);  // read when the client makes its UCX context
+  auto client = cluster.NewClient(timeout);
+  if (was) {
+    setenv("UCX_TLS", saved.c_str(), 1);
+  } else {
+    unsetenv("UCX_TLS");
+  }
+  if (!client) return nullptr;
+  auto lanes = client->Ping(0).ok() ? client->NodeTransports(0) : Status::Unavailable("no ping");
+  if (!lanes.ok() || lanes->find("memory") != std::string::npos) {
+    ADD_FAILURE() << "the tcp client's lanes: "
+                  << (lanes.ok() ? *lanes : lanes.status().ToString());
+    return nullptr;
+  }
+  return client;
+}
+
 // Sends node 0 SIGCONT when it goes out of scope: a failed assertion never leaves the node
 // stopped behind a read that waits for it (a std::async future's destructor would wait).
 struct ResumeNode {
@@ -606,20 +629,8 @@ TEST(GuaranteesTest, ACallThatTimesOutMidTransferFailsAlone) {
   NodeSpec spec;
   spec.host_mem = "512MiB";
   Cluster cluster(1, spec);
-  const char* tls_was = std::getenv("UCX_TLS");
-  const std::string tls_saved = tls_was ? tls_was : "";
-  setenv("UCX_TLS", "tcp", 1);  // read when the client makes its UCX context
-  auto client = cluster.NewClient(std::chrono::seconds(10));
-  if (tls_was) {
-    setenv("UCX_TLS", tls_saved.c_str(), 1);
-  } else {
-    unsetenv("UCX_TLS");
-  }
+  auto client = OpenTcpClient(cluster, std::chrono::seconds(10));
   ASSERT_TRUE(client);
-  ASSERT_TRUE(client->Ping(0).ok());
-  auto lanes = client->NodeTransports(0);
-  ASSERT_TRUE(lanes.ok()) << lanes.status().ToString();
-  ASSERT_EQ(lanes->find("memory"), std::string::npos) << *lanes;
   std::string big(64 << 20, '\0');
   for (size_t i = 0; i < big.size(); i += 4096) big[i] = static_cast<char>(i / 4096);
   ASSERT_TRUE(client->Put("big", big.data(), big.size()).ok());
@@ -690,15 +701,7 @@ TEST(GuaranteesTest, ATransferLeftRunningIsCutOffWhenItStalls) {
   NodeSpec spec;
   spec.host_mem = "512MiB";
   Cluster cluster(1, spec);
-  const char* tls_was = std::getenv("UCX_TLS");
-  const std::string tls_saved = tls_was ? tls_was : "";
-  setenv("UCX_TLS", "tcp", 1);  // as above: a payload that can stop midway
-  auto client = cluster.NewClient(std::chrono::seconds(1));
-  if (tls_was) {
-    setenv("UCX_TLS", tls_saved.c_str(), 1);
-  } else {
-    unsetenv("UCX_TLS");
-  }
+  auto client = OpenTcpClient(cluster, std::chrono::seconds(1));
   ASSERT_TRUE(client);
   std::string big(64 << 20, 'z');
   ASSERT_TRUE(client->Put("big", big.data(), big.size()).ok());
@@ -743,15 +746,7 @@ TEST(GuaranteesTest, AbandonedTransfersHoldABoundedAmountOfMemory) {
   NodeSpec spec;
   spec.host_mem = "1GiB";  // two partitions of 512 MiB: the value stays in memory
   Cluster cluster(1, spec);
-  const char* tls_was = std::getenv("UCX_TLS");
-  const std::string tls_saved = tls_was ? tls_was : "";
-  setenv("UCX_TLS", "tcp", 1);  // as above: a payload that can stop midway
-  auto client = cluster.NewClient(std::chrono::seconds(10));
-  if (tls_was) {
-    setenv("UCX_TLS", tls_saved.c_str(), 1);
-  } else {
-    unsetenv("UCX_TLS");
-  }
+  auto client = OpenTcpClient(cluster, std::chrono::seconds(10));
   ASSERT_TRUE(client);
   std::string huge((256 << 20) + 4096, 'h');
   ASSERT_TRUE(client->Put("huge", huge.data(), huge.size()).ok());

@@ -19,6 +19,7 @@ namespace {
 
 using testing::Cluster;
 using testing::NodeSpec;
+using testing::OpenClients;
 
 std::string RandomValue(Random& rng, size_t size) {
   std::string v(size, '\0');
@@ -125,15 +126,6 @@ TEST(IntegrationTest, NodesRegisterTheirArenasWithUcxAndServeThroughThem) {
   // Each get's reply went from the arena (and each rendezvous put was received into it).
   EXPECT_GE(testing::StatsCounter(*client, 0, "ops", within) - before, uint64_t{rounds})
       << *client->NodeStats(0);
-}
-
-// Opens `n` clients of `cluster`, one after another: a node deals their connections to its I/O
-// workers in turn (two each for six clients and three workers).
-void OpenClients(Cluster& cluster, int n, std::vector<std::unique_ptr<Client>>* clients) {
-  for (int c = 0; c < n; ++c) {
-    clients->push_back(cluster.NewClient(std::chrono::seconds(30)));
-    ASSERT_TRUE(clients->back());
-  }
 }
 
 // --io-threads: a node spreads its connections over its UCX workers; the workers other than 0

@@ -16,6 +16,7 @@ namespace {
 using testing::Cluster;
 using testing::KeyOn;
 using testing::NodeSpec;
+using testing::OpenClients;
 using testing::RequestsByIoThread;
 using testing::StatsCounter;
 using Clock = std::chrono::steady_clock;
@@ -120,10 +121,7 @@ TEST(ReplicationTest, AHotKeyIsServedWithItsHintsByTheReadersOwnIoThread) {
   spec.extra_args = {"--replicate-hot", "100", "--hot-replicas", "2"};
   Cluster cluster(3, spec);
   std::vector<std::unique_ptr<Client>> clients;
-  for (int c = 0; c < 4; ++c) {
-    clients.push_back(cluster.NewClient(std::chrono::seconds(2)));
-    ASSERT_TRUE(clients.back());
-  }
+  ASSERT_NO_FATAL_FAILURE(OpenClients(cluster, 4, &clients, std::chrono::seconds(2)));
   Client& first = *clients[0];
   const std::string hot = KeyOn(first, 0);
   std::vector<std::string> batch = {hot};
@@ -184,10 +182,7 @@ TEST(ReplicationTest, CopiesAreReadOnTheReadersOwnIoThread) {
   spec.extra_args = {"--replicate-hot", "100", "--hot-replicas", "2"};
   Cluster cluster(3, spec);
   std::vector<std::unique_ptr<Client>> clients;
-  for (int c = 0; c < 4; ++c) {
-    clients.push_back(cluster.NewClient(std::chrono::seconds(2)));
-    ASSERT_TRUE(clients.back());
-  }
+  ASSERT_NO_FATAL_FAILURE(OpenClients(cluster, 4, &clients, std::chrono::seconds(2)));
   Client& first = *clients[0];
   const std::string hot = KeyOn(first, 0);
   const std::string value = "v-" + hot;
@@ -220,8 +215,10 @@ TEST(ReplicationTest, CopiesAreReadOnTheReadersOwnIoThread) {
                 << " on worker 0, " << w1 << " on worker 1\n";
       on_worker1[batches] += w1;
     }
-    // Two thirds of the reads go to the copies the primary's hints name.
-    EXPECT_GT(served, 4u * 300 / 3) << (batches ? "MGET" : "GET");
+    // Two thirds of the reads (800) go to the copies the primary's hints name, and are served
+    // by them: a worker that answered them with misses would not count here.
+    std::cout << (batches ? "MGET" : "GET") << ": copies served " << served << " of 1200 reads\n";
+    EXPECT_GT(served, 600u) << (batches ? "MGET" : "GET");
   }
   // Each holder has connections from four clients and a peer dealt to its two workers in turn:
   // worker 1 has some of the readers, and answered their reads itself.

@@ -955,11 +955,11 @@ struct Server::Impl {
   void HandleInvalidate(const Req& r, std::string_view body);
 
   // As a replica node, for a MultiGet row: the replica cache key of the copy of exactly
-  // `version`, or "" when this node holds none.
+  // `version`, or "" when this node holds none. Any I/O worker.
   std::string ReplicaRowKey(const std::string& key, uint64_t version) const;
 
   // As a replica node: serve a copy only for the exact version the client's hint named, and
-  // never one an invalidation has covered.
+  // never one an invalidation has covered. Any I/O worker (the reply goes from r.worker).
   void HandleReplicaGet(const Req& r, std::string_view body);
 
   // --- requests to peer nodes ---
