@@ -8,8 +8,8 @@
 #   3. the wire-protocol fuzzer for a bounded time over its checked-in corpus
 #   4. every test again under ASan+UBSan (build-asan/)
 #   5. the cache and transport concurrency tests, the tests of a node's I/O workers (real
-#      gkv-server processes built with TSan) and of the client's timed-out transfers, under
-#      TSan (build-tsan/)
+#      gkv-server processes built with TSan), of the client's synchronous calls from several
+#      threads and of its timed-out transfers, under TSan (build-tsan/)
 # Options (environment): GKV_TEST_STEPS="normal python fuzz asan tsan" picks steps;
 # GKV_FUZZ_SECONDS (default 30). scripts/gpu-check.sh runs the gpu tests on a GPU machine.
 # Under TSan, UCX's memory-event hooks (which patch malloc and mmap) fight TSan's own
@@ -68,7 +68,7 @@ tsan() {
     UCX_MEM_EVENTS=no \
     TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/tests/tsan.supp" \
     ctest --test-dir build-tsan --output-on-failure -j "$JOBS" --timeout 600 \
-    -R 'Concurren|^IntegrationTest\..*IoThread|^ReplicationTest\..*IoThread|^GuaranteesTest\..*(MidTransfer|LeftRunning|Abandoned)'
+    -R 'Concurren|^IntegrationTest\..*(IoThread|SeveralClientThreads|SyncCalls)|^ReplicationTest\..*IoThread|^GuaranteesTest\..*(MidTransfer|LeftRunning|Abandoned)'
 }
 
 scripts/deps.sh

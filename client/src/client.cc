@@ -2,12 +2,14 @@
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <future>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <queue>
 #include <random>
 #include <span>
@@ -65,6 +67,50 @@ Status ParseReply(const Incoming& msg, Decode&& decode) {
   GKV_RETURN_IF_ERROR(decode(body, &rs));
   return rs.ToStatus();
 }
+
+// The outcome of one synchronous call, handed from the thread that ends the call to the caller
+// waiting in Impl::Await. Unlike a std::promise, whose set_value makes a futex system call every
+// time (it runs std::call_once, and glibc's pthread_once wakes waiters unconditionally), Set
+// costs two atomic operations when the caller is not asleep on the slot, which is the case
+// whenever the caller drives the transport itself and polls ready().
+// Lifetime: the caller owns the slot and may destroy it as soon as it has seen the value; Set
+// touches nothing after the step that makes the value visible, except under the mutex a
+// sleeping caller needs to return.
+template <class T>
+class SyncSlot {
+ public:
+  SyncSlot() = default;
+  SyncSlot(const SyncSlot&) = delete;
+  SyncSlot& operator=(const SyncSlot&) = delete;
+
+  // Once. Any thread.
+  void Set(T value) {
+    value_.emplace(std::move(value));
+    int expected = kEmpty;
+    if (state_.compare_exchange_strong(expected, kReady, std::memory_order_acq_rel)) return;
+    // The caller sleeps in Wait (kSleeping): it sees kReady only under the mutex.
+    std::lock_guard<std::mutex> lock(mu_);
+    state_.store(kReady, std::memory_order_release);
+    cv_.notify_one();
+  }
+  // The caller's thread.
+  bool ready() const { return state_.load(std::memory_order_acquire) == kReady; }
+  T Wait() {
+    int expected = kEmpty;
+    if (state_.compare_exchange_strong(expected, kSleeping, std::memory_order_acq_rel)) {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [this] { return state_.load(std::memory_order_acquire) == kReady; });
+    }
+    return std::move(*value_);
+  }
+
+ private:
+  static constexpr int kEmpty = 0, kSleeping = 1, kReady = 2;
+  std::atomic<int> state_{kEmpty};
+  std::optional<T> value_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+};
 
 }  // namespace
 
@@ -175,22 +221,33 @@ struct Client::Impl {
     if (synchronous) return Submit(std::move(task));
     transport->Post(std::move(task));
   }
-  template <class T>
-  T Await(std::future<T>& f) {
-    auto ready = [&f] { return f.wait_for(std::chrono::seconds(0)) == std::future_status::ready; };
+  // `ready()` says whether the call has ended; `take()` then returns its outcome (and before,
+  // waits for it).
+  template <class Ready, class Take>
+  auto AwaitCall(Ready ready, Take take) {
     struct Count {
       std::atomic<int>& n;
       const bool alone = n.fetch_add(1, std::memory_order_acq_rel) == 0;
       ~Count() { n.fetch_sub(1, std::memory_order_acq_rel); }
     } count{sync_calls};
-    if (ready()) return f.get();  // failed before it was queued (validation, staging)
+    if (ready()) return take();  // failed before it was queued (validation, staging)
     if (count.alone && caller_drives) {
       const std::function<bool()> done = std::cref(ready);
-      if (transport->TryDrive(done, kDriveSlice) && ready()) return f.get();
+      if (transport->TryDrive(done, kDriveSlice) && ready()) return take();
     }
     // Whatever this caller queued runs on the I/O thread now, and its reply is handled there.
     transport->Wake();
-    return f.get();
+    return take();
+  }
+  template <class T>
+  T Await(std::future<T>& f) {
+    return AwaitCall(
+        [&f] { return f.wait_for(std::chrono::seconds(0)) == std::future_status::ready; },
+        [&f] { return f.get(); });
+  }
+  template <class T>
+  T Await(SyncSlot<T>& slot) {
+    return AwaitCall([&slot] { return slot.ready(); }, [&slot] { return slot.Wait(); });
   }
   void QueueGet(std::string_view key, const GetOptions& o,
                 std::function<void(Result<Value>)> callback, bool synchronous);
@@ -1436,12 +1493,10 @@ std::future<Result<Value>> Client::GetAsync(std::string_view key, const GetOptio
 }
 
 Result<Value> Client::Get(std::string_view key, const GetOptions& o) {
-  // (Its shared state from the block pool, as the rest of the call's.)
-  std::promise<Result<Value>> promise(std::allocator_arg, PoolAllocator<char>());
-  auto future = promise.get_future();
+  SyncSlot<Result<Value>> outcome;
   impl_->QueueGet(
-      key, o, [&promise](Result<Value> r) { promise.set_value(std::move(r)); }, true);
-  return impl_->Await(future);
+      key, o, [&outcome](Result<Value> r) { outcome.Set(std::move(r)); }, true);
+  return impl_->Await(outcome);
 }
 
 Result<ValueInfo> Client::GetInto(std::string_view key, void* dst, size_t capacity,
@@ -1458,14 +1513,13 @@ Result<ValueInfo> Client::GetInto(std::string_view key, void* dst, size_t capaci
   // Nothing still reading the destination when the bytes land (see PutOptions).
   if (kind == MemoryKind::kDevice) GKV_RETURN_IF_ERROR(CudaSyncStream(o.cuda_stream, dst));
   auto deadline = I->DeadlineFrom(o.timeout);
-  std::promise<Result<Value>> promise(std::allocator_arg, PoolAllocator<char>());
-  auto future = promise.get_future();
+  SyncSlot<Result<Value>> outcome;
   I->Submit(Pooled([&, key = std::string(key)]() mutable {
     I->DoGet(
         std::move(key), dst, capacity, kind, deadline, o.fail_open,
-        [&promise](Result<Value> r) { promise.set_value(std::move(r)); }, o.accept);
+        [&outcome](Result<Value> r) { outcome.Set(std::move(r)); }, o.accept);
   }));
-  Result<Value> r = I->Await(future);
+  Result<Value> r = I->Await(outcome);
   if (!r.ok()) return r.status();
   // Staged through a pinned buffer (a device buffer this UCX cannot receive into): the copy to
   // the device runs here, on the caller's thread, on this client's stream for that device.
@@ -1527,12 +1581,10 @@ std::future<Result<uint64_t>> Client::PutAsync(std::string_view key, const void*
 
 Result<uint64_t> Client::Put(std::string_view key, const void* data, size_t size,
                              const PutOptions& o) {
-  std::promise<Result<uint64_t>> promise(std::allocator_arg, PoolAllocator<char>());
-  auto future = promise.get_future();
+  SyncSlot<Result<uint64_t>> outcome;
   impl_->QueuePut(
-      key, data, size, o, [&promise](Result<uint64_t> r) { promise.set_value(std::move(r)); },
-      true);
-  return impl_->Await(future);
+      key, data, size, o, [&outcome](Result<uint64_t> r) { outcome.Set(std::move(r)); }, true);
+  return impl_->Await(outcome);
 }
 
 Status Client::Delete(std::string_view key, std::chrono::milliseconds timeout) {
