@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cassert>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
@@ -88,7 +89,10 @@ class SyncSlot {
     value_.emplace(std::move(value));
     int expected = kEmpty;
     if (state_.compare_exchange_strong(expected, kReady, std::memory_order_acq_rel)) return;
-    // The caller sleeps in Wait (kSleeping): it sees kReady only under the mutex.
+    assert(expected == kSleeping && "SyncSlot::Set called twice");
+    // The caller sleeps in Wait (kSleeping): it sees kReady only under the mutex, so the
+    // notify is made holding it (made after the unlock, a caller woken spuriously meanwhile
+    // could destroy the condition variable first).
     std::lock_guard<std::mutex> lock(mu_);
     state_.store(kReady, std::memory_order_release);
     cv_.notify_one();
