@@ -1617,7 +1617,7 @@ Status Client::DeleteOnce(std::string_view key, std::chrono::milliseconds timeou
     std::vector<int> nodes;
     std::vector<Status> results;
     size_t remaining = 0;
-    std::promise<void> all;
+    SyncSlot<bool> all;  // set when every node has answered or failed
   };
   auto call = std::make_shared<Call>();
   auto route = I->Route();
@@ -1638,14 +1638,13 @@ Status Client::DeleteOnce(std::string_view key, std::chrono::milliseconds timeou
   const uint64_t version = call->nodes.size() > 1 ? I->write_clock.Take() : 0;
   std::string body = w::EncodeKeyRequest(key);
   if (version != 0) w::AppendVersion(&body, version);
-  auto done = call->all.get_future();
   I->Submit([I, call, first_previous, body = std::move(body), version,
              deadline = I->DeadlineFrom(timeout)] {
     const uint16_t versioned = version != 0 ? w::kFlagClientVersion : uint16_t{0};
     for (size_t i = 0; i < call->nodes.size(); ++i) {
       auto finish = [call, i](Status s) {
         call->results[i] = s;
-        if (--call->remaining == 0) call->all.set_value();
+        if (--call->remaining == 0) call->all.Set(true);
       };
       auto on_reply = [I, finish](const Impl::PendingPtr& p, std::unique_ptr<Incoming> msg) {
         Status s = ParseReply(*msg, [&](std::string_view body, w::ReplyStatus* rs) {
@@ -1658,7 +1657,7 @@ Status Client::DeleteOnce(std::string_view key, std::chrono::milliseconds timeou
                nullptr, 0, MemoryKind::kHost, deadline, on_reply, finish);
     }
   });
-  I->Await(done);
+  I->Await(call->all);
   // Sent to every replica; the primary's answer is the outcome (as for Put): a delete the
   // primary did not confirm is not acknowledged, since reads go to the primary first. A key
   // not yet handed to its new owner was deleted where it still was.
@@ -1711,21 +1710,20 @@ Result<ValueInfo> Client::StatOnce(std::string_view key, int node, uint16_t flag
                                    std::chrono::milliseconds timeout) {
   Impl* I = impl_.get();
   auto deadline = I->DeadlineFrom(timeout);
-  std::promise<Result<ValueInfo>> promise;
-  auto future = promise.get_future();
+  SyncSlot<Result<ValueInfo>> outcome;
   I->Submit([&, key = std::string(key)] {
-    auto on_reply = [I, &promise](const Impl::PendingPtr& p, std::unique_ptr<Incoming> msg) {
+    auto on_reply = [I, &outcome](const Impl::PendingPtr& p, std::unique_ptr<Incoming> msg) {
       w::ObjectMeta meta;
       Status s = ParseReply(*msg, [&](std::string_view body, w::ReplyStatus* rs) {
         return w::DecodeObjectReply(body, rs, &meta);
       });
       if (!s.ok()) return I->Fail(p, s);
-      I->Complete(p, [&promise, meta] { promise.set_value(ToInfo(meta)); });
+      I->Complete(p, [&outcome, meta] { outcome.Set(ToInfo(meta)); });
     };
     I->Issue(node, w::Opcode::kStat, flags, w::EncodeKeyRequest(key), nullptr, 0, MemoryKind::kHost,
-             deadline, on_reply, [&promise](Status s) { promise.set_value(s); });
+             deadline, on_reply, [&outcome](Status s) { outcome.Set(s); });
   });
-  return I->Await(future);
+  return I->Await(outcome);
 }
 
 std::vector<Result<Value>> Client::MultiGet(const std::vector<std::string>& keys,
