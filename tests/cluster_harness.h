@@ -301,8 +301,8 @@ class Cluster {
   std::vector<pid_t> pids_;
 };
 
-// Opens `n` clients of `cluster`, one after another: a node deals their connections to its I/O
-// workers in turn (two each for six clients and three workers).
+// Opens `n` clients of `cluster`, one after another. Each connects to a node on its first
+// request there, and a node deals its connections to its I/O workers in turn (peers' included).
 inline void OpenClients(Cluster& cluster, int n, std::vector<std::unique_ptr<Client>>* clients,
                         std::chrono::milliseconds timeout = std::chrono::seconds(30)) {
   for (int c = 0; c < n; ++c) {

@@ -191,7 +191,10 @@ TEST(ReplicationTest, CopiesAreReadOnTheReadersOwnIoThread) {
   uint64_t on_worker1[2] = {0, 0};  // by the holders' worker 1: GETs, MGETs
   for (bool batches : {false, true}) {
     std::vector<uint64_t> before[3];
-    for (int n = 1; n <= 2; ++n) before[n] = RequestsByIoThread(first, n);
+    for (int n = 1; n <= 2; ++n) {
+      before[n] = RequestsByIoThread(first, n);
+      ASSERT_EQ(before[n].size(), 2u);
+    }
     const uint64_t served_before = Sum(first, "reads_served");
     for (auto& c : clients) {
       for (int i = 0; i < 300; ++i) {

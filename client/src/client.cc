@@ -126,15 +126,15 @@ struct Client::Impl {
     Clock::time_point deadline;
     // Set for replica reads: once the reply has arrived, the transfer of its payload runs
     // against this (the caller's) deadline instead of the short one the request had, so a
-    // large copy is never cut off mid-transfer (which would close the node's connection).
+    // large copy is not given up mid-transfer for a budget meant for a copy's first answer.
     Clock::time_point transfer_deadline{};
     int io = 0;  // transport operations still holding our buffers
-    // Of those, the ones on memory the client does not keep alive itself: the caller's buffer
-    // (a put's value, GetInto's destination) or one the pending's callbacks own. The others
-    // (a value or batch reply received into a buffer their completion holds) may finish after
-    // the call has returned: see Abandon.
+    // Of those, the ones on the caller's memory (a put's value, GetInto's destination). The
+    // others move bytes through buffers the client made and their completion holds (a value or
+    // batch reply received, a batch block or staged device value sent) and may finish after the
+    // call has returned: see Abandon.
     int io_on_callers_memory = 0;
-    size_t receiving = 0;  // payload bytes received into the client's own buffers
+    size_t own_buffer_bytes = 0;  // the bytes of those client-made buffers (Abandon's bound)
     bool finished = false;
     std::function<void()> ready;  // the outcome, run once io == 0
     std::function<void(const std::shared_ptr<Pending>&, std::unique_ptr<Incoming>)> on_reply;
@@ -210,7 +210,7 @@ struct Client::Impl {
   // its own request goes out and its reply is handled on its own thread, with no hand-off to
   // the I/O thread and back. With several in flight, or where it cannot drive (the I/O thread
   // is busy, the transport's CUDA device is not the caller's), or when the slice ended first, it
-  // wakes the I/O thread and sleeps on its future: callers that each spin for their own reply
+  // wakes the I/O thread and sleeps on its outcome: callers that each spin for their own reply
   // would take the cores the servers need, where one I/O thread serves them all as they come.
   static constexpr auto kDriveSlice = std::chrono::microseconds(200);
   std::atomic<int> sync_calls{0};  // synchronous calls waiting in Await now
@@ -417,7 +417,7 @@ struct Client::Impl {
       Status timeout =
           Status::Timeout("no reply from node " + nodes[p->node].id + " within the deadline");
       if (p->io > 0 && p->io_on_callers_memory == 0 &&
-          abandoned_bytes + p->receiving <= kMaxAbandonedBytes) {
+          abandoned_bytes + p->own_buffer_bytes <= kMaxAbandonedBytes) {
         Abandon(p, timeout);
         continue;
       }
@@ -426,7 +426,9 @@ struct Client::Impl {
       // active-message transfer (openucx/ucx#9584), so the connection goes, which releases the
       // buffer before the caller sees the timeout. The node is not marked down for it: it was
       // the caller's deadline, not the node, that ran out.
-      if (p->io > 0) {
+      if (p->io > 0 && node_conn[p->node] != p->conn) {
+        transport->Close(p->conn, /*force=*/true);  // a connection already replaced: it alone
+      } else if (p->io > 0) {
         FailNode(p->node,
                  Status::Unavailable("connection to node " + nodes[p->node].id +
                                      " closed to cut off another call's transfer at its deadline"),
@@ -461,7 +463,7 @@ struct Client::Impl {
     p->on_reply = nullptr;
     p->ready = nullptr;
     abandoned.emplace_back(Clock::now() + AbandonedTransferGrace(), p);
-    abandoned_bytes += p->receiving;
+    abandoned_bytes += p->own_buffer_bytes;
     on_error(timeout);
   }
 
@@ -470,7 +472,7 @@ struct Client::Impl {
     std::erase_if(abandoned, [&](const auto& entry) {
       const PendingPtr& p = entry.second;
       if (p->io > 0 && entry.first > now) return false;
-      abandoned_bytes -= p->receiving;
+      abandoned_bytes -= p->own_buffer_bytes;
       if (p->io > 0) stuck.push_back(p);
       return true;
     });
@@ -587,6 +589,7 @@ struct Client::Impl {
     // keeps it alive, so the call may end before it is sent (Abandon).
     const bool sends_callers_memory = payload != nullptr && size > 0 && !payload_owner;
     if (sends_callers_memory) p->io_on_callers_memory++;
+    if (payload_owner) p->own_buffer_bytes += size;
     // The node learns what is left of the deadline and drops the work if it starts too late.
     const auto left =
         std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
@@ -613,7 +616,7 @@ struct Client::Impl {
                       MemoryKind kind, bool dst_is_ours, std::function<void(Status)> then) {
     p->io++;
     if (!dst_is_ours) p->io_on_callers_memory++;
-    if (dst_is_ours) p->receiving += msg->payload_size();
+    if (dst_is_ours) p->own_buffer_bytes += msg->payload_size();
     transport->Receive(std::move(msg), dst, kind,
                        Pooled([this, p, dst_is_ours, then = std::move(then)](Status s) {
                          p->io--;

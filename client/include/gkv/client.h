@@ -11,13 +11,14 @@
 // nodes a miss is asked of the key's previous owner before it is reported.
 // Thread-safety: a Client is safe to use from many threads at once. Every call has a deadline
 // (per call, or ClientOptions::default_timeout) and returns Timeout or Unavailable instead of
-// hanging. A deadline that passes while bytes still move through memory the client owns (what
-// Get, MultiGet and MultiGetInto receive, whose rows are copied out of a reply block) fails
-// that call alone: the bytes finish moving unseen (still moving the default timeout later, at
-// least 1 s, the connection is closed; 256 MiB of such buffers at most). One that passes
-// while bytes move into or out of the caller's buffer (GetInto, Put) closes that node's
-// connection, failing its other calls in flight, so the buffer is never touched after the call
-// returns; the next call reconnects. docs/ARCHITECTURE.md, "Failures", has the details.
+// hanging. A deadline that passes while bytes still move through buffers the client made (a
+// value Get or MultiGet receives, MultiGetInto's reply block, a batch's request block, a device
+// value GetInto or Put stages through host memory) fails that call alone: the bytes finish
+// moving unseen (still moving the default timeout later, at least 1 s, the connection is
+// closed; past 256 MiB of such buffers held, a call is cut off as below). One that passes while
+// bytes move into or out of the caller's own buffer (GetInto's destination, Put's value)
+// closes that node's connection, failing its other calls in flight, so the buffer is never
+// touched after the call returns; the next call reconnects. docs/ARCHITECTURE.md, "Failures".
 // Ownership: buffers passed to Put/GetInto are borrowed for the duration of the call (for the
 // async forms: until the future is ready or the callback has run).
 #pragma once

@@ -1,9 +1,9 @@
 // Recycled small heap blocks for what a request makes and drops once (closures that a
-// std::function keeps on the heap, shared_ptr control blocks, map nodes, promise states), so that
+// std::function keeps on the heap, shared_ptr control blocks, map nodes), so that
 // a hot path calls malloc only while the pool warms up.
 //
 //   BlockPool::Allocate / Free      raw blocks, by size class
-//   PoolAllocator<T>                an allocator on them (allocate_shared, containers, promises)
+//   PoolAllocator<T>                an allocator on them (allocate_shared, containers)
 //   Pooled(f)                       a callable whose heap copy (inside a std::function) is one
 //
 // Blocks are kept per thread, in size classes of 32 bytes up to 512 bytes, at most kKeep per
