@@ -94,19 +94,10 @@ struct PendingOp {
   uint64_t version;
 };
 
-// The index's hash: looks a key up by std::string_view without making a std::string of it (a
-// key longer than the small-string buffer would cost an allocation on every read).
-struct KeyHash {
-  using is_transparent = void;
-  size_t operator()(std::string_view key) const noexcept {
-    return std::hash<std::string_view>{}(key);
-  }
-};
-
 // Aligned so that two shards' locks and counters never share a cache line.
 struct alignas(64) Shard {
   std::mutex mu;
-  std::unordered_map<std::string, std::shared_ptr<Entry>, KeyHash, std::equal_to<>> map;
+  std::unordered_map<std::string, std::shared_ptr<Entry>, StringKeyHash, std::equal_to<>> map;
   // Reads of this shard's keys, summed by GetStats: counted here rather than on counters every
   // reader of the node shares (relaxed).
   std::atomic<uint64_t> hits[kTierCount] = {};

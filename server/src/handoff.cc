@@ -336,24 +336,24 @@ void Server::Impl::HandleRepair(const Req& r, std::string_view body) {
   }
   if (!s.ok()) return ReplyStatus(r, s);
   SubmitRequestWork(r, [this, r, key = std::move(key), target, seen] {
-    if (r.Expired()) return PostReply([this, r] { ReplyStatus(r, DeadlinePassed()); });
+    if (r.Expired()) return PostReplyStatus(r, DeadlinePassed());
     // The copy is held in memory until the push ends: repairs together hold at most a quarter
     // of the node's in-flight budget (a busy node repairs later; reads sample the key again).
     auto st = cache->Stat(key);
-    if (!st.ok()) return PostReply([this, r, e = st.status()] { ReplyStatus(r, e); });
+    if (!st.ok()) return PostReplyStatus(r, st.status());
     const uint64_t size = st->size;
     const uint64_t before = repair_bytes.fetch_add(size);
     // One repair always goes (so a value larger than the budget is still repaired).
     if (before > 0 && before + size > options.max_inflight_bytes / 4) {
       repair_bytes.fetch_sub(size);
-      return PostReply([this, r] { ReplyStatus(r, Status::Busy("too many repairs in flight")); });
+      return PostReplyStatus(r, Status::Busy("too many repairs in flight"));
     }
     auto bytes = std::shared_ptr<std::string>(new std::string(), [this, size](std::string* b) {
       repair_bytes.fetch_sub(size);
       delete b;
     });
     auto info = cache->Get(key, bytes.get());
-    if (!info.ok()) return PostReply([this, r, e = info.status()] { ReplyStatus(r, e); });
+    if (!info.ok()) return PostReplyStatus(r, info.status());
     w::PutRequest put;
     put.key = key;
     put.tensor = info->tensor;

@@ -276,15 +276,9 @@ struct Server::Impl {
 
    private:
     static constexpr size_t kShards = 16;
-    struct Hash {
-      using is_transparent = void;
-      size_t operator()(std::string_view k) const noexcept {
-        return std::hash<std::string_view>{}(k);
-      }
-    };
     struct alignas(64) Shard {
       mutable std::mutex mu;
-      std::unordered_map<std::string, HeldCopy, Hash, std::equal_to<>> copies;
+      std::unordered_map<std::string, HeldCopy, StringKeyHash, std::equal_to<>> copies;
     };
     const Shard& ShardOf(std::string_view key) const { return shards_[HashKey(key) % kShards]; }
     Shard& ShardOf(std::string_view key) { return shards_[HashKey(key) % kShards]; }
@@ -884,15 +878,9 @@ struct Server::Impl {
       uint64_t version = 0;
       std::vector<int> nodes;  // serving `version`; empty: copying or withdrawing
     };
-    struct Hash {
-      using is_transparent = void;
-      size_t operator()(std::string_view k) const noexcept {
-        return std::hash<std::string_view>{}(k);
-      }
-    };
     struct alignas(64) Shard {
       std::mutex mu;
-      std::unordered_map<std::string, Copies, Hash, std::equal_to<>> keys;
+      std::unordered_map<std::string, Copies, StringKeyHash, std::equal_to<>> keys;
       std::atomic<uint64_t> filter{0};
     };
     // The shard that may hold `key`, or null when the set is empty or the shard's filter rules
