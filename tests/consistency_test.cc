@@ -63,6 +63,7 @@ struct Counts {
   uint64_t writes = 0, acked = 0, deletes = 0, batch_rows = 0, reads = 0, checked_reads = 0,
            not_found = 0, crashes = 0, stops = 0;
   uint64_t never_written = 0, stale = 0, resurrected = 0, lost_durable = 0;
+  uint64_t spills = 0, promotions = 0;  // objects moved host -> disk and back, all lives
 };
 
 struct Mode {
@@ -223,6 +224,19 @@ Counts RunChecker(const Mode& mode, std::chrono::milliseconds duration) {
     });
   }
 
+  // Objects each node moved between memory and disk, summed over its lives: each life's
+  // counters are read just before it is killed, and at the end.
+  struct Moved {
+    Cluster& cluster;
+    std::unique_ptr<Client> observer = cluster.NewClient();
+    uint64_t spills = 0, promotions = 0;
+    void Sample(int node) {
+      if (!observer) return;
+      spills += testing::StatsCounter(*observer, node, "objects", "\"host_to_disk\":{");
+      promotions += testing::StatsCounter(*observer, node, "objects", "\"disk_to_host\":{");
+    }
+  } moved{cluster};
+
   // The nemesis, on this (the main) thread: the harness's nodes die with the thread that
   // started them.
   Random rng(testing::TestSeed() * 7919);
@@ -236,6 +250,7 @@ Counts RunChecker(const Mode& mode, std::chrono::milliseconds duration) {
     kill.sigkill = next_sigkill;  // alternating, so every run has both kinds
     next_sigkill = !next_sigkill;
     kill.began = Clock::now();
+    moved.Sample(kill.node);  // its counters die with it
     const int rc = cluster.StopNode(kill.node, kill.sigkill ? SIGKILL : SIGTERM);
     kill.dead = Clock::now();
     if (!kill.sigkill && rc != 0) {
@@ -267,7 +282,10 @@ Counts RunChecker(const Mode& mode, std::chrono::milliseconds duration) {
     reads.push_back(std::move(rec));
   }
 
+  for (int i = 0; i < 3; ++i) moved.Sample(i);
   Counts n;
+  n.spills = moved.spills;
+  n.promotions = moved.promotions;
   for (auto& k : kills) (k.sigkill ? n.crashes : n.stops)++;
   for (int k = 0; k < kKeys; ++k) {
     n.writes += writes[k].size();
@@ -352,7 +370,8 @@ Counts RunChecker(const Mode& mode, std::chrono::milliseconds duration) {
             << " writes (" << n.acked << " acknowledged, " << n.deletes << " deletes), " << n.reads
             << " reads (" << n.checked_reads << " checked, " << n.batch_rows << " batch rows, "
             << n.not_found << " not found), " << n.crashes << " SIGKILLs, " << n.stops
-            << " SIGTERMs; anomalies: " << n.never_written << " never-written, " << n.stale
+            << " SIGTERMs; " << n.spills << " objects spilled to disk, " << n.promotions
+            << " promoted back; anomalies: " << n.never_written << " never-written, " << n.stale
             << " stale, " << n.resurrected << " resurrected, " << n.lost_durable
             << " lost durable\n";
   return n;
@@ -379,8 +398,10 @@ TEST(ConsistencyTest, CrashesAndRestartsKeepTheDocumentedSemanticsR2) {
 // Each node's memory holds about a third of the keys it owns (24 keys of 16-64 KiB over three
 // nodes, 256 KiB of host memory each), so reads promote and writes spill while nodes die.
 TEST(ConsistencyTest, CrashesAndRestartsKeepTheDocumentedSemanticsWhileObjectsSpill) {
-  ExpectEnoughWorkAndNoAnomaly(
-      RunChecker({1, "256KiB", "spilling"}, std::chrono::milliseconds(6000)));
+  const Counts n = RunChecker({1, "256KiB", "spilling"}, std::chrono::milliseconds(6000));
+  ExpectEnoughWorkAndNoAnomaly(n);
+  EXPECT_GT(n.spills, 100u) << "objects did not move to disk: the run checked memory only";
+  EXPECT_GT(n.promotions, 100u) << "objects did not come back from disk";
 }
 
 }  // namespace
