@@ -112,8 +112,8 @@ TEST(CliTest, CommandsOutputsAndExitCodes) {
 // a `gkv get` stopped with SIGSTOP while it waits to write its output) used to hold a node's
 // graceful stop for 7 s per I/O thread holding such a connection (its close waited 2 s, then
 // 5 s more, then was abandoned; 7.3 s here). Closes with nothing of the node's in flight now
-// wait 250 ms at most. The consistency checker's nodes took 14 s each to stop for the same
-// reason.
+// wait 250 ms at most. (The consistency checker's nodes took 14 s each to stop: nodes it had
+// restarted held its clients' sockets, so closed clients looked alive and silent; see spawn.h.)
 TEST(CliTest, ANodeStopsPromptlyWhileAConnectedClientIsStopped) {
   Cluster cluster(1);
   const std::string& cf = cluster.cluster_file();
