@@ -31,7 +31,9 @@ inline pid_t SpawnLogged(std::vector<std::string> args, const std::string& log,
     FILE* out = freopen(log.c_str(), "a", stderr);
     out = freopen(log.c_str(), "a", stdout);
     (void)out;
-    syscall(SYS_close_range, 3u, ~0u, 0u);  // Linux 5.9; where it is missing, nothing changes
+    if (syscall(SYS_close_range, 3u, ~0u, 0u) != 0) {  // Linux 5.9; else one by one
+      for (int fd = 3; fd < 65536; ++fd) close(fd);
+    }
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <deque>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <unordered_map>
 #include <vector>
@@ -974,40 +975,64 @@ struct UcxTransport::Impl {
     ProgressAll();
     std::vector<ConnId> ids;
     for (auto& [id, c] : conns) ids.push_back(id);
+    // Everything sent so far leaves this process first: a worker flush completes once each
+    // endpoint's data is in the peer's shared-memory queue, the kernel's socket buffer or the
+    // NIC's hands, which needs no answer from the peer's software (over tcp, UCX holds the rest
+    // of a message the socket buffer had no room for until then).
+    ucp_request_param_t flush_param{};
+    void* flush = ucp_worker_flush_nbx(worker, &flush_param);
+    bool flushed = !UCS_PTR_IS_PTR(flush);
     for (ConnId id : ids) CloseInternal(id, false);
     // Flushing closes get 2 s; ones still flushing then (a slow peer taking a large reply)
-    // get up to 5 s more before they are abandoned: the worker goes right after. Once nothing
-    // of this worker's is in flight (every send handed to the transport, every receive done),
-    // closes still pending after kIdleCloseGrace wait only for the disconnect handshake of
-    // peers that cannot answer it: a client that force-closed its endpoint and lives on, a
-    // machine that died. UCX would see those only at its keepalive (20 s); nothing is lost by
-    // not waiting for them. Live peers answer within milliseconds.
-    const auto closes_began = std::chrono::steady_clock::now();
-    auto deadline = closes_began + std::chrono::seconds(2);
+    // get up to 5 s more before they are abandoned: the worker goes right after. Once the
+    // worker flush is done and nothing of this worker's is in flight (no send or receive
+    // pending), closes still pending after kIdleCloseGrace wait only for the disconnect
+    // handshake of peers that cannot answer it: a client stopped in a debugger, one that
+    // dropped its endpoint without telling, a dead machine. UCX would see those only at its
+    // keepalive (20 s); what they were sent has left already. Live peers answer within
+    // milliseconds.
+    using SteadyClock = std::chrono::steady_clock;
+    auto deadline = SteadyClock::now() + std::chrono::seconds(2);
+    std::optional<SteadyClock::time_point> quiet_since;  // flushed, nothing in flight
     bool only_silent_peers_left = false;
-    for (int phase = 0; phase < 2 && !closing.empty() && !only_silent_peers_left; ++phase) {
-      while (!closing.empty() && std::chrono::steady_clock::now() < deadline) {
+    for (int phase = 0; phase < 2 && !(closing.empty() && flushed) && !only_silent_peers_left;
+         ++phase) {
+      while (!(closing.empty() && flushed) && SteadyClock::now() < deadline) {
         ucp_worker_progress(worker);
         ReapClosed();
         RunDeferred();
         RunPosted();
-        if (ops_in_flight == 0 && !closing.empty() &&
-            std::chrono::steady_clock::now() - closes_began >= kIdleCloseGrace) {
+        if (!flushed && ucp_request_check_status(flush) != UCS_INPROGRESS) {
+          ucp_request_free(flush);
+          flushed = true;
+        }
+        if (!flushed || ops_in_flight != 0) {
+          quiet_since.reset();
+        } else if (!quiet_since) {
+          quiet_since = SteadyClock::now();
+        } else if (!closing.empty() && SteadyClock::now() - *quiet_since >= kIdleCloseGrace) {
           only_silent_peers_left = true;
           break;
         }
       }
       if (only_silent_peers_left) {
-        GKV_LOG_INFO("{} connection(s) whose peer never answered the disconnect closed at shutdown",
-                     closing.size());
-      } else if (phase == 0 && !closing.empty()) {
+        GKV_LOG_INFO(
+            "{} endpoint close(s) left at shutdown: everything was sent, their peers did not "
+            "answer the disconnect",
+            closing.size());
+      } else if (phase == 0 && !(closing.empty() && flushed)) {
         GKV_LOG_WARN("{} connection(s) still flushing at shutdown; waiting up to 5 s more",
-                     closing.size());
-        deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+                     closing.size() + (flushed ? 0 : 1));
+        deadline = SteadyClock::now() + std::chrono::seconds(5);
       }
     }
-    if (!closing.empty() && !only_silent_peers_left) {
-      GKV_LOG_WARN("{} connection(s) still flushing at shutdown; abandoned", closing.size());
+    if (!flushed) {
+      ucp_request_cancel(worker, flush);
+      ucp_request_free(flush);
+    }
+    if (!(closing.empty() && flushed) && !only_silent_peers_left) {
+      GKV_LOG_WARN("{} connection(s) still flushing at shutdown; abandoned",
+                   closing.size() + (flushed ? 0 : 1));
     }
     for (Closing& c : closing) {
       ucp_request_cancel(worker, c.request);
