@@ -58,13 +58,13 @@ struct ReadRecord {
 
 struct Kill {
   int node = 0;
-  bool sigkill = false;  // false: SIGTERM that ended in a clean exit
-  Clock::time_point began, dead;
+  bool sigkill = false;                 // false: SIGTERM that ended in a clean exit
+  Clock::time_point began, dead, back;  // back: restarted and ready
 };
 
 struct Counts {
   uint64_t writes = 0, acked = 0, deletes = 0, batch_rows = 0, reads = 0, checked_reads = 0,
-           not_found = 0, crashes = 0, stops = 0;
+           excused_reads = 0, not_found = 0, crashes = 0, stops = 0;
   uint64_t never_written = 0, stale = 0, resurrected = 0, lost_durable = 0;
   uint64_t spills = 0, promotions = 0;  // objects moved host -> disk and back, all lives
 };
@@ -311,10 +311,11 @@ Counts RunChecker(const Mode& mode, std::chrono::milliseconds duration) {
                     << cluster.ReadLog(kill.node);
       kill.sigkill = true;  // judge the history as after a crash
     }
-    kills.push_back(kill);
     std::this_thread::sleep_for(std::chrono::milliseconds(rng.Uniform(100, 400)));
     cluster.StartNode(kill.node);
     cluster.WaitReady();
+    kill.back = Clock::now();
+    kills.push_back(kill);
   }
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   stop = true;
@@ -344,6 +345,8 @@ Counts RunChecker(const Mode& mode, std::chrono::milliseconds duration) {
   // ARCHITECTURE.md "Durability across crash and restart"): a crash does not lose it. The key
   // has one after an acknowledged durable write, until a delete (one that failed may have
   // landed too). Spilled copies are not seen here, so some writes are excused that need not be.
+  // (This holds while the disk tier has room for the new value, as the harness's 1 GiB has;
+  // one that has not deletes the old copy instead, and a crash then leaves neither.)
   for (int k = 0; k < kKeys; ++k) {
     bool disk_copy = false;
     for (auto& w : writes[k]) {
@@ -363,6 +366,15 @@ Counts RunChecker(const Mode& mode, std::chrono::milliseconds duration) {
   auto client = cluster.NewClient();
   std::vector<int> primary(kKeys);
   for (int k = 0; k < kKeys; ++k) primary[k] = client->NodeFor(keys[k]);
+  auto primary_away = [&](int key, Clock::time_point began, Clock::time_point ended) {
+    for (auto& k : kills) {
+      if (k.node == primary[key] && k.began < ended &&
+          k.back + std::chrono::milliseconds(2500) > began) {
+        return true;
+      }
+    }
+    return false;
+  };
   auto crashed_between = [&](int key, Clock::time_point acked, Clock::time_point read_began) {
     for (auto& k : kills) {
       if (k.sigkill && k.node == primary[key] && k.dead > acked && k.began < read_began)
@@ -409,8 +421,17 @@ Counts RunChecker(const Mode& mode, std::chrono::milliseconds duration) {
       floor_durable = w.durable;
       floor_deleted = w.deleted;
     }
-    n.checked_reads++;
     const bool final_read = rd.began == final_began;
+    // R = 2: while a key's primary is away (and until its readers' clients have it back: their
+    // backoff reaches 2 s), reads go to the other replica, which keeps an older version of a
+    // write or delete it missed (it was late) until the key is written again (docs/
+    // ARCHITECTURE.md, client-driven replication). Such reads are checked for their bytes
+    // only. The final reads, with every node back, are checked in full.
+    if (replicas > 1 && !final_read && primary_away(rd.key, rd.began, rd.ended)) {
+      n.excused_reads++;
+      continue;
+    }
+    n.checked_reads++;
     bool ok = true;
     if (rd.found) {
       ok = seq >= floor;  // (a delete's seq is never a value's)
@@ -430,15 +451,19 @@ Counts RunChecker(const Mode& mode, std::chrono::milliseconds duration) {
     } else {
       (final_read && floor_durable ? n.lost_durable : n.stale)++;
     }
-    ADD_FAILURE() << "key " << rd.key << ": " << (rd.batch ? "batch " : "") << "read "
-                  << (rd.found ? "seq " + std::to_string(seq) : std::string("not found"))
+    ADD_FAILURE() << "key " << rd.key << ": "
+                  << (rd.by_delete ? "a delete answered not found"
+                                   : std::string(rd.batch ? "batch " : "") + "read " +
+                                         (rd.found ? "seq " + std::to_string(seq)
+                                                   : std::string("not found")))
                   << " older than acknowledged " << (floor_deleted ? "delete" : "write") << " seq "
                   << floor << (floor_durable ? " (durable)" : "")
                   << (final_read ? " at the final check" : "");
   }
   std::cout << "consistency (" << mode.name << ", R=" << replicas << "): " << n.writes
             << " writes (" << n.acked << " acknowledged, " << n.deletes << " deletes), " << n.reads
-            << " reads (" << n.checked_reads << " checked, " << n.batch_rows << " batch rows, "
+            << " reads (" << n.checked_reads << " checked, " << n.excused_reads
+            << " excused while a primary was away, " << n.batch_rows << " batch rows, "
             << n.not_found << " not found), " << n.crashes << " SIGKILLs, " << n.stops
             << " SIGTERMs; " << n.spills << " objects spilled to disk, " << n.promotions
             << " promoted back; anomalies: " << n.never_written << " never-written, " << n.stale

@@ -161,7 +161,9 @@ uint64_t ReadUntilRepaired(Client& c, const std::string& key, int pusher, const 
     auto got = c.Get(key);
     if (expect) {
       EXPECT_TRUE(got.ok()) << got.status().ToString();
-      if (got.ok()) EXPECT_EQ(got->view(), expect);
+      if (got.ok()) {
+        EXPECT_EQ(got->view(), expect);
+      }
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
     repairs = StatsCounter(c, pusher, "read_repairs");

@@ -31,8 +31,13 @@ inline pid_t SpawnLogged(std::vector<std::string> args, const std::string& log,
     FILE* out = freopen(log.c_str(), "a", stderr);
     out = freopen(log.c_str(), "a", stdout);
     (void)out;
-    if (syscall(SYS_close_range, 3u, ~0u, 0u) != 0) {  // Linux 5.9; else one by one
-      for (int fd = 3; fd < 65536; ++fd) close(fd);
+    int closed = -1;
+#ifdef SYS_close_range  // Linux 5.9 headers
+    closed = static_cast<int>(syscall(SYS_close_range, 3u, ~0u, 0u));
+#endif
+    if (closed != 0) {  // one by one
+      const long open_max = sysconf(_SC_OPEN_MAX);
+      for (long fd = 3; fd < (open_max > 0 ? open_max : 65536); ++fd) close(static_cast<int>(fd));
     }
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());

@@ -15,7 +15,6 @@
 #include <cstring>
 #include <deque>
 #include <mutex>
-#include <optional>
 #include <thread>
 #include <unordered_map>
 #include <vector>
@@ -982,6 +981,9 @@ struct UcxTransport::Impl {
     ucp_request_param_t flush_param{};
     void* flush = ucp_worker_flush_nbx(worker, &flush_param);
     bool flushed = !UCS_PTR_IS_PTR(flush);
+    if (UCS_PTR_IS_ERR(flush)) {
+      GKV_LOG_DEBUG("worker flush at shutdown: {}", ucs_status_string(UCS_PTR_STATUS(flush)));
+    }
     for (ConnId id : ids) CloseInternal(id, false);
     // Flushing closes get 2 s; ones still flushing then (a slow peer taking a large reply)
     // get up to 5 s more before they are abandoned: the worker goes right after. Once the
@@ -993,7 +995,8 @@ struct UcxTransport::Impl {
     // milliseconds.
     using SteadyClock = std::chrono::steady_clock;
     auto deadline = SteadyClock::now() + std::chrono::seconds(2);
-    std::optional<SteadyClock::time_point> quiet_since;  // flushed, nothing in flight
+    // Since when the worker is flushed with nothing in flight; max() while it is not.
+    auto quiet_since = SteadyClock::time_point::max();
     bool only_silent_peers_left = false;
     for (int phase = 0; phase < 2 && !(closing.empty() && flushed) && !only_silent_peers_left;
          ++phase) {
@@ -1002,15 +1005,21 @@ struct UcxTransport::Impl {
         ReapClosed();
         RunDeferred();
         RunPosted();
-        if (!flushed && ucp_request_check_status(flush) != UCS_INPROGRESS) {
-          ucp_request_free(flush);
-          flushed = true;
+        if (!flushed) {
+          const ucs_status_t fs = ucp_request_check_status(flush);
+          if (fs != UCS_INPROGRESS) {
+            if (fs != UCS_OK) {
+              GKV_LOG_DEBUG("worker flush at shutdown: {}", ucs_status_string(fs));
+            }
+            ucp_request_free(flush);
+            flushed = true;
+          }
         }
         if (!flushed || ops_in_flight != 0) {
-          quiet_since.reset();
-        } else if (!quiet_since) {
+          quiet_since = SteadyClock::time_point::max();
+        } else if (quiet_since == SteadyClock::time_point::max()) {
           quiet_since = SteadyClock::now();
-        } else if (!closing.empty() && SteadyClock::now() - *quiet_since >= kIdleCloseGrace) {
+        } else if (!closing.empty() && SteadyClock::now() - quiet_since >= kIdleCloseGrace) {
           only_silent_peers_left = true;
           break;
         }
@@ -1021,8 +1030,8 @@ struct UcxTransport::Impl {
             "answer the disconnect",
             closing.size());
       } else if (phase == 0 && !(closing.empty() && flushed)) {
-        GKV_LOG_WARN("{} connection(s) still flushing at shutdown; waiting up to 5 s more",
-                     closing.size() + (flushed ? 0 : 1));
+        GKV_LOG_WARN("{} connection close(s){} still pending at shutdown; waiting up to 5 s more",
+                     closing.size(), flushed ? "" : " and the worker flush");
         deadline = SteadyClock::now() + std::chrono::seconds(5);
       }
     }
@@ -1031,8 +1040,8 @@ struct UcxTransport::Impl {
       ucp_request_free(flush);
     }
     if (!(closing.empty() && flushed) && !only_silent_peers_left) {
-      GKV_LOG_WARN("{} connection(s) still flushing at shutdown; abandoned",
-                   closing.size() + (flushed ? 0 : 1));
+      GKV_LOG_WARN("{} connection close(s){} still pending at shutdown; abandoned", closing.size(),
+                   flushed ? "" : " and the worker flush");
     }
     for (Closing& c : closing) {
       ucp_request_cancel(worker, c.request);
