@@ -88,18 +88,20 @@ inline uint64_t StatsCounter(Client& c, int node, const std::string& name,
 }
 
 // Node `node`'s count of requests answered by each of its I/O threads (requests_by_io_thread in
-// its stats). A missing field or node fails the test (and reads as an empty list).
-inline std::vector<uint64_t> RequestsByIoThread(Client& client, int node = 0) {
+// its stats; `name` picks another per-thread list, e.g. reads_served_by_io_thread). A missing
+// field or node fails the test (and reads as an empty list).
+inline std::vector<uint64_t> RequestsByIoThread(Client& client, int node = 0,
+                                                const std::string& name = "requests_by_io_thread") {
   std::vector<uint64_t> by_thread;
   auto stats = client.NodeStats(node);
   if (!stats.ok()) {
     ADD_FAILURE() << "stats of node " << node << ": " << stats.status().ToString();
     return by_thread;
   }
-  const std::string field = "\"requests_by_io_thread\":[";
+  const std::string field = "\"" + name + "\":[";
   const size_t at = stats->find(field);
   if (at == std::string::npos) {
-    ADD_FAILURE() << "no requests_by_io_thread in the stats of node " << node;
+    ADD_FAILURE() << "no " << name << " in the stats of node " << node;
     return by_thread;
   }
   const size_t end = stats->find(']', at);

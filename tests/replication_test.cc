@@ -530,6 +530,14 @@ void RunReplicationChecker(const CheckerOptions& opt) {
   EXPECT_EQ(backwards.load(), 0u);
   EXPECT_EQ(errors.load(), 0u) << first_error;
   EXPECT_GT(served, 0u) << "the copies never served a read: the test did not exercise them";
+  // Holders answer copies on every I/O worker (HeldCopies), not only worker 0: each node's
+  // connections from the readers are dealt to its two workers in turn.
+  uint64_t beyond_worker0 = 0;
+  for (int n = 0; n < 3; ++n) {
+    const auto by_thread = RequestsByIoThread(*writer, n, "reads_served_by_io_thread");
+    for (size_t i = 1; i < by_thread.size(); ++i) beyond_worker0 += by_thread[i];
+  }
+  EXPECT_GT(beyond_worker0, 0u) << "no copy was read on a worker other than 0";
   if (opt.rotate_hot_set) {
     EXPECT_GT(cooled, 0u) << "no key cooled: the test did not exercise it";
   }

@@ -510,7 +510,7 @@ void Server::Impl::ServeMultiGet(const Req& r, std::shared_ptr<std::vector<Batch
     res.meta = ToWire(got->info());
     if (row.replica_version != 0) {
       res.meta.version = row.replica_version;  // the primary's version
-      counters.replica_reads.fetch_add(1, std::memory_order_relaxed);
+      counters.CountReplicaRead(r.worker);
     } else if (replication_on() && replicated_keys.MaybeContains(row.key)) {
       hint_rows.push_back(i);  // its hint is noted below
     }

@@ -512,7 +512,7 @@ void Server::Impl::HandleReplicaGet(const Req& r, std::string_view body) {
   }
   auto send = [this, r, version](std::shared_ptr<ReadHandle> handle, const void* data,
                                  MemoryKind kind, std::shared_ptr<std::string> staging) {
-    counters.replica_reads.fetch_add(1, std::memory_order_relaxed);
+    counters.CountReplicaRead(r.worker);
     CountRow();  // a miss costs the node little; it is read again from the primary
     w::ObjectMeta meta = ToWire(handle->info());
     meta.version = version;  // the primary's version, not this cache's own counter

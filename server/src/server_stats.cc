@@ -94,7 +94,13 @@ std::string RenderStatsJson(const std::string& node_id, const CacheStats& st,
   j += "},\"replication\":{\"created\":" + std::to_string(counters.replicas_created.load());
   j += ",\"dropped\":" + std::to_string(counters.replicas_dropped.load());
   j += ",\"installed\":" + std::to_string(counters.replica_installs.load());
-  j += ",\"reads_served\":" + std::to_string(counters.replica_reads.load());
+  j += ",\"reads_served\":" + std::to_string(counters.ReplicaReads());
+  j += ",\"reads_served_by_io_thread\":[";
+  for (int i = 0; i < io_threads; ++i) {
+    if (i) j += ",";
+    j += std::to_string(counters.requests_by_io_thread[i].replica_reads.load());
+  }
+  j += "]";
   j += ",\"refused\":" + std::to_string(counters.replica_refused.load());
   j += ",\"rows_read\":" + std::to_string(counters.rows_read.load());
   j += ",\"reads_per_s\":" + std::to_string(counters.reads_per_s.load());
@@ -238,7 +244,7 @@ std::string RenderPrometheus(const std::string& node_id, const CacheStats& st,
   sample("gkv_replicas_dropped_total", "", counters.replicas_dropped.load());
   family("gkv_replica_reads_total", "counter",
          "Reads this node served from copies it holds for other primaries.");
-  sample("gkv_replica_reads_total", "", counters.replica_reads.load());
+  sample("gkv_replica_reads_total", "", counters.ReplicaReads());
   family("gkv_rows_read_total", "counter",
          "Rows read from this node (gets, batch rows, replica reads): the load replication evens.");
   sample("gkv_rows_read_total", "", counters.rows_read.load());

@@ -27,9 +27,10 @@ struct ServerCounters {
   std::atomic<uint64_t> stuck_connections_closed{0};  // a reply not taken within send_timeout
   std::atomic<uint64_t> connections_accepted{0};
   // Adaptive replication: copies this node made of its hot keys (created) and withdrew (dropped),
-  // copies it installed for other primaries, and reads it served from those copies.
+  // and copies it installed for other primaries. The reads it served from those copies are
+  // counted by I/O thread (IoSlot::replica_reads, ReplicaReads() for the node).
   std::atomic<uint64_t> replicas_created{0}, replicas_dropped{0};
-  std::atomic<uint64_t> replica_installs{0}, replica_reads{0};
+  std::atomic<uint64_t> replica_installs{0};
   // Installs this node refused (an invalidation of that attempt came first, or a newer copy is
   // held): the primary counts and hints only real installs.
   std::atomic<uint64_t> replica_refused{0};
@@ -56,11 +57,21 @@ struct ServerCounters {
   std::atomic<uint64_t> io_threads{1};
   struct alignas(64) IoSlot {
     std::atomic<uint64_t> requests{0};
+    std::atomic<uint64_t> replica_reads{0};  // reads answered from copies held for others
   };
   IoSlot requests_by_io_thread[kIoSlots];
   void CountAnswered(int worker) {
     requests_by_io_thread[std::min(worker, kIoSlots - 1)].requests.fetch_add(
         1, std::memory_order_relaxed);
+  }
+  void CountReplicaRead(int worker) {
+    requests_by_io_thread[std::min(worker, kIoSlots - 1)].replica_reads.fetch_add(
+        1, std::memory_order_relaxed);
+  }
+  uint64_t ReplicaReads() const {
+    uint64_t n = 0;
+    for (const IoSlot& slot : requests_by_io_thread) n += slot.replica_reads.load();
+    return n;
   }
 
   // `stripe`: the recording I/O worker's index. Each worker records into a stripe of its own
