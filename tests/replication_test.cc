@@ -530,8 +530,10 @@ void RunReplicationChecker(const CheckerOptions& opt) {
   EXPECT_EQ(backwards.load(), 0u);
   EXPECT_EQ(errors.load(), 0u) << first_error;
   EXPECT_GT(served, 0u) << "the copies never served a read: the test did not exercise them";
-  // Holders answer copies on every I/O worker (HeldCopies), not only worker 0: each node's
-  // connections from the readers are dealt to its two workers in turn.
+  // Holders answer copies on every I/O worker (HeldCopies), not only worker 0. A node deals
+  // the connections it accepts to its two workers in turn; the three readers connect to a
+  // holder only after its copy's hint, and at most one other connection (a peer's) can come
+  // between theirs, so at least one reader's lands on worker 1.
   uint64_t beyond_worker0 = 0;
   for (int n = 0; n < 3; ++n) {
     const auto by_thread = RequestsByIoThread(*writer, n, "reads_served_by_io_thread");

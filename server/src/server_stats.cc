@@ -94,13 +94,17 @@ std::string RenderStatsJson(const std::string& node_id, const CacheStats& st,
   j += "},\"replication\":{\"created\":" + std::to_string(counters.replicas_created.load());
   j += ",\"dropped\":" + std::to_string(counters.replicas_dropped.load());
   j += ",\"installed\":" + std::to_string(counters.replica_installs.load());
-  j += ",\"reads_served\":" + std::to_string(counters.ReplicaReads());
-  j += ",\"reads_served_by_io_thread\":[";
+  // The total is the sum of the same loads as the list, so the two agree under load.
+  std::string served_by_thread;
+  uint64_t served = 0;
   for (int i = 0; i < io_threads; ++i) {
-    if (i) j += ",";
-    j += std::to_string(counters.requests_by_io_thread[i].replica_reads.load());
+    const uint64_t n = counters.requests_by_io_thread[i].replica_reads.load();
+    served += n;
+    if (i) served_by_thread += ",";
+    served_by_thread += std::to_string(n);
   }
-  j += "]";
+  j += ",\"reads_served\":" + std::to_string(served);
+  j += ",\"reads_served_by_io_thread\":[" + served_by_thread + "]";
   j += ",\"refused\":" + std::to_string(counters.replica_refused.load());
   j += ",\"rows_read\":" + std::to_string(counters.rows_read.load());
   j += ",\"reads_per_s\":" + std::to_string(counters.reads_per_s.load());
