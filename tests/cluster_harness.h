@@ -110,6 +110,27 @@ inline std::vector<uint64_t> RequestsByIoThread(Client& client, int node = 0,
   return by_thread;
 }
 
+// After SIGSTOP: waits (up to 5 s) until every thread of process `pid` is stopped, so it
+// certainly answers nothing more. A loaded machine can take a while to stop them all.
+inline bool WaitProcessStopped(pid_t pid) {
+  const std::string tasks = "/proc/" + std::to_string(pid) + "/task";
+  for (int attempt = 0; attempt < 500; ++attempt) {
+    bool all = true;
+    for (const auto& t : std::filesystem::directory_iterator(tasks)) {
+      std::ifstream stat(t.path() / "stat");
+      std::string line;
+      std::getline(stat, line);
+      const auto close = line.rfind(')');  // "pid (comm) STATE ..."
+      if (close == std::string::npos || close + 2 >= line.size() || line[close + 2] != 'T') {
+        all = false;
+      }
+    }
+    if (all) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return false;
+}
+
 class Cluster {
  public:
   // Writes the cluster file and starts `n` nodes; waits until each answers a ping.
@@ -229,26 +250,8 @@ class Cluster {
     if (pids_[i] > 0) kill(pids_[i], sig);
   }
 
-  // After SIGSTOP: waits (up to 5 s) until every thread of node i is stopped, so the node
-  // certainly answers nothing more. A loaded machine can take a while to stop them all.
-  bool WaitStopped(int i) {
-    const std::string tasks = "/proc/" + std::to_string(pids_[i]) + "/task";
-    for (int attempt = 0; attempt < 500; ++attempt) {
-      bool all = true;
-      for (const auto& t : std::filesystem::directory_iterator(tasks)) {
-        std::ifstream stat(t.path() / "stat");
-        std::string line;
-        std::getline(stat, line);
-        const auto close = line.rfind(')');  // "pid (comm) STATE ..."
-        if (close == std::string::npos || close + 2 >= line.size() || line[close + 2] != 'T') {
-          all = false;
-        }
-      }
-      if (all) return true;
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-    return false;
-  }
+  // After SIGSTOP: waits (up to 5 s) until every thread of node i is stopped.
+  bool WaitStopped(int i) { return WaitProcessStopped(pids_[i]); }
 
   void WaitReady() {
     ClientOptions o;

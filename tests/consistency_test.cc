@@ -137,7 +137,9 @@ Counts RunChecker(const Mode& mode, std::chrono::milliseconds duration) {
         writes[k].push_back(std::move(rec));
         return writes[k].size() - 1;
       };
+      // Records how operation `i` on key `k` ended; a failed one quarantines its key.
       auto settle = [&](int k, size_t i, bool ok) {
+        if (!ok) quarantine(k);
         std::lock_guard<std::mutex> lock(write_mu[k]);
         writes[k][i].acked = Clock::now();
         writes[k][i].ok = ok;
@@ -152,15 +154,19 @@ Counts RunChecker(const Mode& mode, std::chrono::milliseconds duration) {
           std::this_thread::sleep_for(std::chrono::milliseconds(10));
           continue;
         }
-        if (op <= 5) {
+        // A put of key `kk`'s next unique value.
+        auto next_write = [&](int kk) {
           WriteRecord rec;
           rec.seq = ++seq;
-          rec.value = ValueFor(k, rec.seq, rng);
+          rec.value = ValueFor(kk, rec.seq, rng);
           rec.durable = durable;
+          return rec;
+        };
+        if (op <= 5) {
+          const WriteRecord rec = next_write(k);
           const size_t i = record(k, rec);
           auto r = c->Put(keys[k], rec.value.data(), rec.value.size(), po);
           settle(k, i, r.ok());
-          if (!r.ok()) quarantine(k);
         } else if (op <= 7) {
           std::vector<int> ks = {k};
           const size_t want = rng.Uniform(2, 3);
@@ -172,13 +178,10 @@ Counts RunChecker(const Mode& mode, std::chrono::milliseconds duration) {
           }
           std::vector<std::string> values;
           std::vector<size_t> at;
-          for (int k : ks) {
-            WriteRecord rec;
-            rec.seq = ++seq;
-            rec.value = ValueFor(k, rec.seq, rng);
-            rec.durable = durable;
+          for (int kk : ks) {
+            WriteRecord rec = next_write(kk);
             values.push_back(rec.value);
-            at.push_back(record(k, rec));
+            at.push_back(record(kk, std::move(rec)));
           }
           std::vector<PutItem> items(ks.size());
           for (size_t j = 0; j < ks.size(); ++j) {
@@ -188,9 +191,7 @@ Counts RunChecker(const Mode& mode, std::chrono::milliseconds duration) {
           }
           auto rs = c->MultiPut(items, po);
           for (size_t j = 0; j < ks.size(); ++j) {
-            const bool ok = j < rs.size() && rs[j].ok();
-            settle(ks[j], at[j], ok);
-            if (!ok) quarantine(ks[j]);
+            settle(ks[j], at[j], j < rs.size() && rs[j].ok());
           }
         } else {
           WriteRecord rec;
@@ -202,7 +203,6 @@ Counts RunChecker(const Mode& mode, std::chrono::milliseconds duration) {
           // for later reads), and it was a read too: nothing acknowledged may have been there.
           const bool absent = s.code() == StatusCode::kNotFound;
           settle(k, i, s.ok() || absent);
-          if (!s.ok() && !absent) quarantine(k);
           if (absent) {
             std::lock_guard<std::mutex> lock(write_mu[k]);
             ReadRecord seen;

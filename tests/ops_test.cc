@@ -147,18 +147,8 @@ TEST(CliTest, ANodeStopsPromptlyWhileAConnectedClientIsStopped) {
   ASSERT_TRUE(served) << "the tool's get never reached the node";
   probe.reset();
   ASSERT_EQ(kill(tool, SIGSTOP), 0);
-  // Stopped for certain (state T in /proc/PID/stat) before the node is asked to stop.
-  auto stopped = [tool] {
-    std::ifstream stat("/proc/" + std::to_string(tool) + "/stat");
-    std::string line;
-    std::getline(stat, line);
-    const auto close = line.rfind(')');
-    return close != std::string::npos && close + 2 < line.size() && line[close + 2] == 'T';
-  };
-  for (int i = 0; i < 500 && !stopped(); ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  ASSERT_TRUE(stopped()) << "the tool did not stop";
+  // Stopped for certain before the node is asked to stop.
+  ASSERT_TRUE(testing::WaitProcessStopped(tool)) << "the tool did not stop";
   const auto began = std::chrono::steady_clock::now();
   EXPECT_EQ(cluster.StopNode(0, SIGTERM), 0);
   const auto took = std::chrono::steady_clock::now() - began;

@@ -998,9 +998,9 @@ struct UcxTransport::Impl {
     // Since when the worker is flushed with nothing in flight; max() while it is not.
     auto quiet_since = SteadyClock::time_point::max();
     bool only_silent_peers_left = false;
-    for (int phase = 0; phase < 2 && !(closing.empty() && flushed) && !only_silent_peers_left;
-         ++phase) {
-      while (!(closing.empty() && flushed) && SteadyClock::now() < deadline) {
+    auto settled = [&] { return closing.empty() && flushed; };
+    for (int phase = 0; phase < 2 && !settled() && !only_silent_peers_left; ++phase) {
+      while (!settled() && SteadyClock::now() < deadline) {
         ucp_worker_progress(worker);
         ReapClosed();
         RunDeferred();
@@ -1029,7 +1029,7 @@ struct UcxTransport::Impl {
             "{} endpoint close(s) left at shutdown: everything was sent, their peers did not "
             "answer the disconnect",
             closing.size());
-      } else if (phase == 0 && !(closing.empty() && flushed)) {
+      } else if (phase == 0 && !settled()) {
         GKV_LOG_WARN("{} connection close(s){} still pending at shutdown; waiting up to 5 s more",
                      closing.size(), flushed ? "" : " and the worker flush");
         deadline = SteadyClock::now() + std::chrono::seconds(5);
@@ -1039,7 +1039,7 @@ struct UcxTransport::Impl {
       ucp_request_cancel(worker, flush);
       ucp_request_free(flush);
     }
-    if (!(closing.empty() && flushed) && !only_silent_peers_left) {
+    if (!settled() && !only_silent_peers_left) {
       GKV_LOG_WARN("{} connection close(s){} still pending at shutdown; abandoned", closing.size(),
                    flushed ? "" : " and the worker flush");
     }
