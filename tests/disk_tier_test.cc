@@ -301,5 +301,145 @@ TEST(DiskTierTest, ConcurrentPutsKeepVersionsAndAccounting) {
   EXPECT_EQ(tier->object_count(), count);
 }
 
+// Writes `value` as chunks of `chunk` bytes, last chunk first (the order must not matter).
+uint64_t WriteChunked(DiskTier& tier, const std::string& value, size_t chunk) {
+  const uint64_t stream = tier.BeginChunks();
+  std::vector<size_t> offsets;
+  for (size_t off = 0; off < value.size(); off += chunk) offsets.push_back(off);
+  for (auto it = offsets.rbegin(); it != offsets.rend(); ++it) {
+    const size_t n = std::min(chunk, value.size() - *it);
+    EXPECT_TRUE(tier.WriteChunk(stream, *it, value.data() + *it, n).ok());
+  }
+  return stream;
+}
+
+// A value committed from chunks reads back whole; replacing it (by an ordinary value, or by
+// another chunked one) or deleting it leaves no chunk behind, and its bytes count like any
+// value's.
+TEST(DiskTierTest, ChunkedValuesReadWholeAndLeaveNoChunksWhenReplacedOrDeleted) {
+  testing::TempDir dir;
+  auto tier = OpenTier(dir.path(), 64 << 20);
+  ASSERT_TRUE(tier);
+  Random rng(testing::TestSeed());
+  auto bytes = [&](size_t n) {
+    auto v = rng.Bytes(n);
+    return std::string(v.begin(), v.end());
+  };
+  const std::string a = bytes((3 << 20) + 123), b = bytes(1 << 20), c = bytes((2 << 20) + 7);
+  StoredObjectMeta m{a.size(), 5, TensorMeta{DType::kU8, {static_cast<int64_t>(a.size())}}};
+  m.chunks = WriteChunked(*tier, a, 1 << 20);
+  ASSERT_TRUE(tier->Put("shard", m, nullptr, true, nullptr).ok());
+  StoredObjectMeta back;
+  std::string value;
+  ASSERT_TRUE(tier->Get("shard", &back, &value).ok());
+  EXPECT_EQ(value, a);
+  EXPECT_EQ(back.tensor, m.tensor);
+  EXPECT_EQ(tier->used_bytes(), a.size() + 5);
+  EXPECT_EQ(*tier->ChunkBytes(), a.size());
+
+  ASSERT_TRUE(tier->Put("shard", {b.size(), 6, {}}, b.data(), false, nullptr).ok());
+  ASSERT_TRUE(tier->Get("shard", &back, &value).ok());
+  EXPECT_EQ(value, b);
+  EXPECT_EQ(back.chunks, 0u);
+  EXPECT_EQ(*tier->ChunkBytes(), 0u);
+
+  StoredObjectMeta mc{c.size(), 7, {}};
+  mc.chunks = WriteChunked(*tier, c, 512 << 10);
+  ASSERT_TRUE(tier->Put("shard", mc, nullptr, false, nullptr).ok());
+  ASSERT_TRUE(tier->Get("shard", &back, &value).ok());
+  EXPECT_EQ(value, c);
+  EXPECT_EQ(*tier->ChunkBytes(), c.size());
+  EXPECT_EQ(tier->used_bytes(), c.size() + 5);
+
+  // An older version is not written over a newer one: its chunks stay the caller's.
+  StoredObjectMeta old{a.size(), 3, {}};
+  old.chunks = WriteChunked(*tier, a, 1 << 20);
+  bool written = true;
+  ASSERT_TRUE(tier->Put("shard", old, nullptr, false, nullptr, &written).ok());
+  EXPECT_FALSE(written);
+  tier->AbortChunks(old.chunks);
+  EXPECT_EQ(*tier->ChunkBytes(), c.size());
+
+  ASSERT_TRUE(tier->Delete("shard").ok());
+  EXPECT_TRUE(tier->Get("shard", &back, &value).IsNotFound());
+  EXPECT_EQ(*tier->ChunkBytes(), 0u);
+  EXPECT_EQ(tier->used_bytes(), 0u);
+}
+
+// Chunks no object owns (an aborted stream, or one a stop cut off before its commit) are gone
+// after AbortChunks or the next Open; committed ones stay, and a reopened tier reads them.
+TEST(DiskTierTest, UncommittedChunksAreDeletedByAbortOrTheNextOpen) {
+  testing::TempDir dir;
+  Random rng(testing::TestSeed());
+  const auto raw = rng.Bytes(3 << 20);
+  const std::string v(raw.begin(), raw.end());
+  {
+    auto tier = OpenTier(dir.path(), 64 << 20);
+    ASSERT_TRUE(tier);
+    tier->AbortChunks(WriteChunked(*tier, v, 1 << 20));
+    EXPECT_EQ(*tier->ChunkBytes(), 0u);
+    StoredObjectMeta m{v.size(), 9, {}, /*durable=*/true};
+    m.chunks = WriteChunked(*tier, v, 1 << 20);
+    ASSERT_TRUE(tier->Put("kept", m, nullptr, true, nullptr).ok());
+    WriteChunked(*tier, v, 1 << 20);  // never committed
+    EXPECT_EQ(*tier->ChunkBytes(), 2 * v.size());
+  }
+  auto tier = OpenTier(dir.path(), 64 << 20);
+  ASSERT_TRUE(tier);
+  EXPECT_EQ(*tier->ChunkBytes(), v.size());
+  StoredObjectMeta back;
+  std::string value;
+  ASSERT_TRUE(tier->Get("kept", &back, &value).ok());
+  EXPECT_EQ(value, v);
+  EXPECT_TRUE(back.durable);
+  // A stream begun after the reopen does not collide with the one it deleted.
+  const uint64_t fresh = WriteChunked(*tier, v, 1 << 20);
+  EXPECT_NE(fresh, back.chunks);
+  EXPECT_EQ(*tier->ChunkBytes(), 2 * v.size());
+}
+
+// Capacity eviction of a cache-only chunked object deletes its chunks with it.
+TEST(DiskTierTest, EvictingAChunkedObjectDeletesItsChunks) {
+  testing::TempDir dir;
+  auto tier = OpenTier(dir.path(), (5 << 20) + 100);
+  ASSERT_TRUE(tier);
+  const std::string v(3 << 20, 'c'), w(3 << 20, 'w');
+  StoredObjectMeta m{v.size(), 1, {}};
+  m.chunks = WriteChunked(*tier, v, 1 << 20);
+  ASSERT_TRUE(tier->Put("old", m, nullptr, false, nullptr).ok());
+  std::vector<DiskEviction> ev;
+  ASSERT_TRUE(tier->Put("new", {w.size(), 2, {}}, w.data(), false, &ev).ok());
+  ASSERT_EQ(ev.size(), 1u);
+  EXPECT_EQ(ev[0].key, "old");
+  EXPECT_EQ(*tier->ChunkBytes(), 0u);
+}
+
+// The chunks are written unsynced, but a synced commit syncs them: a crash right after keeps the
+// whole value.
+TEST(DiskTierTest, ASyncedCommitOfChunksSurvivesACrash) {
+  testing::TempDir dir;
+  auto fs = SimulatedCrashFs::Create();
+  Random rng(testing::TestSeed());
+  const auto raw = rng.Bytes((2 << 20) + 5);
+  const std::string v(raw.begin(), raw.end());
+  {
+    auto tier = OpenTier(dir.path(), 64 << 20, 0.5, fs);
+    ASSERT_TRUE(tier);
+    StoredObjectMeta m{v.size(), 4, {}, /*durable=*/true};
+    m.chunks = WriteChunked(*tier, v, 1 << 20);
+    ASSERT_TRUE(tier->Put("d", m, nullptr, /*sync=*/true, nullptr).ok());
+    WriteChunked(*tier, v, 1 << 20);  // unsynced, uncommitted: lost or deleted
+    fs->Crash();
+  }
+  ASSERT_TRUE(fs->DropUnsyncedData().ok());
+  auto tier = OpenTier(dir.path(), 64 << 20);
+  ASSERT_TRUE(tier);
+  StoredObjectMeta back;
+  std::string value;
+  ASSERT_TRUE(tier->Get("d", &back, &value).ok());
+  EXPECT_EQ(value, v);
+  EXPECT_EQ(*tier->ChunkBytes(), v.size());
+}
+
 }  // namespace
 }  // namespace gkv

@@ -15,8 +15,10 @@
 namespace gkv {
 namespace {
 
-constexpr size_t kData = 1, kMeta = 2, kOrder = 3;
+constexpr size_t kData = 1, kMeta = 2, kOrder = 3, kChunks = 4;
 constexpr uint8_t kMetaFormat = 2;
+// Format 3: format 2 and the stream id of a value stored in chunks (written only for those).
+constexpr uint8_t kMetaFormatChunked = 3;
 
 // The rocksdb::Status boundary.
 Status FromRocks(const rocksdb::Status& s, std::string_view what) {
@@ -42,12 +44,13 @@ constexpr uint8_t kMetaFormatV1 = 1;
 std::string EncodeMeta(const MetaRecord& r) {
   std::string out;
   ByteWriter w(&out);
-  w.U8(kMetaFormat);
+  w.U8(r.meta.chunks != 0 ? kMetaFormatChunked : kMetaFormat);
   w.U64(r.meta.version);
   w.U64(r.sequence);
   w.U8(r.meta.durable ? 1 : 0);
   w.U64(r.meta.size);
   w.Tensor(r.meta.tensor);
+  if (r.meta.chunks != 0) w.U64(r.meta.chunks);
   return out;
 }
 
@@ -60,7 +63,11 @@ Status DecodeMeta(std::string_view in, MetaRecord* r) {
   if (format != kMetaFormatV1) rd.U8(&flags);
   rd.U64(&r->meta.size);
   rd.Tensor(&r->meta.tensor);
-  if (rd.failed() || (format != kMetaFormat && format != kMetaFormatV1) || rd.remaining() != 0) {
+  r->meta.chunks = 0;
+  if (format == kMetaFormatChunked) rd.U64(&r->meta.chunks);
+  if (rd.failed() ||
+      (format != kMetaFormat && format != kMetaFormatV1 && format != kMetaFormatChunked) ||
+      (format == kMetaFormatChunked && r->meta.chunks == 0) || rd.remaining() != 0) {
     return Status::Corruption("bad metadata record in the disk tier");
   }
   r->meta.durable = (flags & 1) != 0;
@@ -70,6 +77,26 @@ Status DecodeMeta(std::string_view in, MetaRecord* r) {
 std::string OrderKey(uint64_t sequence) {
   std::string k(8, '\0');
   for (int i = 0; i < 8; ++i) k[i] = static_cast<char>((sequence >> (56 - 8 * i)) & 0xff);
+  return k;
+}
+
+void PutBigEndian(std::string* out, uint64_t v) {
+  for (int i = 0; i < 8; ++i) out->push_back(static_cast<char>((v >> (56 - 8 * i)) & 0xff));
+}
+
+uint64_t GetBigEndian(const char* p) {
+  uint64_t v = 0;
+  for (int i = 0; i < 8; ++i) v = (v << 8) | static_cast<uint8_t>(p[i]);
+  return v;
+}
+
+// A chunk's key: its stream, then its offset, so one stream's chunks are one range in offset
+// order.
+std::string ChunkKey(uint64_t stream, uint64_t offset) {
+  std::string k;
+  k.reserve(16);
+  PutBigEndian(&k, stream);
+  PutBigEndian(&k, offset);
   return k;
 }
 
@@ -137,6 +164,7 @@ Result<std::unique_ptr<DiskTier>> DiskTier::Open(const Options& options) {
       {"data", data_options},
       {"meta", small_options},
       {"order", small_options},
+      {"chunks", data_options},
   };
   GKV_RETURN_IF_ERROR(
       FromRocks(rocksdb::DB::Open(db_options, options.path, families, &tier->handles_, &tier->db_),
@@ -146,6 +174,7 @@ Result<std::unique_ptr<DiskTier>> DiskTier::Open(const Options& options) {
   // eviction cursor from the oldest order entry.
   std::unique_ptr<rocksdb::Iterator> it(
       tier->db_->NewIterator(rocksdb::ReadOptions(), tier->handles_[kMeta]));
+  std::set<uint64_t> referenced;  // streams whose chunks are an object's value
   for (it->SeekToFirst(); it->Valid(); it->Next()) {
     MetaRecord r;
     GKV_RETURN_IF_ERROR(DecodeMeta(std::string_view(it->value().data(), it->value().size()), &r));
@@ -154,8 +183,10 @@ Result<std::unique_ptr<DiskTier>> DiskTier::Open(const Options& options) {
     if (r.meta.durable) tier->durable_bytes_ += bytes;
     tier->object_count_++;
     tier->next_sequence_ = std::max(tier->next_sequence_, r.sequence + 1);
+    if (r.meta.chunks != 0) referenced.insert(r.meta.chunks);
   }
   GKV_RETURN_IF_ERROR(FromRocks(it->status(), "scanning disk tier metadata"));
+  GKV_RETURN_IF_ERROR(tier->DropUnreferencedChunks(referenced));
   std::unique_ptr<rocksdb::Iterator> oit(
       tier->db_->NewIterator(rocksdb::ReadOptions(), tier->handles_[kOrder]));
   oit->SeekToFirst();
@@ -262,7 +293,7 @@ bool DiskTier::ChooseVictimsLocked(const std::vector<std::string_view>& keep, vo
     const uint64_t bytes = r.meta.size + key.size();
     batch->Delete(handles_[kOrder], it->key());
     batch->Delete(handles_[kMeta], key);
-    batch->Delete(handles_[kData], key);
+    DeleteValueTo(batch, key, r.meta);
     freed += bytes;
     victims->push_back({std::move(key), r.meta.version, bytes, seq});
     if (contiguous) cursor = seq + 1;
@@ -346,12 +377,19 @@ Status DiskTier::PutBatch(std::vector<DiskWrite>* writes, bool sync,
       }
       if (!w.meta.durable) batch_cache_only += bytes;
       if (existed && !r.meta.durable) batch.Delete(handles_[kOrder], OrderKey(r.sequence));
+      // The old value goes unless the new one overwrites its record in place (both in `data`).
+      if (existed && (r.meta.chunks != 0 || w.meta.chunks != 0)) {
+        DeleteValueTo(&batch, w.key, r.meta);
+      }
       used_bytes_ = used_bytes_ - old_bytes + bytes;
       durable_bytes_ = durable_after;
       if (!existed) object_count_++;
       MetaRecord nr{w.meta, next_sequence_++};
-      batch.Put(handles_[kData], w.key,
-                rocksdb::Slice(static_cast<const char*>(w.data), static_cast<size_t>(w.meta.size)));
+      if (w.meta.chunks == 0) {
+        batch.Put(
+            handles_[kData], w.key,
+            rocksdb::Slice(static_cast<const char*>(w.data), static_cast<size_t>(w.meta.size)));
+      }
       batch.Put(handles_[kMeta], w.key, EncodeMeta(nr));
       if (!w.meta.durable) batch.Put(handles_[kOrder], OrderKey(nr.sequence), w.key);
       included.push_back(i);
@@ -411,18 +449,104 @@ Status DiskTier::Get(std::string_view key, StoredObjectMeta* meta, std::string* 
   rocksdb::ReadOptions ro;
   ro.snapshot = snap;
   std::string raw;
+  MetaRecord r;
+  Status ds;
   rocksdb::Status s = db_->Get(ro, handles_[kMeta], key, &raw);
-  if (s.ok()) s = db_->Get(ro, handles_[kData], key, value);
+  if (s.ok()) ds = DecodeMeta(raw, &r);
+  if (s.ok() && ds.ok() && r.meta.chunks == 0) s = db_->Get(ro, handles_[kData], key, value);
+  if (s.ok() && ds.ok() && r.meta.chunks != 0) ds = ReadChunks(ro, r.meta, value);
   db_->ReleaseSnapshot(snap);
   if (s.IsNotFound()) return Status::NotFound("key not on disk");
   GKV_RETURN_IF_ERROR(FromRocks(s, "disk tier read"));
-  MetaRecord r;
-  GKV_RETURN_IF_ERROR(DecodeMeta(raw, &r));
+  GKV_RETURN_IF_ERROR(ds);
   if (value->size() != r.meta.size) {
     return Status::Corruption("disk tier value size does not match its metadata");
   }
   *meta = r.meta;
   return Status::OK();
+}
+
+Status DiskTier::ReadChunks(const rocksdb::ReadOptions& ro, const StoredObjectMeta& meta,
+                            std::string* value) const {
+  value->clear();
+  value->reserve(meta.size);
+  const std::string end = ChunkKey(meta.chunks + 1, 0);
+  rocksdb::ReadOptions bounded = ro;
+  rocksdb::Slice upper(end);
+  bounded.iterate_upper_bound = &upper;
+  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(bounded, handles_[kChunks]));
+  for (it->Seek(ChunkKey(meta.chunks, 0)); it->Valid(); it->Next()) {
+    // Contiguous from 0: a chunk that starts elsewhere means the stream was not what its commit
+    // said (never written so by this class).
+    if (it->key().size() != 16 || GetBigEndian(it->key().data() + 8) != value->size() ||
+        value->size() + it->value().size() > meta.size) {
+      return Status::Corruption("disk tier chunks do not match their metadata");
+    }
+    value->append(it->value().data(), it->value().size());
+  }
+  return FromRocks(it->status(), "disk tier chunk read");
+}
+
+void DiskTier::DeleteValueTo(void* batch_ptr, std::string_view key, const StoredObjectMeta& meta) {
+  auto* batch = static_cast<rocksdb::WriteBatch*>(batch_ptr);
+  if (meta.chunks == 0) {
+    batch->Delete(handles_[kData], key);
+  } else {
+    batch->DeleteRange(handles_[kChunks], ChunkKey(meta.chunks, 0), ChunkKey(meta.chunks + 1, 0));
+  }
+}
+
+uint64_t DiskTier::BeginChunks() {
+  std::lock_guard<std::mutex> lock(write_mu_);
+  return next_sequence_++;
+}
+
+Status DiskTier::WriteChunk(uint64_t stream, uint64_t offset, const void* data, uint64_t size) {
+  if (stream == 0) return Status::InvalidArgument("no chunk stream");
+  rocksdb::WriteBatch batch;
+  batch.Put(handles_[kChunks], ChunkKey(stream, offset),
+            rocksdb::Slice(static_cast<const char*>(data), static_cast<size_t>(size)));
+  return FromRocks(RocksDbWrite(db_, rocksdb::WriteOptions(), &batch), "disk tier chunk write");
+}
+
+void DiskTier::AbortChunks(uint64_t stream) {
+  if (stream == 0) return;
+  rocksdb::WriteBatch batch;
+  batch.DeleteRange(handles_[kChunks], ChunkKey(stream, 0), ChunkKey(stream + 1, 0));
+  // Unsynced: chunks a crash brings back are unreferenced, and the next Open deletes them.
+  Status s = FromRocks(RocksDbWrite(db_, rocksdb::WriteOptions(), &batch), "deleting chunks");
+  if (!s.ok()) GKV_LOG_WARN("disk tier: {} (the next start deletes them)", s.ToString());
+}
+
+Result<uint64_t> DiskTier::ChunkBytes() const {
+  std::unique_ptr<rocksdb::Iterator> it(
+      db_->NewIterator(rocksdb::ReadOptions(), handles_[kChunks]));
+  uint64_t bytes = 0;
+  for (it->SeekToFirst(); it->Valid(); it->Next()) bytes += it->value().size();
+  GKV_RETURN_IF_ERROR(FromRocks(it->status(), "scanning disk tier chunks"));
+  return bytes;
+}
+
+Status DiskTier::DropUnreferencedChunks(const std::set<uint64_t>& referenced) {
+  std::unique_ptr<rocksdb::Iterator> it(
+      db_->NewIterator(rocksdb::ReadOptions(), handles_[kChunks]));
+  rocksdb::WriteBatch batch;
+  uint64_t dropped = 0;
+  for (it->SeekToFirst(); it->Valid();) {
+    if (it->key().size() != 16) return Status::Corruption("bad chunk key in the disk tier");
+    const uint64_t stream = GetBigEndian(it->key().data());
+    next_sequence_ = std::max(next_sequence_, stream + 1);
+    if (referenced.count(stream) == 0) {
+      batch.DeleteRange(handles_[kChunks], ChunkKey(stream, 0), ChunkKey(stream + 1, 0));
+      dropped++;
+    }
+    it->Seek(ChunkKey(stream + 1, 0));
+  }
+  GKV_RETURN_IF_ERROR(FromRocks(it->status(), "scanning disk tier chunks"));
+  if (dropped == 0) return Status::OK();
+  GKV_LOG_INFO("disk tier: deleting the chunks of {} streamed writes that were never committed",
+               dropped);
+  return FromRocks(RocksDbWrite(db_, rocksdb::WriteOptions(), &batch), "deleting chunks");
 }
 
 Status DiskTier::Delete(std::string_view key, bool sync) { return DeleteImpl(key, nullptr, sync); }
@@ -444,7 +568,7 @@ Status DiskTier::DeleteImpl(std::string_view key, const uint64_t* only_version, 
   rocksdb::WriteBatch batch;
   if (!r.meta.durable) batch.Delete(handles_[kOrder], OrderKey(r.sequence));
   batch.Delete(handles_[kMeta], key);
-  batch.Delete(handles_[kData], key);
+  DeleteValueTo(&batch, key, r.meta);
   const uint64_t bytes = r.meta.size + key.size();
   used_bytes_ -= bytes;
   if (r.meta.durable) durable_bytes_ -= bytes;

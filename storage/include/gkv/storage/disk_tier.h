@@ -7,6 +7,11 @@
 //           (gkv/bytes.h).
 //   order : sequence (big-endian u64) -> key, for cache-only objects only: the eviction queue,
 //           oldest write first. Durable objects are never in it.
+//   chunks: (stream id, offset) (big-endian u64 each) -> bytes: the value of an object written in
+//           pieces (a streamed put, BeginChunks/WriteChunk), whose meta names the stream
+//           (StoredObjectMeta::chunks) and which has no `data` record. Chunks no meta names (a
+//           stream aborted, or cut off by a crash before its commit) are deleted by AbortChunks
+//           or at the next Open.
 //   default: "version_mark" -> the version high-water mark (see VersionMark).
 // An object's three records (and the evictions its write causes) go in one WriteBatch, so a
 // crash never leaves them disagreeing.
@@ -21,6 +26,9 @@
 // NoSpace and writes nothing. The objects of the write itself are never its victims.
 // Eviction walks `order` from a cursor (the smallest sequence that may still be there), so it
 // never rescans the tombstones of earlier evictions.
+// Chunks of a stream not yet committed are not counted in the capacity: a stream holds at most
+// one value's bytes (the node's maximum value size) beyond it until its commit is admitted or
+// refused like any Put.
 // Warm restart: Open() rebuilds the byte counts and the sequence counter from `meta`, and
 // ForEach() lists every stored key with its metadata.
 // Durability: a write with sync=true fsyncs the WAL before returning (and with it every earlier
@@ -48,6 +56,7 @@
 namespace rocksdb {
 class DB;
 class ColumnFamilyHandle;
+struct ReadOptions;
 class Env;
 }  // namespace rocksdb
 
@@ -60,6 +69,8 @@ struct StoredObjectMeta {
   // Durable objects are never removed by capacity eviction and count against the durable
   // budget. Records written before this flag existed read as durable (the safe side).
   bool durable = false;
+  // Nonzero: the value is in the `chunks` records of this stream (BeginChunks), not in `data`.
+  uint64_t chunks = 0;
 };
 
 // One object of DiskTier::PutBatch. In: key, meta, data (meta.size bytes). Out: status (OK or
@@ -106,7 +117,21 @@ class DiskTier {
   // Put for several objects in one WriteBatch and (sync) one fsync. Each item gets its own
   // status and written flag (see DiskWrite); the returned Status is not OK only when the
   // RocksDB write itself failed, and then no item was written.
+  // An item whose meta.chunks names a stream commits that stream's chunks as its value (data is
+  // unused; the chunks must hold exactly meta.size bytes from offset 0, which the caller saw to).
+  // Its chunks are the object's from then on only when the item is written; otherwise they stay
+  // the caller's to AbortChunks.
   Status PutBatch(std::vector<DiskWrite>* writes, bool sync, std::vector<DiskEviction>* evicted);
+
+  // A value written in pieces, so that no buffer as large as the value is needed: BeginChunks
+  // returns a new stream id; WriteChunk stores bytes at an offset of it (unsynced; a synced
+  // commit syncs them too, they precede it in the WAL); PutBatch/Put with meta.chunks = id
+  // makes them the key's value; AbortChunks deletes a stream that will not be committed.
+  uint64_t BeginChunks();
+  Status WriteChunk(uint64_t stream, uint64_t offset, const void* data, uint64_t size);
+  void AbortChunks(uint64_t stream);
+  // Bytes held in chunk records, committed or not (a full scan of them: tests and diagnostics).
+  Result<uint64_t> ChunkBytes() const;
   // NotFound if absent. `value` receives exactly meta->size bytes.
   Status Get(std::string_view key, StoredObjectMeta* meta, std::string* value) const;
   Status GetMeta(std::string_view key, StoredObjectMeta* meta) const;
@@ -143,6 +168,13 @@ class DiskTier {
   // Waits until none of `keys` has a write in flight, then marks them. REQUIRES: write_mu_.
   void ClaimLocked(std::unique_lock<std::mutex>& lock, const std::vector<std::string_view>& keys);
   void ReleaseLocked(const std::vector<std::string>& keys);
+  // Reads a chunked value (meta.chunks) into `value`.
+  Status ReadChunks(const rocksdb::ReadOptions& ro, const StoredObjectMeta& meta,
+                    std::string* value) const;
+  // Open: deletes the chunks of streams no meta record names.
+  Status DropUnreferencedChunks(const std::set<uint64_t>& referenced);
+  // Adds the deletion of everything `meta` stores its value in (data, or its chunks) to `batch`.
+  void DeleteValueTo(void* batch, std::string_view key, const StoredObjectMeta& meta);
   // Writes `batch` (a rocksdb::WriteBatch) with write_mu_ released and the `claimed` keys
   // marked busy meanwhile (their other writers wait in ClaimLocked), so RocksDB's group commit
   // can form; returns with the lock held again and the keys released.
@@ -153,7 +185,7 @@ class DiskTier {
   uint64_t durable_capacity_;
   std::unique_ptr<rocksdb::Env> env_;  // only with crash_fs
   rocksdb::DB* db_ = nullptr;
-  std::vector<rocksdb::ColumnFamilyHandle*> handles_;  // default, data, meta, order
+  std::vector<rocksdb::ColumnFamilyHandle*> handles_;  // default, data, meta, order, chunks
   mutable std::mutex write_mu_;
   std::condition_variable key_released_;
   std::set<std::string, std::less<>> busy_;  // keys with a write in flight; guarded by write_mu_
