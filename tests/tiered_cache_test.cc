@@ -13,6 +13,7 @@
 #include "gkv/cache/tiered_cache.h"
 #include "gkv/hash.h"
 #include "gkv/random.h"
+#include "gkv/storage/disk_tier.h"
 #include "test_util.h"
 
 namespace gkv {
@@ -474,6 +475,61 @@ TEST(TieredCacheTest, ADiskBoundObjectLargerThanMemoryIsNoSpaceNotACrash) {
   std::string out;
   ASSERT_TRUE(c->Get("after", &out).ok());
   EXPECT_EQ(out, "ok");
+}
+
+// A streamed reservation bound for disk holds no buffer: its pieces go to disk as they are
+// written (in any order), the commit publishes them, and the value reads back whole; one that
+// fits memory is an ordinary reservation there. An abandoned one leaves no chunks on disk.
+TEST(TieredCacheTest, StreamedReservationsWritePiecesToDiskOrMemory) {
+  testing::TempDir dir;
+  auto c = MustOpen(SmallOptions(dir.path(), 16 * kKiB, 64 * kKiB, 64 << 20));
+  ASSERT_TRUE(c);
+  Random rng(testing::TestSeed());
+  const std::string big = ValueFor(rng, (5 << 20) + 11), small = ValueFor(rng, 40 * kKiB);
+  constexpr uint64_t kPiece = 1 << 20;
+
+  auto h = c->ReserveStreamed("big", big.size(), TensorMeta{});
+  ASSERT_TRUE(h.ok()) << h.status().ToString();
+  EXPECT_EQ(h->tier(), Tier::kDisk);
+  EXPECT_EQ(h->data(), nullptr);
+  for (uint64_t off = big.size() / kPiece * kPiece;; off -= kPiece) {
+    const uint64_t n = std::min<uint64_t>(kPiece, big.size() - off);
+    ASSERT_TRUE(c->WriteAt(*h, off, big.data() + off, n).ok());
+    if (off == 0) break;
+  }
+  EXPECT_EQ(c->WriteAt(*h, big.size() - 1, big.data(), 2).code(), StatusCode::kInvalidArgument);
+  auto v = c->Commit(std::move(*h), /*durable=*/true);
+  ASSERT_TRUE(v.ok()) << v.status().ToString();
+  std::string out;
+  auto info = c->Get("big", &out);
+  ASSERT_TRUE(info.ok()) << info.status().ToString();
+  EXPECT_EQ(info->version, *v);
+  EXPECT_TRUE(info->durable);
+  EXPECT_TRUE(out == big);
+
+  auto m = c->ReserveStreamed("small", small.size(), TensorMeta{});
+  ASSERT_TRUE(m.ok());
+  EXPECT_EQ(m->tier(), Tier::kHost);
+  ASSERT_TRUE(c->WriteAt(*m, 0, small.data(), small.size()).ok());
+  ASSERT_TRUE(c->Commit(std::move(*m), false).ok());
+  ASSERT_TRUE(c->Get("small", &out).ok());
+  EXPECT_TRUE(out == small);
+
+  {
+    auto abandoned = c->ReserveStreamed("gone", big.size(), TensorMeta{});
+    ASSERT_TRUE(abandoned.ok());
+    ASSERT_TRUE(c->WriteAt(*abandoned, 0, big.data(), kPiece).ok());
+  }
+  EXPECT_TRUE(c->Stat("gone").status().IsNotFound());
+  // Overwritten by an ordinary put: the chunks of "big" go with it.
+  ASSERT_TRUE(c->Put("big", small.data(), small.size()).ok());
+  c.reset();
+  DiskTier::Options o;
+  o.path = dir.path();
+  o.capacity = 64 << 20;
+  auto disk = DiskTier::Open(o);
+  ASSERT_TRUE(disk.ok()) << disk.status().ToString();
+  EXPECT_EQ(*(*disk)->ChunkBytes(), 0u);
 }
 
 TEST(TieredCacheTest, ZeroByteObjectsRoundTrip) {

@@ -814,6 +814,7 @@ WriteHandle& WriteHandle::operator=(WriteHandle&& o) noexcept {
     arena_ = o.arena_;
     data_ = o.data_;
     staging_ = std::move(o.staging_);
+    disk_stream_ = o.disk_stream_;
     kind_ = o.kind_;
     handed_version_ = o.handed_version_;
     requested_version_ = o.requested_version_;
@@ -822,6 +823,7 @@ WriteHandle& WriteHandle::operator=(WriteHandle&& o) noexcept {
     o.cache_ = nullptr;
     o.arena_ = nullptr;
     o.data_ = nullptr;
+    o.disk_stream_ = 0;
   }
   return *this;
 }
@@ -833,9 +835,11 @@ void WriteHandle::Release() {
     std::lock_guard<std::mutex> lock(cache_->impl_->PartOfShard(shard_).mu);
     arena_->Free(data_);
   }
+  if (cache_ && disk_stream_ != 0) cache_->impl_->disk->AbortChunks(disk_stream_);
   cache_ = nullptr;
   arena_ = nullptr;
   data_ = nullptr;
+  disk_stream_ = 0;
   staging_.reset();
 }
 
@@ -1012,6 +1016,33 @@ Result<std::unique_ptr<TieredCache>> TieredCache::Open(const CacheOptions& optio
 
 Result<WriteHandle> TieredCache::Reserve(std::string_view key, uint64_t size,
                                          const TensorMeta& tensor) {
+  return ReserveImpl(key, size, tensor, /*streamed=*/false);
+}
+
+Result<WriteHandle> TieredCache::ReserveStreamed(std::string_view key, uint64_t size,
+                                                 const TensorMeta& tensor) {
+  return ReserveImpl(key, size, tensor, /*streamed=*/true);
+}
+
+Status TieredCache::WriteAt(const WriteHandle& h, uint64_t offset, const void* src, uint64_t size,
+                            MemoryKind src_kind) {
+  if (h.cache_ != this || offset > h.size_ || size > h.size_ - offset) {
+    return Status::InvalidArgument("write outside the reservation");
+  }
+  if (h.disk_stream_ == 0) {
+    if (!h.data_) return Status::InvalidArgument("invalid write handle");
+    return impl_->Copy(h.data_ + offset, h.kind_, src, src_kind, size);
+  }
+  if (src_kind != MemoryKind::kDevice) {
+    return impl_->disk->WriteChunk(h.disk_stream_, offset, src, size);
+  }
+  std::string staged(size, '\0');
+  GKV_RETURN_IF_ERROR(impl_->Copy(staged.data(), MemoryKind::kHost, src, src_kind, size));
+  return impl_->disk->WriteChunk(h.disk_stream_, offset, staged.data(), size);
+}
+
+Result<WriteHandle> TieredCache::ReserveImpl(std::string_view key, uint64_t size,
+                                             const TensorMeta& tensor, bool streamed) {
   Impl& I = *impl_;
   if (key.empty()) return Status::InvalidArgument("empty key");
   if (key.size() > I.options.max_key_size) {
@@ -1049,6 +1080,11 @@ Result<WriteHandle> TieredCache::Reserve(std::string_view key, uint64_t size,
   if (h.data_) return h;
   if (I.disk && size + key.size() <= I.disk->capacity()) {
     h.tier_ = Tier::kDisk;
+    h.kind_ = MemoryKind::kHost;
+    if (streamed) {
+      h.disk_stream_ = I.disk->BeginChunks();
+      return h;
+    }
     // The staging buffer for a disk-bound value is as large as the value (bounded by the node's
     // maximum value size and in-flight limits, not by its memory): a machine that cannot give
     // it gets NoSpace for this put, never a bad_alloc that takes the node down.
@@ -1084,7 +1120,7 @@ std::vector<Result<uint64_t>> TieredCache::CommitBatch(std::vector<WriteHandle> 
   std::vector<std::string> staging(n);
   for (size_t i = 0; i < n; ++i) {
     WriteHandle& h = handles[i];
-    if (h.cache_ != this || !h.data_) {
+    if (h.cache_ != this || (!h.data_ && h.disk_stream_ == 0)) {
       results[i] = Status::InvalidArgument("invalid write handle");
       continue;
     }
@@ -1130,6 +1166,7 @@ std::vector<Result<uint64_t>> TieredCache::CommitBatch(std::vector<WriteHandle> 
       DiskWrite w;
       w.key = e->key;
       w.meta = StoredObjectMeta{e->size, e->version, e->tensor, durable};
+      w.meta.chunks = h.disk_stream_;
       w.data = src;
       writes.push_back(std::move(w));
       write_of.push_back(i);
@@ -1143,6 +1180,13 @@ std::vector<Result<uint64_t>> TieredCache::CommitBatch(std::vector<WriteHandle> 
     for (size_t j = 0; j < writes.size(); ++j) {
       const size_t i = write_of[j];
       Status ws = bs.ok() ? writes[j].status : bs;
+      // Written chunks are the object's now; unwritten ones go (AbortChunks) right away, even
+      // when the commit still publishes (lost to a newer version on disk), which consumes the
+      // handle without releasing it.
+      if (WriteHandle& h = handles[i]; h.disk_stream_ != 0) {
+        if (!(ws.ok() && writes[j].written)) I.disk->AbortChunks(h.disk_stream_);
+        h.disk_stream_ = 0;
+      }
       if (!ws.ok()) {
         results[i] = ws;
         entries[i].reset();

@@ -183,7 +183,9 @@ class ReadHandle {
 };
 
 // Space reserved for one incoming object. Fill data() (host or device memory per
-// memory_kind()), then TieredCache::Commit. Destroying it uncommitted releases the space.
+// memory_kind()), or (any reservation from ReserveStreamed) TieredCache::WriteAt, then
+// TieredCache::Commit. Destroying it uncommitted releases the space (and deletes the chunks a
+// streamed one wrote to disk).
 class WriteHandle {
  public:
   WriteHandle() = default;
@@ -191,6 +193,7 @@ class WriteHandle {
   WriteHandle& operator=(WriteHandle&& other) noexcept;
   ~WriteHandle();
 
+  // Null for a streamed reservation bound for the disk tier (see ReserveStreamed).
   std::byte* data() const { return data_; }
   uint64_t size() const { return size_; }
   MemoryKind memory_kind() const { return kind_; }
@@ -214,6 +217,7 @@ class WriteHandle {
   MemoryArena* arena_ = nullptr;  // memory tiers
   std::byte* data_ = nullptr;
   std::unique_ptr<std::byte[]> staging_;  // objects going straight to disk
+  uint64_t disk_stream_ = 0;              // streamed, bound for disk: its DiskTier chunk stream
   MemoryKind kind_ = MemoryKind::kHost;
   uint64_t handed_version_ = 0;     // CommitHandedOff: the version the object keeps
   uint64_t requested_version_ = 0;  // RequestVersion
@@ -257,6 +261,17 @@ class TieredCache {
   // Reserves room for `size` bytes under `key`, evicting as needed. InvalidArgument for a bad
   // key or tensor metadata, NoSpace when the object fits no tier or every candidate is pinned.
   Result<WriteHandle> Reserve(std::string_view key, uint64_t size, const TensorMeta& tensor);
+  // Reserve for a value that arrives in pieces (a streamed put), filled through WriteAt: a
+  // reservation in a memory tier is the same as Reserve's; one bound for the disk tier has no
+  // buffer (data() is null) and WriteAt writes its pieces to disk as they come, so no memory as
+  // large as the value is needed.
+  Result<WriteHandle> ReserveStreamed(std::string_view key, uint64_t size,
+                                      const TensorMeta& tensor);
+  // Stores `size` bytes from `src` (host or device memory) at `offset` of the reservation.
+  // Pieces may come in any order and from several threads at once, but must not overlap; the
+  // caller commits only once every byte was written. InvalidArgument outside the reservation.
+  Status WriteAt(const WriteHandle& handle, uint64_t offset, const void* src, uint64_t size,
+                 MemoryKind src_kind = MemoryKind::kHost);
   // Publishes the reserved object as the newest version of its key; returns that version.
   // durable: written through to disk (fsync) before returning; fails with NotSupported when
   // there is no disk tier.
@@ -350,6 +365,8 @@ class TieredCache {
   friend class ReadHandle;
   friend class WriteHandle;
   explicit TieredCache(std::unique_ptr<Impl> impl);
+  Result<WriteHandle> ReserveImpl(std::string_view key, uint64_t size, const TensorMeta& tensor,
+                                  bool streamed);
   // Publishes a committed entry (an Entry) as the newest version of its key; the part of a
   // commit that cannot fail.
   uint64_t Publish(WriteHandle& h, std::shared_ptr<void> entry);
