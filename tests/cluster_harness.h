@@ -244,6 +244,7 @@ class Cluster {
   }
 
   uint16_t metrics_port(int i) const { return metrics_ports_[i]; }
+  pid_t pid(int i) const { return pids_[i]; }  // -1 once stopped
 
   // Sends `sig` without waiting (SIGSTOP / SIGCONT a node to make it hang, then recover).
   void Signal(int i, int sig) {
@@ -290,8 +291,12 @@ class Cluster {
 
   std::unique_ptr<Client> NewClient(std::chrono::milliseconds timeout = std::chrono::seconds(5)) {
     ClientOptions o;
-    o.cluster_file = cluster_file_;
     o.default_timeout = timeout;
+    return NewClient(o);
+  }
+  // A client with these options, on this cluster's file.
+  std::unique_ptr<Client> NewClient(ClientOptions o) {
+    o.cluster_file = cluster_file_;
     auto c = Client::Open(o);
     EXPECT_TRUE(c.ok()) << c.status().ToString();
     return c.ok() ? std::move(*c) : nullptr;

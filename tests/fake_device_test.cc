@@ -85,6 +85,39 @@ TEST(FakeDeviceTest, TheModeIsOnAndDeviceMemoryIsTracked) {
 // Puts from device buffers and gets into device buffers (and into host memory), sizes from one
 // byte to past the GPU tier, every byte checked; the values that fit land in the nodes' GPU
 // tiers, which are device memory.
+// Streamed puts from device buffers: into the nodes' GPU tier (received straight into it when
+// UCX moves device memory, else through the stream buffers and a copy to the device) and to
+// disk; every byte read back into device buffers.
+TEST(FakeDeviceTest, StreamedPutsFromDeviceBuffersKeepEveryByte) {
+  NodeSpec spec;
+  spec.fake_gpu_mem = "16MiB";
+  spec.host_mem = "8MiB";  // the 20 MiB value goes to disk
+  spec.extra_args = {"--gpu-placement", "first", "--stream-chunk-size", "1MiB"};
+  Cluster cluster(1, spec);
+  ClientOptions o;
+  o.default_timeout = std::chrono::seconds(30);
+  o.stream_threshold = 1 << 20;
+  auto client = cluster.NewClient(o);
+  ASSERT_TRUE(client);
+  Random rng(testing::TestSeed());
+  for (auto [size, tier] : {std::pair<size_t, const char*>{(6 << 20) + 3, "gpu"},
+                            std::pair<size_t, const char*>{(20 << 20) + 1, "disk"}}) {
+    SCOPED_TRACE("size " + std::to_string(size));
+    const std::string key = "streamed/" + std::to_string(size);
+    const std::string value = Pattern(rng, size);
+    DeviceBuffer src(size);
+    src.Write(value);
+    auto put = client->Put(key, src.get(), size);
+    ASSERT_TRUE(put.ok()) << put.status().ToString();
+    EXPECT_EQ(client->Stat(key)->tier, tier);
+    DeviceBuffer dst(size);
+    auto info = client->GetInto(key, dst.get(), size);
+    ASSERT_TRUE(info.ok()) << info.status().ToString();
+    EXPECT_TRUE(dst.Read(size) == value) << "device buffer bytes differ";
+  }
+  EXPECT_EQ(testing::StatsCounter(*client, 0, "completed", "\"streamed_puts\":{"), 2u);
+}
+
 TEST(FakeDeviceTest, PutsFromAndGetsIntoDeviceBuffersKeepEveryByte) {
   NodeSpec spec;
   spec.fake_gpu_mem = "16MiB";

@@ -7,6 +7,7 @@
 #include <condition_variable>
 #include <future>
 #include <iostream>
+#include <map>
 #include <mutex>
 #include <thread>
 
@@ -281,6 +282,64 @@ TEST(IntegrationTest, DiskReadsAreAnsweredByTheirConnectionsOwnIoThread) {
   EXPECT_GE(after[1] - before[1], 48u - 2);
   EXPECT_GE(after[2] - before[2], 48u - 2);
   EXPECT_LT(after[0] - before[0], 72u);
+}
+
+// Streamed puts (values above the client's stream threshold go in pieces): into the top memory
+// tier, to disk (larger than a slice of the memory tiers), durable, and over one another; every
+// value reads back whole, by Get and by MultiGet.
+TEST(IntegrationTest, StreamedPutsLandInMemoryOrOnDiskWhole) {
+  NodeSpec spec;
+  spec.host_mem = "8MiB";  // two slices of 4 MiB
+  spec.extra_args = {"--stream-chunk-size", "1MiB"};
+  Cluster cluster(1, spec);
+  ClientOptions o;
+  o.default_timeout = std::chrono::seconds(30);
+  o.stream_threshold = 1 << 20;
+  auto client = cluster.NewClient(o);
+  ASSERT_TRUE(client);
+  Random rng(testing::TestSeed());
+  struct Case {
+    std::string key;
+    size_t size;
+    bool durable;
+    std::string tier;
+  };
+  const std::vector<Case> cases = {{"s/mem", (3 << 20) + 5, false, testing::TopMemoryTier()},
+                                   {"s/disk", (12 << 20) + 3, false, "disk"},
+                                   {"s/durable", 6 << 20, true, "disk"},
+                                   {"s/over", (9 << 20) + 1, false, "disk"},
+                                   {"s/over", (5 << 20) + 7, false, "disk"}};
+  std::map<std::string, std::string> values;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.key);
+    values[c.key] = RandomValue(rng, c.size);
+    PutOptions po;
+    po.durable = c.durable;
+    auto put = client->Put(c.key, values[c.key].data(), c.size, po);
+    ASSERT_TRUE(put.ok()) << put.status().ToString();
+    auto st = client->Stat(c.key);
+    ASSERT_TRUE(st.ok()) << st.status().ToString();
+    EXPECT_EQ(st->size, c.size);
+    EXPECT_EQ(st->tier, c.tier);
+  }
+  EXPECT_EQ(testing::StatsCounter(*client, 0, "completed", "\"streamed_puts\":{"), cases.size());
+  std::vector<std::string> keys;
+  for (const auto& [key, value] : values) {
+    auto got = client->Get(key);
+    ASSERT_TRUE(got.ok()) << key << ": " << got.status().ToString();
+    EXPECT_TRUE(got->view() == value) << key;
+    keys.push_back(key);
+  }
+  auto many = client->MultiGet(keys);
+  for (size_t i = 0; i < keys.size(); ++i) {
+    ASSERT_TRUE(many[i].ok()) << keys[i] << ": " << many[i].status().ToString();
+    EXPECT_TRUE(many[i]->view() == values[keys[i]]) << keys[i];
+  }
+  // Replaced by a small value (one message), then deleted.
+  ASSERT_TRUE(client->Put("s/over", "tiny", 4).ok());
+  EXPECT_EQ(client->Get("s/over")->view(), "tiny");
+  ASSERT_TRUE(client->Delete("s/disk").ok());
+  EXPECT_EQ(client->Get("s/disk").status().code(), StatusCode::kNotFound);
 }
 
 TEST(IntegrationTest, GetIntoASmallerBufferIsRefused) {

@@ -77,6 +77,34 @@ TEST(ProtocolTest, ObjectAndPutRepliesRoundTrip) {
   EXPECT_EQ(version, 9u);
 }
 
+TEST(ProtocolTest, StreamedPutMessagesRoundTripAndRejectTruncation) {
+  std::string grant_body = EncodeStreamReply(Status::OK(), {42, 8 << 20, 4});
+  ReplyStatus rs;
+  StreamGrant g;
+  ASSERT_TRUE(DecodeStreamReply(grant_body, &rs, &g).ok());
+  EXPECT_EQ(rs.code, StatusCode::kOk);
+  EXPECT_EQ(g.stream, 42u);
+  EXPECT_EQ(g.chunk_size, 8u << 20);
+  EXPECT_EQ(g.window, 4u);
+  for (size_t cut = 0; cut < grant_body.size(); ++cut) {
+    EXPECT_FALSE(DecodeStreamReply(grant_body.substr(0, cut), &rs, &g).ok()) << cut;
+  }
+  // A grant of nothing (no stream, no piece size or no window) is malformed.
+  EXPECT_FALSE(DecodeStreamReply(EncodeStreamReply(Status::OK(), {42, 0, 4}), &rs, &g).ok());
+  ASSERT_TRUE(DecodeStreamReply(EncodeStreamReply(Status::Busy("full"), {}), &rs, &g).ok());
+  EXPECT_EQ(rs.code, StatusCode::kBusy);
+
+  std::string chunk = EncodePutChunk(7, 3 << 20);
+  uint64_t stream = 0, offset = 0;
+  ASSERT_TRUE(DecodePutChunk(chunk, &stream, &offset).ok());
+  EXPECT_EQ(stream, 7u);
+  EXPECT_EQ(offset, 3u << 20);
+  EXPECT_FALSE(DecodePutChunk(chunk.substr(0, 15), &stream, &offset).ok());
+  EXPECT_FALSE(DecodePutChunk(chunk + "x", &stream, &offset).ok());
+  EXPECT_FALSE(DecodePutChunk(EncodePutChunk(0, 0), &stream, &offset).ok());
+  EXPECT_EQ(OpcodeName(Opcode::kPutChunk), "put_chunk");
+}
+
 TEST(ProtocolTest, BatchBlocksRoundTripAndRejectLies) {
   std::vector<BatchPutItem> items = {{"a", {}, 3}, {"bb", TensorMeta{DType::kU8, {2}}, 2}};
   std::string payload = EncodeBatchPutBlock(items) + "xyz" + "pq";

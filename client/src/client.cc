@@ -1319,6 +1319,10 @@ struct Client::Impl {
                  std::shared_ptr<std::byte[]> keepalive, const PutOptions& o,
                  Clock::time_point deadline, uint64_t client_version,
                  std::function<void(Result<uint64_t>)> done) {
+    if (size > options.stream_threshold) {
+      return StreamPutOnNode(node, key, data, size, kind, std::move(keepalive), o, deadline,
+                             client_version, std::move(done));
+    }
     w::PutRequest req{key, o.tensor, size};
     auto on_reply =
         Pooled([this, done, keepalive](const PendingPtr& p, std::unique_ptr<Incoming> msg) {
@@ -1340,6 +1344,114 @@ struct Client::Impl {
     // A staged device value (`keepalive`, which `data` points into) is the client's own copy.
     Issue(node, w::Opcode::kPut, flags, request_body, data, size, kind, deadline,
           std::move(on_reply), Pooled([done](Status s) { done(s); }), {}, keepalive);
+  }
+
+  // A streamed put (docs/ARCHITECTURE.md, "Streamed puts"): a PUT with kFlagStreamed opens a
+  // stream on the node, whose reply grants a piece size and a window; the pieces then go out
+  // with at most that many in flight, and the piece that completes the value is answered with
+  // its version. A piece the node answers Busy (its stream buffers all taken) is sent again
+  // shortly, until the deadline. Any other error ends the put with it; the node drops what it
+  // stored (when the connection goes, or after its send timeout).
+  struct PutStreamState {
+    int node = 0;
+    const std::byte* data = nullptr;
+    uint64_t size = 0;
+    MemoryKind kind = MemoryKind::kHost;
+    std::shared_ptr<std::byte[]> keepalive;  // a staged copy `data` points into, if any
+    Clock::time_point deadline;
+    w::StreamGrant grant;
+    uint64_t next = 0;   // offset of the next piece to send
+    uint64_t acked = 0;  // bytes the node stored
+    int in_flight = 0;   // pieces sent (or waiting to be sent again) and not answered
+    bool finished = false;
+    std::function<void(Result<uint64_t>)> done;
+  };
+  static constexpr auto kPieceRetry = std::chrono::milliseconds(2);
+
+  void StreamPutOnNode(int node, const std::string& key, const void* data, size_t size,
+                       MemoryKind kind, std::shared_ptr<std::byte[]> keepalive, const PutOptions& o,
+                       Clock::time_point deadline, uint64_t client_version,
+                       std::function<void(Result<uint64_t>)> done) {
+    auto st = std::make_shared<PutStreamState>();
+    st->node = node;
+    st->data = static_cast<const std::byte*>(data);
+    st->size = size;
+    st->kind = kind;
+    st->keepalive = std::move(keepalive);
+    st->deadline = deadline;
+    st->done = std::move(done);
+    uint16_t flags = w::kFlagStreamed | (o.durable ? w::kFlagDurable : 0);
+    std::string body = w::EncodePutRequest(w::PutRequest{key, o.tensor, size});
+    if (client_version != 0) {
+      flags |= w::kFlagClientVersion;
+      w::AppendVersion(&body, client_version);
+    }
+    auto on_reply = [this, st](const PendingPtr& p, std::unique_ptr<Incoming> msg) {
+      w::StreamGrant grant;
+      Status s = ParseReply(*msg, [&](std::string_view b, w::ReplyStatus* rs) {
+        return w::DecodeStreamReply(b, rs, &grant);
+      });
+      if (!s.ok()) return Fail(p, s);
+      Complete(p, [this, st, grant] {
+        st->grant = grant;
+        PumpStream(st);
+      });
+    };
+    Issue(node, w::Opcode::kPut, flags, body, nullptr, 0, MemoryKind::kHost, deadline,
+          std::move(on_reply), [this, st](Status s) { FinishStream(st, s); });
+  }
+
+  void FinishStream(const std::shared_ptr<PutStreamState>& st, Result<uint64_t> r) {
+    if (st->finished) return;
+    st->finished = true;
+    auto done = std::move(st->done);
+    done(std::move(r));
+  }
+
+  void PumpStream(const std::shared_ptr<PutStreamState>& st) {
+    while (!st->finished && st->in_flight < st->grant.window && st->next < st->size) {
+      const uint64_t offset = st->next;
+      const uint64_t len = std::min<uint64_t>(st->grant.chunk_size, st->size - offset);
+      st->next += len;
+      st->in_flight++;
+      SendPiece(st, offset, len);
+    }
+  }
+
+  void SendPiece(const std::shared_ptr<PutStreamState>& st, uint64_t offset, uint64_t len) {
+    auto on_reply = [this, st, len](const PendingPtr& p, std::unique_ptr<Incoming> msg) {
+      uint64_t version = 0;
+      Status s = ParseReply(*msg, [&](std::string_view b, w::ReplyStatus* rs) {
+        return w::DecodePutReply(b, rs, &version);
+      });
+      if (!s.ok()) return Fail(p, s);
+      Complete(p, [this, st, len, version] {
+        st->in_flight--;
+        st->acked += len;
+        if (version != 0) {
+          write_clock.Observe(version);
+          return FinishStream(st, version);
+        }
+        if (st->acked == st->size) {
+          return FinishStream(st, Status::ProtocolError("the node stored every piece of a "
+                                                        "streamed put but named no version"));
+        }
+        PumpStream(st);
+      });
+    };
+    auto on_error = [this, st, offset, len](Status s) {
+      if (s.code() == StatusCode::kBusy && !st->finished &&
+          Clock::now() + kPieceRetry < st->deadline) {
+        return AddTimer(Clock::now() + kPieceRetry, [this, st, offset, len] {
+          if (!st->finished) SendPiece(st, offset, len);
+        });
+      }
+      st->in_flight--;
+      FinishStream(st, s);
+    };
+    Issue(st->node, w::Opcode::kPutChunk, 0, w::EncodePutChunk(st->grant.stream, offset),
+          st->data + offset, len, st->kind, st->deadline, std::move(on_reply), std::move(on_error),
+          {}, st->keepalive);
   }
 
   // Replies whose payload is a block to read fully (batches, stats).

@@ -38,9 +38,14 @@ void Server::Impl::HandlePut(const Req& r, std::string_view body, std::unique_pt
     if (s.ok()) s = CheckClientVersion(op->client_version);
   }
   if (s.ok()) s = w::DecodePutRequest(body, &op->put);
-  if (s.ok() && op->put.size != msg->payload_size()) {
+  // A streamed put's PUT carries no bytes: they come in PUT_CHUNKs.
+  const bool streamed = (r.h.flags & w::kFlagStreamed) != 0;
+  if (s.ok() && op->put.size != msg->payload_size() && !streamed) {
     s = Status::ProtocolError("put declares " + std::to_string(op->put.size) +
                               " bytes but carries " + std::to_string(msg->payload_size()));
+  }
+  if (s.ok() && streamed && (msg->payload_size() != 0 || op->put.size == 0)) {
+    s = Status::ProtocolError("a streamed put declares a size and carries no bytes");
   }
   if (s.ok()) s = CheckValueSize(op->put.size);
   if (s.ok() && Misrouted(r, op->put.key)) s = WrongNode();
@@ -49,6 +54,10 @@ void Server::Impl::HandlePut(const Req& r, std::string_view body, std::unique_pt
     return ReplyStatus(r, s);  // msg dropped: an unreceived payload is released
   }
   op->ring_epoch = RingHere()->epoch();
+  if (streamed) {
+    msg.reset();
+    return OpenStream(SharePutOp(op));
+  }
   // Hot path, all on the I/O thread: free room in a memory tier, receive straight into it,
   // publish. Anything that would evict or touch the disk goes through the executors.
   if (cache->TryReserveInMemory(op->put.key, op->put.size, op->put.tensor, &op->handle) ==

@@ -28,7 +28,9 @@ int main(int argc, char** argv) {
   CLI::App app{"gkv-server: one node of a gkv GPU key-value and tensor cache"};
   std::string cluster_file, node_id,
       gpu_mem = "0", host_mem = "1GiB", disk_dir, disk_capacity = "16GiB", log_level = "info",
-      listen, max_value_size = "2GiB", max_inflight = "1GiB", max_conn_inflight = "256MiB";
+      listen, max_value_size = "2GiB", max_inflight = "1GiB", max_conn_inflight = "256MiB",
+      stream_chunk_size = "8MiB";
+  int stream_window = 2, stream_buffers = 8;
   uint32_t max_conn_requests = 1024;
   size_t max_queued = 4096;
   int64_t send_timeout_ms = 30000;
@@ -96,6 +98,15 @@ int main(int argc, char** argv) {
   app.add_option("--send-timeout-ms", send_timeout_ms,
                  "close a connection whose peer has not taken a reply for this long")
       ->check(CLI::Range(int64_t{10}, int64_t{3600000}));
+  app.add_option("--stream-chunk-size", stream_chunk_size,
+                 "streamed puts: the largest piece the node takes (a power of two, 64KiB-64MiB)");
+  app.add_option("--stream-window", stream_window,
+                 "streamed puts: pieces one put may have in flight")
+      ->check(CLI::Range(1, 64));
+  app.add_option("--stream-buffers", stream_buffers,
+                 "streamed puts: pinned buffers of --stream-chunk-size for pieces bound for disk, "
+                 "shared by every stream (then Busy)")
+      ->check(CLI::Range(0, 1024));
   app.add_option("--replicate-hot", replicate_hot,
                  "auto (default): copy a key when its node is loaded above the cluster's mean and "
                  "the key takes --hot-share of its reads; R: copy keys read more than R times a "
@@ -207,6 +218,18 @@ int main(int argc, char** argv) {
                  gkv::FormatSize(gkv::ServerOptions::kMaxValueSizeLimit).c_str());
     return 2;
   }
+  {
+    auto chunk = gkv::ParseSize(stream_chunk_size);
+    if (!chunk.ok() || *chunk < (64u << 10) || *chunk > (64u << 20) || (*chunk & (*chunk - 1))) {
+      std::fprintf(stderr,
+                   "gkv-server: --stream-chunk-size must be a power of two from 64KiB "
+                   "to 64MiB\n");
+      return 2;
+    }
+    options.stream_chunk_size = static_cast<uint32_t>(*chunk);
+  }
+  options.stream_window = static_cast<uint16_t>(stream_window);
+  options.stream_buffers = stream_buffers;
   options.max_conn_requests = max_conn_requests;
   options.max_queued_tasks = max_queued;
   options.send_timeout = std::chrono::milliseconds(send_timeout_ms);

@@ -129,7 +129,10 @@ void Server::Impl::ForgetConnection(ConnId conn) {
   ws.authenticated.erase(conn);
   ws.conn_load.erase(conn);
   ws.peer_conns.erase(conn);
-  if (OnControlThread()) peer_node_of_conn.erase(conn);
+  if (OnControlThread()) {
+    peer_node_of_conn.erase(conn);
+    DropStreams(conn);
+  }
 }
 
 void Server::Impl::CloseConnection(ConnId conn, bool force) {
@@ -413,7 +416,8 @@ void Server::Impl::OnMessage(std::unique_ptr<Incoming> msg) {
     case w::Opcode::kStats:
     case w::Opcode::kReplicaPut:
     case w::Opcode::kHandoffPut:
-    case w::Opcode::kRepair: {
+    case w::Opcode::kRepair:
+    case w::Opcode::kPutChunk: {
       // Refused here, before anything is reserved or allocated (an unreceived payload is
       // released when `msg` goes).
       Status admitted = Admit(&r, msg->payload_size());
@@ -455,6 +459,8 @@ void Server::Impl::OnMessage(std::unique_ptr<Incoming> msg) {
       return HandleHandoffPut(r, body, std::move(msg));
     case w::Opcode::kRepair:
       return HandleRepair(r, body);
+    case w::Opcode::kPutChunk:
+      return HandlePutChunk(r, body, std::move(msg));
     case w::Opcode::kPeerHello:
       return;  // handled above
   }
@@ -528,6 +534,10 @@ void Server::Impl::OnTick() {
   }
   if (!OnControlThread()) return;  // the rest is worker 0's
   if (!boot_sync_started) StartBootSync();
+  if (now >= next_stream_expiry) {
+    next_stream_expiry = now + std::chrono::seconds(1);
+    DropStreams(0, now);
+  }
   if (!peer_deadlines.empty()) ExpirePeerCalls(now);
   if (io.size() > 1) {
     node_read_count += static_cast<double>(rows_elsewhere.exchange(0, std::memory_order_relaxed));
@@ -740,6 +750,21 @@ Result<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
   impl->cache = std::move(*cache);
   if (elastic) impl->BeginCatchUp();
   impl->executors = std::make_unique<ThreadPool>(std::max(1, options.executor_threads));
+  // Streamed pieces bound for disk (or for GPU memory UCX cannot receive into) pass through
+  // these buffers, all made now: the I/O threads only take cached ones (TryAcquireCached), so
+  // their number bounds the memory streamed puts use.
+  if (options.stream_buffers > 0 &&
+      (impl->cache->tier_enabled(Tier::kDisk) || impl->cache->tier_enabled(Tier::kGpu))) {
+    const uint64_t chunk = options.stream_chunk_size;
+    impl->stream_pool =
+        PinnedBufferPool::Create({chunk, chunk * static_cast<uint64_t>(options.stream_buffers)});
+    std::vector<std::shared_ptr<std::byte[]>> made;
+    for (int i = 0; i < options.stream_buffers; ++i) {
+      auto b = impl->stream_pool->Acquire(chunk);
+      if (!b.ok()) return b.status().WithContext("allocating the stream buffers");
+      made.push_back(std::move(*b));
+    }
+  }
 
   for (int i = 0; i < io_threads; ++i) {
     impl->io.push_back(std::make_unique<Impl::IoWorker>());
@@ -868,6 +893,11 @@ void Server::Stop() {
     I->executors->Join();
     I->executors.reset();
     I->transport.reset();
+    // Streams never committed release their reservations (and chunks) before the write-back.
+    {
+      std::lock_guard<std::mutex> lock(I->streams_mu);
+      I->streams.clear();
+    }
     Status fs = I->cache->Flush();
     if (!fs.ok()) GKV_LOG_ERROR("flush at shutdown failed: {}", fs.ToString());
     GKV_LOG_INFO("node {} stopped", I->self.id);

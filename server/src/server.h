@@ -73,6 +73,17 @@ struct ServerOptions {
   // entry pinned) closes that connection, which releases every pin it held.
   std::chrono::milliseconds send_timeout{30000};
 
+  // Streamed puts (a client sends a large value in pieces; docs/ARCHITECTURE.md, "Streamed
+  // puts"): the largest piece the node takes and how many one put may have in flight. A value
+  // bound for the disk tier (or for GPU memory this UCX cannot receive into) passes through
+  // `stream_buffers` buffers of stream_chunk_size, pinned, allocated at start and shared by every
+  // stream: a piece that finds none free is answered Busy. At most max_streams streams are open
+  // at once; one that receives nothing for send_timeout is dropped with what it stored.
+  uint32_t stream_chunk_size = 8u << 20;
+  uint16_t stream_window = 2;
+  int stream_buffers = 8;
+  uint32_t max_streams = 64;
+
   // Adaptive replication of hot keys, on by default (HotnessRule says when a key is hot and when
   // it cools). A hot key this node owns is copied to the next `hot_replicas` nodes on the ring.
   // Copies this node holds for others live in their own memory budget, `replica_share` of the

@@ -36,6 +36,7 @@
 #include "gkv/free_list.h"
 #include "gkv/hash.h"
 #include "gkv/membership.h"
+#include "gkv/pinned_pool.h"
 #include "gkv/ring_view.h"
 #include "gkv/transport/protocol.h"
 #include "gkv/transport/ucx_transport.h"
@@ -721,6 +722,42 @@ struct Server::Impl {
 
   // Executor thread: copy from staging if any, commit (write-through when durable), reply.
   void CommitAndReply(const std::shared_ptr<PutOp>& op);
+
+  // ---------------- streamed puts (streamed_put.cc) ----------------
+  // One streamed put between its PUT (kFlagStreamed) and the commit its last piece starts.
+  struct PutStream {
+    uint64_t id = 0;
+    ConnId conn = 0;
+    w::PutRequest put;   // key, tensor, the whole value's size
+    uint16_t flags = 0;  // the PUT's (kFlagDurable, kFlagClientVersion)
+    uint64_t client_version = 0;
+    uint64_t ring_epoch = 0;
+    // The rest is guarded by streams_mu.
+    WriteHandle handle;        // released with the stream (uncommitted: space and chunks go)
+    std::vector<bool> pieces;  // piece i (at i * chunk size) arrived, or is arriving
+    uint64_t stored = 0;       // bytes of pieces stored
+    int in_flight = 0;         // pieces being received or written
+    bool closed = false;       // failed, dropped or committing: takes no more pieces
+    Clock::time_point last_activity;
+  };
+  // A PUT with kFlagStreamed, decoded and checked (`op` holds no payload): reserves the value's
+  // room on an executor and answers with the stream's grant.
+  void OpenStream(std::shared_ptr<PutOp> op);
+  void HandlePutChunk(const Req& r, std::string_view body, std::unique_ptr<Incoming> msg);
+  // A piece of `len` bytes of `stream` was stored (or failed: `s`): the piece's reply, or the
+  // commit when it was the last. From the piece's I/O worker or an executor (on_executor).
+  void PieceStored(const std::shared_ptr<PutStream>& stream, const Req& r, uint64_t len,
+                   const Status& s, bool on_executor);
+  // Drops the streams of a connection that went (conn != 0), or those that received nothing
+  // for send_timeout (conn == 0, worker 0's tick). Their pieces in flight finish first.
+  void DropStreams(ConnId conn, Clock::time_point now = Clock::time_point::max());
+  std::mutex streams_mu;
+  std::unordered_map<uint64_t, std::shared_ptr<PutStream>> streams;  // guarded by streams_mu
+  uint64_t next_stream_id = 1;                                       // guarded by streams_mu
+  Clock::time_point next_stream_expiry{};                            // worker 0
+  // stream_buffers buffers of stream_chunk_size, made at start; only TryAcquireCached takes
+  // from it, so no more are ever made (the bound on streaming memory).
+  std::shared_ptr<PinnedBufferPool> stream_pool;
 
   // Nodes serving a copy of exactly `version` of `key`, for a GET reply's or an MGET row's
   // hint, as positions in `ring`. Any thread (replicated_keys has its own locks).

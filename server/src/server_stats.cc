@@ -9,7 +9,8 @@ namespace w = wire;
 namespace {
 
 constexpr int kFirstOp = static_cast<int>(w::Opcode::kPing);
-constexpr int kLastOp = static_cast<int>(w::Opcode::kRepair);
+constexpr int kLastOp = static_cast<int>(w::Opcode::kPutChunk);
+static_assert(kLastOp < kOpSlots);
 
 std::string TierLabel(int t) { return std::string(TierName(static_cast<gkv::Tier>(t))); }
 
@@ -65,6 +66,9 @@ std::string RenderStatsJson(const std::string& node_id, const CacheStats& st,
   j += ",\"auth_failures\":" + std::to_string(counters.auth_failures.load());
   j += ",\"stuck_connections_closed\":" + std::to_string(counters.stuck_connections_closed.load());
   j += ",\"connections_accepted\":" + std::to_string(counters.connections_accepted.load());
+  j += ",\"streamed_puts\":{\"opened\":" + std::to_string(counters.streams_opened.load()) +
+       ",\"completed\":" + std::to_string(counters.streams_completed.load()) +
+       ",\"dropped\":" + std::to_string(counters.streams_dropped.load()) + "}";
   const int io_threads =
       static_cast<int>(std::min<uint64_t>(counters.io_threads.load(), ServerCounters::kIoSlots));
   j += ",\"io_threads\":" + std::to_string(counters.io_threads.load());

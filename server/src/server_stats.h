@@ -16,7 +16,7 @@
 
 namespace gkv {
 
-inline constexpr int kOpSlots = 16;
+inline constexpr int kOpSlots = 17;
 
 struct ServerCounters {
   std::atomic<uint64_t> ops[kOpSlots] = {};
@@ -26,6 +26,10 @@ struct ServerCounters {
   std::atomic<uint64_t> auth_failures{0};
   std::atomic<uint64_t> stuck_connections_closed{0};  // a reply not taken within send_timeout
   std::atomic<uint64_t> connections_accepted{0};
+  // Streamed puts (streamed_put.cc): opened, completed (every piece stored, the commit begun),
+  // and dropped before that (a
+  // failed piece, the connection gone, or nothing received for the send timeout).
+  std::atomic<uint64_t> streams_opened{0}, streams_completed{0}, streams_dropped{0};
   // Adaptive replication: copies this node made of its hot keys (created) and withdrew (dropped),
   // and copies it installed for other primaries. The reads it served from those copies are
   // counted by I/O thread (IoSlot::replica_reads, ReplicaReads() for the node).

@@ -158,13 +158,18 @@ Result<std::unique_ptr<DiskTier>> DiskTier::Open(const Options& options) {
   data_options.blob_compression_type = rocksdb::kNoCompression;  // tensors rarely compress
   data_options.write_buffer_size = 64 << 20;
   rocksdb::ColumnFamilyOptions small_options;
+  // Chunks of streamed values arrive at network speed, many MiB at a time: small memtables,
+  // flushed (into blob files) often, so that what a stream holds in memory stays a few MiB
+  // rather than growing with the value.
+  rocksdb::ColumnFamilyOptions chunk_options = data_options;
+  chunk_options.write_buffer_size = 16 << 20;
 
   std::vector<rocksdb::ColumnFamilyDescriptor> families = {
       {rocksdb::kDefaultColumnFamilyName, small_options},
       {"data", data_options},
       {"meta", small_options},
       {"order", small_options},
-      {"chunks", data_options},
+      {"chunks", chunk_options},
   };
   GKV_RETURN_IF_ERROR(
       FromRocks(rocksdb::DB::Open(db_options, options.path, families, &tier->handles_, &tier->db_),

@@ -69,6 +69,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
             if ((h.flags & kFlagExpectVersion) && !TakeVersion(&body, &attempt, true).ok()) break;
             if (DecodeHandoffPut(body, &put, &version).ok()) (void)put.tensor.Validate(put.size);
             break;
+          case Opcode::kPutChunk:
+            (void)DecodePutChunk(body, &version, &attempt);
+            break;
           case Opcode::kRepair: {
             std::string target;
             (void)DecodeRepair(body, &key, &target, &version);
@@ -102,9 +105,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     case 5:
       (void)DecodeObjectReply(in, &rs, &meta);
       break;
-    case 6:
+    case 6: {
       (void)DecodePutReply(in, &rs, &version);
+      StreamGrant grant;
+      (void)DecodeStreamReply(in, &rs, &grant);
       break;
+    }
     case 7:
       (void)DecodePingReply(in, &rs, &key);
       break;

@@ -76,6 +76,8 @@ std::string_view OpcodeName(Opcode op) {
       return "load_report";
     case Opcode::kHandoffPut:
       return "handoff_put";
+    case Opcode::kPutChunk:
+      return "put_chunk";
     case Opcode::kRepair:
       return "repair";
   }
@@ -122,7 +124,7 @@ Status DecodeMessage(const void* data, size_t size, Header* h, std::string_view*
     return Status::ProtocolError("message shorter than the 24-byte header");
   }
   if (opcode < static_cast<uint8_t>(Opcode::kPing) ||
-      opcode > static_cast<uint8_t>(Opcode::kRepair)) {
+      opcode > static_cast<uint8_t>(Opcode::kPutChunk)) {
     return Status::ProtocolError("unknown opcode " + std::to_string(opcode));
   }
   if (body_len != r.remaining()) {
@@ -448,6 +450,46 @@ Status DecodePutReply(std::string_view body, ReplyStatus* status, uint64_t* vers
   if (!ReadStatus(r, status)) return Malformed("put reply");
   if (status->code == StatusCode::kOk && !r.U64(version)) return Malformed("put reply");
   if (r.remaining() != 0) return Malformed("put reply");
+  return Status::OK();
+}
+
+std::string EncodeStreamReply(const Status& s, const StreamGrant& grant) {
+  std::string out;
+  ByteWriter w(&out);
+  WriteStatus(w, s);
+  if (s.ok()) {
+    w.U64(grant.stream);
+    w.U32(grant.chunk_size);
+    w.U16(grant.window);
+  }
+  return out;
+}
+
+Status DecodeStreamReply(std::string_view body, ReplyStatus* status, StreamGrant* grant) {
+  ByteReader r(body);
+  if (!ReadStatus(r, status)) return Malformed("stream reply");
+  if (status->code == StatusCode::kOk &&
+      (!r.U64(&grant->stream) || !r.U32(&grant->chunk_size) || !r.U16(&grant->window) ||
+       grant->stream == 0 || grant->chunk_size == 0 || grant->window == 0)) {
+    return Malformed("stream reply");
+  }
+  if (r.remaining() != 0) return Malformed("stream reply");
+  return Status::OK();
+}
+
+std::string EncodePutChunk(uint64_t stream, uint64_t offset) {
+  std::string out;
+  ByteWriter w(&out);
+  w.U64(stream);
+  w.U64(offset);
+  return out;
+}
+
+Status DecodePutChunk(std::string_view body, uint64_t* stream, uint64_t* offset) {
+  ByteReader r(body);
+  if (!r.U64(stream) || !r.U64(offset) || r.remaining() != 0 || *stream == 0) {
+    return Malformed("put_chunk request");
+  }
   return Status::OK();
 }
 

@@ -58,6 +58,10 @@ struct ClientOptions {
   // from the initial value to the maximum while it stays down), then the client reconnects.
   std::chrono::milliseconds reconnect_backoff_initial{50};
   std::chrono::milliseconds reconnect_backoff_max{2000};
+  // A Put of a value larger than this is streamed: sent in pieces of the node's choosing, so a
+  // node stores a value bound for its disk without a buffer as large as the value (and a value
+  // in GPU memory the client stages goes out piece by piece). Smaller ones go as one message.
+  uint64_t stream_threshold = uint64_t{64} << 20;
 };
 
 // What the server knows about a stored object.

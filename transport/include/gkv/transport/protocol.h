@@ -47,6 +47,7 @@ enum class Opcode : uint8_t {
   kLoadReport = 13,  // node -> node, once a second: the sender's read rate (replication)
   kHandoffPut = 14,  // node -> new owner: a key that moved with the ring (membership)
   kRepair = 15,      // client -> a key's node: push your copy to a replica that lags (read repair)
+  kPutChunk = 16,    // client -> node: one piece of a streamed put (kFlagStreamed)
 };
 std::string_view OpcodeName(Opcode op);
 
@@ -76,6 +77,13 @@ inline constexpr uint16_t kFlagClientVersion = 1 << 6;
 // handoff_put (a read repair's push): the body ends with the u64 version the receiver must
 // still hold for the key (0: none) for the copy to be installed; otherwise nothing changes.
 inline constexpr uint16_t kFlagExpectVersion = 1 << 7;
+// put: the value follows in pieces (a streamed put, for values too large to send or stage as
+// one). The PUT carries no payload; its size is the whole value's. The reply (StreamReply)
+// names a stream and the largest piece and number of pieces in flight the node takes; each
+// PUT_CHUNK then carries the stream, an offset and bytes, and is answered with a Put reply
+// whose version is 0 except for the one piece that completed the value, answered with the
+// version the value was committed at (or the commit's error).
+inline constexpr uint16_t kFlagStreamed = 1 << 8;
 
 struct Header {
   Opcode opcode = Opcode::kPing;
@@ -203,6 +211,19 @@ Status DecodeInvalidate(std::string_view body, std::string* key, uint64_t* versi
 // status and the receiver's own reads per second (u64), encoded as a Put reply.
 std::string EncodeLoadReport(uint64_t reads_per_s);
 Status DecodeLoadReport(std::string_view body, uint64_t* reads_per_s);
+
+// Streamed put (PUT with kFlagStreamed): status, then (when OK) the stream id, the largest
+// piece the node accepts (u32 bytes) and the pieces a client may have in flight (u16).
+struct StreamGrant {
+  uint64_t stream = 0;
+  uint32_t chunk_size = 0;
+  uint16_t window = 0;
+};
+std::string EncodeStreamReply(const Status& s, const StreamGrant& grant);
+Status DecodeStreamReply(std::string_view body, ReplyStatus* status, StreamGrant* grant);
+// PUT_CHUNK body: the stream and the piece's offset in the value; the payload is the piece.
+std::string EncodePutChunk(uint64_t stream, uint64_t offset);
+Status DecodePutChunk(std::string_view body, uint64_t* stream, uint64_t* offset);
 
 // Put: status, then (when OK) the new version.
 std::string EncodePutReply(const Status& s, uint64_t version);
