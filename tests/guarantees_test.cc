@@ -821,6 +821,37 @@ TEST(GuaranteesTest, BatchRepliesCountAgainstTheInFlightLimit) {
   EXPECT_EQ(ok[1]->view(), value);
 }
 
+// Issue 12 item 2, the read side: a GET of a value on disk reads it whole into memory. Those
+// bytes now count against --max-inflight from before the read until the reply is sent, so
+// readers that do not take their replies hold the node's read budget, not ever more memory: a
+// second read of a large value on disk gets Busy until the send timeout closes the hung reader.
+TEST(GuaranteesTest, ReadsFromDiskCountAgainstTheInFlightLimit) {
+  NodeSpec spec;
+  spec.host_mem = "8MiB";  // slices of 4 MiB: the 5 MiB values live on disk
+  spec.extra_args = {"--max-inflight", "8MiB", "--send-timeout-ms", "1500"};
+  Cluster cluster(1, spec);
+  auto client = cluster.NewClient();
+  ASSERT_TRUE(client);
+  const std::string value(5 << 20, 'd');
+  ASSERT_TRUE(client->Put("a", value.data(), value.size()).ok());
+  ASSERT_TRUE(client->Put("b", value.data(), value.size()).ok());
+  ASSERT_EQ(client->Stat("b")->tier, "disk");
+  RawConnection hung(client->cluster().nodes[0].port, /*keep_messages=*/true);
+  hung.Send(wire::Opcode::kGet, wire::EncodeKeyRequest("a"), 1);
+  ASSERT_EQ(hung.WaitReply(1), StatusCode::kOk);
+  auto busy = client->Get("b");
+  EXPECT_EQ(busy.status().code(), StatusCode::kBusy) << busy.status().ToString();
+  bool closed = false;
+  for (int i = 0; i < 50 && !closed; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    closed = StatsCounter(*client, 0, "stuck_connections_closed") >= 1;
+  }
+  ASSERT_TRUE(closed);
+  auto ok = client->Get("b");
+  ASSERT_TRUE(ok.ok()) << ok.status().ToString();
+  EXPECT_TRUE(ok->view() == value);
+}
+
 // Review finding: a sender that stops in the middle of a PUT's payload held its reservation
 // and its share of the in-flight limit forever, so every other put got Busy. Its connection is
 // now closed after the send timeout, like a reader that never takes its reply.

@@ -218,6 +218,18 @@ void Server::Impl::ReadOnExecutor(const Req& r, TieredCache* from, std::string k
                                   std::optional<Status> error_as, SendRead send) {
   SubmitRequestWork(r, [this, r, from, key = std::move(key), error_as, send] {
     if (r.Expired()) return PostReplyStatus(r, DeadlinePassed());
+    // A value on disk is read whole into memory: its bytes count against the node's in-flight
+    // limit, as a batch reply's do, from before the read until its reply is sent (a read alone
+    // always goes), so concurrent reads of large values cannot take the node's memory.
+    std::shared_ptr<std::string> held;
+    if (auto st = from->Stat(key); st.ok() && st->tier == Tier::kDisk) {
+      held = ReserveBatchReply(st->size);
+      if (!held) {
+        return PostReplyStatus(r, Status::Busy("node has " + FormatSize(batch_reply_bytes->load()) +
+                                               " of read replies in flight; this value needs " +
+                                               FormatSize(st->size)));
+      }
+    }
     auto acquired = from->Acquire(key);
     if (!acquired.ok()) {
       Status err = error_as ? *error_as : acquired.status();
@@ -225,7 +237,9 @@ void Server::Impl::ReadOnExecutor(const Req& r, TieredCache* from, std::string k
         Reply(r, err, w::EncodeObjectReply(err, {}), nullptr, 0, MemoryKind::kHost, nullptr);
       });
     }
-    auto handle = std::make_shared<ReadHandle>(std::move(*acquired));
+    // (`held` goes with the handle: once the reply's send is done.)
+    std::shared_ptr<ReadHandle> handle(new ReadHandle(std::move(*acquired)),
+                                       [held](ReadHandle* h) { delete h; });
     std::shared_ptr<std::string> staging;
     const void* data = nullptr;
     MemoryKind kind = MemoryKind::kHost;

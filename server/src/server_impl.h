@@ -535,8 +535,9 @@ struct Server::Impl {
   // while no node claim is live and the node is under half its limit, else worker 0 decides.)
   std::atomic<uint64_t> inflight_bytes{0};
   std::atomic<bool> node_claim_live{false};  // node_claim.bytes > 0, for the other workers
-  // Bytes of MGET replies held for sending (values pinned, or copied out of GPU memory) and not
-  // yet sent (any thread): held to options.max_inflight_bytes like request payloads, released
+  // Bytes of MGET replies held for sending (values pinned, or copied out of GPU memory), and of
+  // GET replies read from disk, not yet sent (any thread): held to options.max_inflight_bytes
+  // like request payloads, released
   // when the reply's token goes (with the reply's parts, once its send is done). Shared, so a
   // token freed late (at transport stop) never touches a dead Impl.
   std::shared_ptr<std::atomic<uint64_t>> batch_reply_bytes =

@@ -448,6 +448,23 @@ Status DiskTier::GetMeta(std::string_view key, StoredObjectMeta* meta) const {
   return Status::OK();
 }
 
+namespace {
+
+// Room for a value of `size` bytes in `value`, or NoSpace: a read of a large value on a node
+// short of memory fails that read, not the process (no bad_alloc leaves the disk tier).
+Status ReserveValue(std::string* value, uint64_t size) {
+  try {
+    value->clear();
+    value->reserve(size);
+  } catch (const std::exception&) {
+    return Status::NoSpace("cannot allocate " + std::to_string(size) +
+                           " bytes of memory to read a value from the disk tier");
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
 Status DiskTier::Get(std::string_view key, StoredObjectMeta* meta, std::string* value) const {
   // A snapshot makes the metadata and the value agree even if a writer replaces the key.
   const rocksdb::Snapshot* snap = db_->GetSnapshot();
@@ -458,6 +475,7 @@ Status DiskTier::Get(std::string_view key, StoredObjectMeta* meta, std::string* 
   Status ds;
   rocksdb::Status s = db_->Get(ro, handles_[kMeta], key, &raw);
   if (s.ok()) ds = DecodeMeta(raw, &r);
+  if (s.ok() && ds.ok()) ds = ReserveValue(value, r.meta.size);
   if (s.ok() && ds.ok() && r.meta.chunks == 0) s = db_->Get(ro, handles_[kData], key, value);
   if (s.ok() && ds.ok() && r.meta.chunks != 0) ds = ReadChunks(ro, r.meta, value);
   db_->ReleaseSnapshot(snap);
@@ -473,8 +491,7 @@ Status DiskTier::Get(std::string_view key, StoredObjectMeta* meta, std::string* 
 
 Status DiskTier::ReadChunks(const rocksdb::ReadOptions& ro, const StoredObjectMeta& meta,
                             std::string* value) const {
-  value->clear();
-  value->reserve(meta.size);
+  value->clear();  // (its room was reserved by Get)
   const std::string end = ChunkKey(meta.chunks + 1, 0);
   rocksdb::ReadOptions bounded = ro;
   rocksdb::Slice upper(end);
