@@ -59,6 +59,7 @@ struct Config {
   std::string json_file;
   std::string key_prefix = "bench/";
   int timeout_ms = 5000;
+  std::string stream_threshold;  // empty: the client's default
 };
 
 // ---- value contents: deterministic from (key, sequence), so a read can be checked ----
@@ -286,6 +287,15 @@ class Bench {
     ClientOptions o;
     o.cluster_file = c_.cluster_file;
     o.default_timeout = std::chrono::milliseconds(c_.timeout_ms);
+    if (!c_.stream_threshold.empty()) {
+      auto threshold = ParseSize(c_.stream_threshold);
+      if (!threshold.ok()) {
+        std::fprintf(stderr, "gkv-bench: --stream-threshold: %s\n",
+                     threshold.status().ToString().c_str());
+        return 2;
+      }
+      o.stream_threshold = *threshold;
+    }
     for (int t = 0; t < c_.threads; ++t) {
       auto client = Client::Open(o);
       if (!client.ok()) {
@@ -862,6 +872,8 @@ int main(int argc, char** argv) {
   app.add_option("--server", c.server, "HOST:PORT of the redis or memcached server");
   app.add_option("--workload", c.workload, "preset: embeddings | dataset | mixed");
   app.add_option("--timeout-ms", c.timeout_ms, "per-request deadline");
+  app.add_option("--stream-threshold", c.stream_threshold,
+                 "puts of values larger than this are streamed in pieces (default 64MiB)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

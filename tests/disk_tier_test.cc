@@ -303,7 +303,9 @@ TEST(DiskTierTest, ConcurrentPutsKeepVersionsAndAccounting) {
 
 // Writes `value` as chunks of `chunk` bytes, last chunk first (the order must not matter).
 uint64_t WriteChunked(DiskTier& tier, const std::string& value, size_t chunk) {
-  const uint64_t stream = tier.BeginChunks();
+  auto begun = tier.BeginChunks(value.size(), /*durable=*/false, nullptr);
+  EXPECT_TRUE(begun.ok()) << begun.status().ToString();
+  const uint64_t stream = begun.ok() ? *begun : 0;
   std::vector<size_t> offsets;
   for (size_t off = 0; off < value.size(); off += chunk) offsets.push_back(off);
   for (auto it = offsets.rbegin(); it != offsets.rend(); ++it) {
@@ -354,11 +356,13 @@ TEST(DiskTierTest, ChunkedValuesReadWholeAndLeaveNoChunksWhenReplacedOrDeleted) 
   // An older version is not written over a newer one: its chunks stay the caller's.
   StoredObjectMeta old{a.size(), 3, {}};
   old.chunks = WriteChunked(*tier, a, 1 << 20);
+  EXPECT_EQ(tier->used_bytes(), c.size() + 5 + a.size());  // reserved while the stream is open
   bool written = true;
   ASSERT_TRUE(tier->Put("shard", old, nullptr, false, nullptr, &written).ok());
   EXPECT_FALSE(written);
   tier->AbortChunks(old.chunks);
   EXPECT_EQ(*tier->ChunkBytes(), c.size());
+  EXPECT_EQ(tier->used_bytes(), c.size() + 5);
 
   ASSERT_TRUE(tier->Delete("shard").ok());
   EXPECT_TRUE(tier->Get("shard", &back, &value).IsNotFound());
@@ -396,6 +400,31 @@ TEST(DiskTierTest, UncommittedChunksAreDeletedByAbortOrTheNextOpen) {
   const uint64_t fresh = WriteChunked(*tier, v, 1 << 20);
   EXPECT_NE(fresh, back.chunks);
   EXPECT_EQ(*tier->ChunkBytes(), 2 * v.size());
+}
+
+// A stream reserves its bytes when it begins: cache-only objects are evicted to make room then,
+// and a stream that cannot get room (durable objects hold it, or the durable budget is full)
+// is refused before any chunk is written.
+TEST(DiskTierTest, AStreamReservesItsRoomWhenItBegins) {
+  testing::TempDir dir;
+  auto tier = OpenTier(dir.path(), (8 << 20) + 100, 0.5);
+  ASSERT_TRUE(tier);
+  const std::string v(3 << 20, 'v');
+  ASSERT_TRUE(tier->Put("cached", {v.size(), 1, {}, false}, v.data(), false, nullptr).ok());
+  ASSERT_TRUE(tier->Put("kept", {v.size(), 2, {}, true}, v.data(), true, nullptr).ok());
+  std::vector<DiskEviction> ev;
+  auto s1 = tier->BeginChunks(4 << 20, /*durable=*/false, &ev);
+  ASSERT_TRUE(s1.ok()) << s1.status().ToString();
+  ASSERT_EQ(ev.size(), 1u);
+  EXPECT_EQ(ev[0].key, "cached");
+  // Durable: 3 MiB of a 4 MiB budget are taken.
+  EXPECT_EQ(tier->BeginChunks(2 << 20, /*durable=*/true, nullptr).status().code(),
+            StatusCode::kNoSpace);
+  // The rest is held by the durable object and the open stream.
+  EXPECT_EQ(tier->BeginChunks(2 << 20, /*durable=*/false, nullptr).status().code(),
+            StatusCode::kNoSpace);
+  tier->AbortChunks(*s1);
+  EXPECT_TRUE(tier->BeginChunks(2 << 20, /*durable=*/false, nullptr).ok());
 }
 
 // Capacity eviction of a cache-only chunked object deletes its chunks with it.

@@ -938,7 +938,7 @@ TEST(GuaranteesTest, AStreamedDiskBoundValueNeedsNoBufferAsLargeAsItself) {
 TEST(GuaranteesTest, StreamedPutPiecesThatDoNotFitTheirStreamAreRefused) {
   NodeSpec spec;
   spec.host_mem = "8MiB";
-  spec.extra_args = {"--stream-chunk-size", "64KiB", "--send-timeout-ms", "300"};
+  spec.extra_args = {"--stream-chunk-size", "64KiB", "--send-timeout-ms", "2000"};
   Cluster cluster(1, spec);
   auto client = cluster.NewClient(std::chrono::seconds(10));
   ASSERT_TRUE(client);
@@ -975,6 +975,8 @@ TEST(GuaranteesTest, StreamedPutPiecesThatDoNotFitTheirStreamAreRefused) {
            0, wire::kFlagStreamed);
   EXPECT_EQ(raw.WaitReply(500), StatusCode::kProtocolError);
 
+  EXPECT_EQ(StatsCounter(*client, 0, "dropped", "\"streamed_puts\":{"), 1u);
+
   const uint64_t s2 = open(raw, "idle", 20u << 20);
   EXPECT_EQ(piece(raw, s2, 0, 64 << 10), StatusCode::kOk);
   {
@@ -982,8 +984,15 @@ TEST(GuaranteesTest, StreamedPutPiecesThatDoNotFitTheirStreamAreRefused) {
     const uint64_t s3 = open(leaving, "left", 20u << 20);
     EXPECT_EQ(piece(leaving, s3, 0, 64 << 10), StatusCode::kOk);
   }
-  // Idle past the 300 ms send timeout: dropped on the node's next check (once a second).
-  std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+  // Its connection went: dropped then, well before the 2 s send timeout could.
+  uint64_t dropped = 0;
+  for (int i = 0; i < 10 && dropped < 2; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    dropped = StatsCounter(*client, 0, "dropped", "\"streamed_puts\":{");
+  }
+  EXPECT_EQ(dropped, 2u) << "the stream of a closed connection was not dropped";
+  // Idle past the send timeout: dropped on the node's next check (once a second).
+  std::this_thread::sleep_for(std::chrono::milliseconds(3500));
   EXPECT_EQ(piece(raw, s2, 64 << 10, 64 << 10), StatusCode::kAborted);
   EXPECT_EQ(StatsCounter(*client, 0, "opened", "\"streamed_puts\":{"), 3u);
   EXPECT_EQ(StatsCounter(*client, 0, "dropped", "\"streamed_puts\":{"), 3u) << cluster.ReadLog(0);

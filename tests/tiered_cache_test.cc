@@ -488,7 +488,7 @@ TEST(TieredCacheTest, StreamedReservationsWritePiecesToDiskOrMemory) {
   const std::string big = ValueFor(rng, (5 << 20) + 11), small = ValueFor(rng, 40 * kKiB);
   constexpr uint64_t kPiece = 1 << 20;
 
-  auto h = c->ReserveStreamed("big", big.size(), TensorMeta{});
+  auto h = c->ReserveStreamed("big", big.size(), TensorMeta{}, /*durable=*/true);
   ASSERT_TRUE(h.ok()) << h.status().ToString();
   EXPECT_EQ(h->tier(), Tier::kDisk);
   EXPECT_EQ(h->data(), nullptr);
@@ -507,7 +507,7 @@ TEST(TieredCacheTest, StreamedReservationsWritePiecesToDiskOrMemory) {
   EXPECT_TRUE(info->durable);
   EXPECT_TRUE(out == big);
 
-  auto m = c->ReserveStreamed("small", small.size(), TensorMeta{});
+  auto m = c->ReserveStreamed("small", small.size(), TensorMeta{}, false);
   ASSERT_TRUE(m.ok());
   EXPECT_EQ(m->tier(), Tier::kHost);
   ASSERT_TRUE(c->WriteAt(*m, 0, small.data(), small.size()).ok());
@@ -515,21 +515,21 @@ TEST(TieredCacheTest, StreamedReservationsWritePiecesToDiskOrMemory) {
   ASSERT_TRUE(c->Get("small", &out).ok());
   EXPECT_TRUE(out == small);
 
+  EXPECT_EQ(*c->DiskChunkBytes(), big.size());
   {
-    auto abandoned = c->ReserveStreamed("gone", big.size(), TensorMeta{});
+    auto abandoned = c->ReserveStreamed("gone", big.size(), TensorMeta{}, false);
     ASSERT_TRUE(abandoned.ok());
     ASSERT_TRUE(c->WriteAt(*abandoned, 0, big.data(), kPiece).ok());
+    EXPECT_EQ(*c->DiskChunkBytes(), big.size() + kPiece);
   }
   EXPECT_TRUE(c->Stat("gone").status().IsNotFound());
+  EXPECT_EQ(*c->DiskChunkBytes(), big.size());  // the abandoned one's chunk is gone
   // Overwritten by an ordinary put: the chunks of "big" go with it.
   ASSERT_TRUE(c->Put("big", small.data(), small.size()).ok());
-  c.reset();
-  DiskTier::Options o;
-  o.path = dir.path();
-  o.capacity = 64 << 20;
-  auto disk = DiskTier::Open(o);
-  ASSERT_TRUE(disk.ok()) << disk.status().ToString();
-  EXPECT_EQ(*(*disk)->ChunkBytes(), 0u);
+  EXPECT_EQ(*c->DiskChunkBytes(), 0u);
+  // A durable stream past the durable budget (half of 64 MiB) is refused before any byte.
+  EXPECT_EQ(c->ReserveStreamed("huge", 40 << 20, TensorMeta{}, true).status().code(),
+            StatusCode::kNoSpace);
 }
 
 TEST(TieredCacheTest, ZeroByteObjectsRoundTrip) {

@@ -1016,12 +1016,24 @@ Result<std::unique_ptr<TieredCache>> TieredCache::Open(const CacheOptions& optio
 
 Result<WriteHandle> TieredCache::Reserve(std::string_view key, uint64_t size,
                                          const TensorMeta& tensor) {
-  return ReserveImpl(key, size, tensor, /*streamed=*/false);
+  return ReserveImpl(key, size, tensor, /*streamed=*/false, /*durable=*/false);
 }
 
 Result<WriteHandle> TieredCache::ReserveStreamed(std::string_view key, uint64_t size,
-                                                 const TensorMeta& tensor) {
-  return ReserveImpl(key, size, tensor, /*streamed=*/true);
+                                                 const TensorMeta& tensor, bool durable) {
+  if (durable && !impl_->disk) return Status::NotSupported("durable put needs a disk tier");
+  if (durable &&
+      impl_->disk->durable_bytes() + size + key.size() > impl_->disk->durable_capacity()) {
+    return Status::NoSpace("the disk tier's durable budget (" +
+                           FormatSize(impl_->disk->durable_capacity()) + ") has no room for " +
+                           FormatSize(size));
+  }
+  return ReserveImpl(key, size, tensor, /*streamed=*/true, durable);
+}
+
+Result<uint64_t> TieredCache::DiskChunkBytes() const {
+  if (!impl_->disk) return uint64_t{0};
+  return impl_->disk->ChunkBytes();
 }
 
 Status TieredCache::WriteAt(const WriteHandle& h, uint64_t offset, const void* src, uint64_t size,
@@ -1042,7 +1054,8 @@ Status TieredCache::WriteAt(const WriteHandle& h, uint64_t offset, const void* s
 }
 
 Result<WriteHandle> TieredCache::ReserveImpl(std::string_view key, uint64_t size,
-                                             const TensorMeta& tensor, bool streamed) {
+                                             const TensorMeta& tensor, bool streamed,
+                                             bool durable) {
   Impl& I = *impl_;
   if (key.empty()) return Status::InvalidArgument("empty key");
   if (key.size() > I.options.max_key_size) {
@@ -1082,7 +1095,11 @@ Result<WriteHandle> TieredCache::ReserveImpl(std::string_view key, uint64_t size
     h.tier_ = Tier::kDisk;
     h.kind_ = MemoryKind::kHost;
     if (streamed) {
-      h.disk_stream_ = I.disk->BeginChunks();
+      std::vector<DiskEviction> evicted;
+      auto stream = I.disk->BeginChunks(size, durable, &evicted);
+      I.QueueDiskEvictions(evicted);
+      if (!stream.ok()) return stream.status();
+      h.disk_stream_ = *stream;
       return h;
     }
     // The staging buffer for a disk-bound value is as large as the value (bounded by the node's

@@ -1350,8 +1350,9 @@ struct Client::Impl {
   // stream on the node, whose reply grants a piece size and a window; the pieces then go out
   // with at most that many in flight, and the piece that completes the value is answered with
   // its version. A piece the node answers Busy (its stream buffers all taken) is sent again
-  // shortly, until the deadline. Any other error ends the put with it; the node drops what it
-  // stored (when the connection goes, or after its send timeout).
+  // after a backoff (2 ms, doubling to 64 ms), until the deadline. Any other error ends the
+  // put with it once every piece sent has settled (none still reads the caller's buffer); the
+  // node drops what it stored.
   struct PutStreamState {
     int node = 0;
     const std::byte* data = nullptr;
@@ -1362,11 +1363,16 @@ struct Client::Impl {
     w::StreamGrant grant;
     uint64_t next = 0;   // offset of the next piece to send
     uint64_t acked = 0;  // bytes the node stored
-    int in_flight = 0;   // pieces sent (or waiting to be sent again) and not answered
-    bool finished = false;
+    int in_flight = 0;   // pieces sent (or waiting to be sent again) and not settled
+    // Set once: send nothing more, and report it (the version, or the error) when settled.
+    bool ended = false;
+    Status end_status;
+    uint64_t end_version = 0;
+    bool finished = false;  // `done` was called
     std::function<void(Result<uint64_t>)> done;
   };
-  static constexpr auto kPieceRetry = std::chrono::milliseconds(2);
+  static constexpr auto kPieceRetryFirst = std::chrono::milliseconds(2);
+  static constexpr auto kPieceRetryMax = std::chrono::milliseconds(64);
 
   void StreamPutOnNode(int node, const std::string& key, const void* data, size_t size,
                        MemoryKind kind, std::shared_ptr<std::byte[]> keepalive, const PutOptions& o,
@@ -1398,27 +1404,48 @@ struct Client::Impl {
       });
     };
     Issue(node, w::Opcode::kPut, flags, body, nullptr, 0, MemoryKind::kHost, deadline,
-          std::move(on_reply), [this, st](Status s) { FinishStream(st, s); });
+          std::move(on_reply), [this, st](Status s) { EndStream(st, s); });
   }
 
-  void FinishStream(const std::shared_ptr<PutStreamState>& st, Result<uint64_t> r) {
-    if (st->finished) return;
+  // Records the put's outcome (the first one counts) and reports it once no piece is in flight.
+  void EndStream(const std::shared_ptr<PutStreamState>& st, Result<uint64_t> r) {
+    if (!st->ended) {
+      st->ended = true;
+      st->end_status = r.status();
+      if (r.ok()) st->end_version = *r;
+    }
+    if (st->in_flight > 0 || st->finished) return;
     st->finished = true;
     auto done = std::move(st->done);
-    done(std::move(r));
+    if (!st->end_status.ok()) return done(st->end_status);
+    done(st->end_version);
   }
 
   void PumpStream(const std::shared_ptr<PutStreamState>& st) {
-    while (!st->finished && st->in_flight < st->grant.window && st->next < st->size) {
+    while (!st->ended && st->in_flight < st->grant.window && st->next < st->size) {
       const uint64_t offset = st->next;
       const uint64_t len = std::min<uint64_t>(st->grant.chunk_size, st->size - offset);
       st->next += len;
       st->in_flight++;
-      SendPiece(st, offset, len);
+      SendPiece(st, offset, len, kPieceRetryFirst);
     }
   }
 
-  void SendPiece(const std::shared_ptr<PutStreamState>& st, uint64_t offset, uint64_t len) {
+  // A piece settled (answered, failed, or not sent again): `r` ends the put when it is an error
+  // or the version; otherwise more pieces go.
+  void PieceSettled(const std::shared_ptr<PutStreamState>& st, Result<uint64_t> r) {
+    st->in_flight--;
+    if (!r.ok() || *r != 0 || st->ended) return EndStream(st, std::move(r));
+    if (st->acked == st->size) {
+      return EndStream(st, Status::ProtocolError("the node stored every piece of a streamed put "
+                                                 "but named no version"));
+    }
+    PumpStream(st);
+  }
+
+  void SendPiece(const std::shared_ptr<PutStreamState>& st, uint64_t offset, uint64_t len,
+                 std::chrono::milliseconds backoff) {
+    if (st->ended || closing) return PieceSettled(st, Status::Aborted("client closed"));
     auto on_reply = [this, st, len](const PendingPtr& p, std::unique_ptr<Incoming> msg) {
       uint64_t version = 0;
       Status s = ParseReply(*msg, [&](std::string_view b, w::ReplyStatus* rs) {
@@ -1426,28 +1453,19 @@ struct Client::Impl {
       });
       if (!s.ok()) return Fail(p, s);
       Complete(p, [this, st, len, version] {
-        st->in_flight--;
         st->acked += len;
-        if (version != 0) {
-          write_clock.Observe(version);
-          return FinishStream(st, version);
-        }
-        if (st->acked == st->size) {
-          return FinishStream(st, Status::ProtocolError("the node stored every piece of a "
-                                                        "streamed put but named no version"));
-        }
-        PumpStream(st);
+        if (version != 0) write_clock.Observe(version);
+        PieceSettled(st, version);
       });
     };
-    auto on_error = [this, st, offset, len](Status s) {
-      if (s.code() == StatusCode::kBusy && !st->finished &&
-          Clock::now() + kPieceRetry < st->deadline) {
-        return AddTimer(Clock::now() + kPieceRetry, [this, st, offset, len] {
-          if (!st->finished) SendPiece(st, offset, len);
+    auto on_error = [this, st, offset, len, backoff](Status s) {
+      if (s.code() == StatusCode::kBusy && !st->ended && !closing &&
+          Clock::now() + backoff < st->deadline) {
+        return AddTimer(Clock::now() + backoff, [this, st, offset, len, backoff] {
+          SendPiece(st, offset, len, std::min(backoff * 2, kPieceRetryMax));
         });
       }
-      st->in_flight--;
-      FinishStream(st, s);
+      PieceSettled(st, s);
     };
     Issue(st->node, w::Opcode::kPutChunk, 0, w::EncodePutChunk(st->grant.stream, offset),
           st->data + offset, len, st->kind, st->deadline, std::move(on_reply), std::move(on_error),

@@ -106,7 +106,7 @@ int main(int argc, char** argv) {
   app.add_option("--stream-buffers", stream_buffers,
                  "streamed puts: pinned buffers of --stream-chunk-size for pieces bound for disk, "
                  "shared by every stream (then Busy)")
-      ->check(CLI::Range(0, 1024));
+      ->check(CLI::Range(1, 1024));
   app.add_option("--replicate-hot", replicate_hot,
                  "auto (default): copy a key when its node is loaded above the cluster's mean and "
                  "the key takes --hot-share of its reads; R: copy keys read more than R times a "

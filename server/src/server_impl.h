@@ -738,7 +738,7 @@ struct Server::Impl {
     std::vector<bool> pieces;  // piece i (at i * chunk size) arrived, or is arriving
     uint64_t stored = 0;       // bytes of pieces stored
     int in_flight = 0;         // pieces being received or written
-    bool closed = false;       // failed, dropped or committing: takes no more pieces
+    bool closed = false;       // opening, failed, dropped or committing: takes no pieces
     Clock::time_point last_activity;
   };
   // A PUT with kFlagStreamed, decoded and checked (`op` holds no payload): reserves the value's
@@ -752,6 +752,11 @@ struct Server::Impl {
   // Drops the streams of a connection that went (conn != 0), or those that received nothing
   // for send_timeout (conn == 0, worker 0's tick). Their pieces in flight finish first.
   void DropStreams(ConnId conn, Clock::time_point now = Clock::time_point::max());
+  // A stream closed with no piece in flight: its reservation goes, on an executor.
+  // REQUIRES: streams_mu.
+  void ReleaseStreamLocked(const std::shared_ptr<PutStream>& stream);
+  // Open streams one connection may have (then Busy): one client cannot take every slot.
+  static constexpr size_t kMaxStreamsPerConn = 8;
   std::mutex streams_mu;
   std::unordered_map<uint64_t, std::shared_ptr<PutStream>> streams;  // guarded by streams_mu
   uint64_t next_stream_id = 1;                                       // guarded by streams_mu

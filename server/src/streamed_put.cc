@@ -11,38 +11,75 @@ void Server::Impl::OpenStream(std::shared_ptr<PutOp> op) {
   const Req& r = op->req;
   SubmitRequestWork(r, [this, op] {
     if (op->req.Expired()) return PostReplyStatus(op->req, DeadlinePassed());
-    auto reserved = cache->ReserveStreamed(op->put.key, op->put.size, op->put.tensor);
-    if (!reserved.ok()) return PostReplyStatus(op->req, reserved.status());
     auto stream = std::make_shared<PutStream>();
     stream->conn = op->req.conn;
     stream->put = std::move(op->put);
     stream->flags = op->req.h.flags;
     stream->client_version = op->client_version;
     stream->ring_epoch = op->ring_epoch;
-    stream->handle = std::move(*reserved);
-    if (stream->client_version != 0) stream->handle.RequestVersion(stream->client_version);
-    const uint64_t chunk = options.stream_chunk_size;
-    stream->pieces.assign((stream->put.size + chunk - 1) / chunk, false);
+    stream->closed = true;  // opening: takes no piece until its reservation is in
     stream->last_activity = Clock::now();
+    // The slot first, so that a stream refused for the limits reserves (and evicts) nothing.
     Status s;
     {
       std::lock_guard<std::mutex> lock(streams_mu);
+      size_t on_conn = 0;
+      for (const auto& [id, other] : streams) on_conn += other->conn == stream->conn;
       if (streams.size() >= options.max_streams) {
         s = Status::Busy("the node has " + std::to_string(streams.size()) +
                          " streamed puts open (limit " + std::to_string(options.max_streams) + ")");
+      } else if (on_conn >= kMaxStreamsPerConn) {
+        s = Status::Busy("this connection has " + std::to_string(on_conn) +
+                         " streamed puts open (limit " + std::to_string(kMaxStreamsPerConn) + ")");
       } else {
         stream->id = next_stream_id++;
         streams.emplace(stream->id, stream);
-        counters.streams_opened.fetch_add(1, std::memory_order_relaxed);
       }
     }
-    if (!s.ok()) return PostReplyStatus(op->req, s);  // `stream` releases the reservation
+    if (!s.ok()) return PostReplyStatus(op->req, s);
+    auto reserved = cache->ReserveStreamed(stream->put.key, stream->put.size, stream->put.tensor,
+                                           (stream->flags & w::kFlagDurable) != 0);
+    if (reserved.ok() && stream->client_version != 0) {
+      reserved->RequestVersion(stream->client_version);
+    }
+    bool still_open = false;
+    {
+      std::lock_guard<std::mutex> lock(streams_mu);
+      still_open = streams.count(stream->id) > 0;  // not dropped with its connection meanwhile
+      if (reserved.ok() && still_open) {
+        stream->handle = std::move(*reserved);
+        const uint64_t chunk = options.stream_chunk_size;
+        stream->pieces.assign((stream->put.size + chunk - 1) / chunk, false);
+        stream->last_activity = Clock::now();
+        stream->closed = false;
+        counters.streams_opened.fetch_add(1, std::memory_order_relaxed);
+      } else {
+        streams.erase(stream->id);
+      }
+    }
+    // (A reservation not taken is released here, on this executor.)
+    if (!reserved.ok()) return PostReplyStatus(op->req, reserved.status());
+    if (!still_open) return PostReplyStatus(op->req, Status::Unavailable("connection closed"));
     const w::StreamGrant grant{stream->id, options.stream_chunk_size, options.stream_window};
+    const ConnId conn = stream->conn;
     transport->PostTo(op->req.worker, [this, op, grant] {
       Reply(op->req, Status::OK(), w::EncodeStreamReply(Status::OK(), grant), nullptr, 0,
             MemoryKind::kHost, nullptr);
     });
+    // A connection that went while the stream was opening had its streams dropped before this
+    // one was in the table: its own worker knows it is gone (and one that goes later drops it).
+    transport->PostTo(UcxTransport::WorkerOf(conn), [this, conn] {
+      if (!transport->IsOpen(conn)) DropStreams(conn);
+    });
   });
+}
+
+void Server::Impl::ReleaseStreamLocked(const std::shared_ptr<PutStream>& stream) {
+  if (!stream->closed || stream->in_flight > 0) return;  // the last piece to settle does it
+  // An executor releases the reservation: for one bound for disk that deletes its chunks
+  // (a RocksDB write), which must not stall an I/O thread.
+  auto handle = std::make_shared<WriteHandle>(std::move(stream->handle));
+  executors->Submit([handle] {});
 }
 
 void Server::Impl::HandlePutChunk(const Req& r, std::string_view body,
@@ -93,6 +130,7 @@ void Server::Impl::HandlePutChunk(const Req& r, std::string_view body,
       if (!stream->closed) counters.streams_dropped.fetch_add(1, std::memory_order_relaxed);
       stream->closed = true;
       streams.erase(stream->id);
+      ReleaseStreamLocked(stream);
     }
     return ReplyStatus(r, s);  // the unreceived piece is released with `msg`
   }
@@ -110,6 +148,7 @@ void Server::Impl::HandlePutChunk(const Req& r, std::string_view body,
       std::lock_guard<std::mutex> lock(streams_mu);
       stream->pieces[offset / chunk] = false;
       stream->in_flight--;
+      ReleaseStreamLocked(stream);  // (when it was dropped meanwhile)
     }
     return ReplyStatus(r, Status::Busy("every stream buffer of the node is in use; send the "
                                        "piece again shortly"));
@@ -117,8 +156,9 @@ void Server::Impl::HandlePutChunk(const Req& r, std::string_view body,
   ReceivePayload(r.conn, std::move(msg), buffer.get(), MemoryKind::kHost,
                  [this, stream, r, len, offset, buffer](Status rs) {
                    if (!rs.ok()) return PieceStored(stream, r, len, rs, false);
-                   executors->Submit([this, stream, r, len, offset, buffer] {
+                   executors->Submit([this, stream, r, len, offset, buffer]() mutable {
                      Status ws = cache->WriteAt(stream->handle, offset, buffer.get(), len);
+                     buffer.reset();  // back to the pool before a commit (and its fsync)
                      PieceStored(stream, r, len, ws, true);
                    });
                  });
@@ -136,9 +176,12 @@ void Server::Impl::PieceStored(const std::shared_ptr<PutStream>& stream, const R
       if (!stream->closed) counters.streams_dropped.fetch_add(1, std::memory_order_relaxed);
       stream->closed = true;
       streams.erase(stream->id);
+      ReleaseStreamLocked(stream);
+    } else if (stream->closed) {
+      ReleaseStreamLocked(stream);  // dropped while this piece was moving
     } else {
       stream->stored += len;
-      complete = !stream->closed && stream->stored == stream->put.size;
+      complete = stream->stored == stream->put.size;
       if (complete) {
         counters.streams_completed.fetch_add(1, std::memory_order_relaxed);
         stream->closed = true;
@@ -167,21 +210,25 @@ void Server::Impl::PieceStored(const std::shared_ptr<PutStream>& stream, const R
 }
 
 void Server::Impl::DropStreams(ConnId conn, Clock::time_point now) {
-  std::vector<std::shared_ptr<PutStream>> dropped;  // released outside the lock
+  std::vector<std::shared_ptr<PutStream>> dropped;  // logged outside the lock
   {
     std::lock_guard<std::mutex> lock(streams_mu);
     for (auto it = streams.begin(); it != streams.end();) {
       PutStream& st = *it->second;
-      const bool gone = conn != 0
-                            ? st.conn == conn
-                            : st.in_flight == 0 && now - st.last_activity > options.send_timeout;
+      const bool opening = st.pieces.empty();  // OpenStream drops it itself if it must
+      const bool gone = conn != 0 ? st.conn == conn
+                                  : !opening && st.in_flight == 0 &&
+                                        now - st.last_activity > options.send_timeout;
       if (!gone) {
         ++it;
         continue;
       }
       st.closed = true;
-      counters.streams_dropped.fetch_add(1, std::memory_order_relaxed);
-      dropped.push_back(std::move(it->second));
+      ReleaseStreamLocked(it->second);
+      if (!opening) {
+        counters.streams_dropped.fetch_add(1, std::memory_order_relaxed);
+        dropped.push_back(std::move(it->second));
+      }
       it = streams.erase(it);
     }
   }

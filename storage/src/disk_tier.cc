@@ -387,6 +387,11 @@ Status DiskTier::PutBatch(std::vector<DiskWrite>* writes, bool sync,
         DeleteValueTo(&batch, w.key, r.meta);
       }
       used_bytes_ = used_bytes_ - old_bytes + bytes;
+      // A stream's reservation becomes the object's bytes (erased once the write is done).
+      if (w.meta.chunks != 0) {
+        auto open = open_chunks_.find(w.meta.chunks);
+        if (open != open_chunks_.end()) used_bytes_ -= open->second;
+      }
       durable_bytes_ = durable_after;
       if (!existed) object_count_++;
       MetaRecord nr{w.meta, next_sequence_++};
@@ -430,7 +435,10 @@ Status DiskTier::PutBatch(std::vector<DiskWrite>* writes, bool sync,
     evict_cursor_ = std::min(evict_cursor_, cursor0);
     return ws;
   }
-  for (size_t i : included) (*writes)[i].written = true;
+  for (size_t i : included) {
+    (*writes)[i].written = true;
+    if ((*writes)[i].meta.chunks != 0) open_chunks_.erase((*writes)[i].meta.chunks);
+  }
   if (evicted) {
     for (const Victim& v : victims) evicted->push_back({v.key, v.version});
   }
@@ -518,9 +526,56 @@ void DiskTier::DeleteValueTo(void* batch_ptr, std::string_view key, const Stored
   }
 }
 
-uint64_t DiskTier::BeginChunks() {
-  std::lock_guard<std::mutex> lock(write_mu_);
-  return next_sequence_++;
+Result<uint64_t> DiskTier::BeginChunks(uint64_t size, bool durable,
+                                       std::vector<DiskEviction>* evicted) {
+  std::unique_lock<std::mutex> lock(write_mu_);
+  if (size > (durable ? durable_capacity_ : options_.capacity)) {
+    return Status::NoSpace("object of " + std::to_string(size) + " bytes exceeds the " +
+                           (durable ? "durable budget" : "capacity") + " of the disk tier");
+  }
+  if (durable && durable_bytes_ + size > durable_capacity_) {
+    return Status::NoSpace("the disk tier's durable budget (" + std::to_string(durable_capacity_) +
+                           " bytes) is full");
+  }
+  const uint64_t stream = next_sequence_++;
+  const uint64_t used0 = used_bytes_, count0 = object_count_, cursor0 = evict_cursor_;
+  used_bytes_ += size;
+  rocksdb::WriteBatch batch;
+  std::vector<Victim> victims;
+  for (;;) {
+    const bool any_busy = !busy_.empty();
+    if (ChooseVictimsLocked({}, &batch, &victims)) break;
+    // Keys in flight may free some; else there is no room.
+    used_bytes_ = used0 + size;
+    object_count_ = count0;
+    evict_cursor_ = cursor0;
+    batch.Clear();
+    victims.clear();
+    if (!any_busy) {
+      used_bytes_ = used0;
+      return Status::NoSpace("no room in the disk tier for a streamed value of " +
+                             std::to_string(size) + " bytes");
+    }
+    key_released_.wait(lock);
+  }
+  if (!victims.empty()) {
+    std::vector<std::string> claimed;
+    for (const Victim& v : victims) claimed.push_back(v.key);
+    const uint64_t freed = used0 + size - used_bytes_;
+    Status ws = WriteClaimedLocked(lock, &batch, /*sync=*/false, claimed, "disk tier eviction");
+    if (!ws.ok()) {
+      used_bytes_ += freed;
+      used_bytes_ -= size;
+      object_count_ += victims.size();
+      evict_cursor_ = std::min(evict_cursor_, cursor0);
+      return ws;
+    }
+    if (evicted) {
+      for (const Victim& v : victims) evicted->push_back({v.key, v.version});
+    }
+  }
+  open_chunks_[stream] = size;
+  return stream;
 }
 
 Status DiskTier::WriteChunk(uint64_t stream, uint64_t offset, const void* data, uint64_t size) {
@@ -533,6 +588,14 @@ Status DiskTier::WriteChunk(uint64_t stream, uint64_t offset, const void* data, 
 
 void DiskTier::AbortChunks(uint64_t stream) {
   if (stream == 0) return;
+  {
+    std::lock_guard<std::mutex> lock(write_mu_);
+    auto it = open_chunks_.find(stream);
+    if (it != open_chunks_.end()) {
+      used_bytes_ -= it->second;
+      open_chunks_.erase(it);
+    }
+  }
   rocksdb::WriteBatch batch;
   batch.DeleteRange(handles_[kChunks], ChunkKey(stream, 0), ChunkKey(stream + 1, 0));
   // Unsynced: chunks a crash brings back are unreferenced, and the next Open deletes them.

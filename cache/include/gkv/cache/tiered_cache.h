@@ -264,9 +264,12 @@ class TieredCache {
   // Reserve for a value that arrives in pieces (a streamed put), filled through WriteAt: a
   // reservation in a memory tier is the same as Reserve's; one bound for the disk tier has no
   // buffer (data() is null) and WriteAt writes its pieces to disk as they come, so no memory as
-  // large as the value is needed.
-  Result<WriteHandle> ReserveStreamed(std::string_view key, uint64_t size,
-                                      const TensorMeta& tensor);
+  // large as the value is needed; the disk tier reserves the value's room when the stream
+  // begins (DiskTier::BeginChunks). `durable`: the commit will be durable, so a value past what
+  // the durable budget has left now (or a cache without a disk tier) is refused here, before
+  // any of it is sent, rather than at the commit (which still checks).
+  Result<WriteHandle> ReserveStreamed(std::string_view key, uint64_t size, const TensorMeta& tensor,
+                                      bool durable);
   // Stores `size` bytes from `src` (host or device memory) at `offset` of the reservation.
   // Pieces may come in any order and from several threads at once, but must not overlap; the
   // caller commits only once every byte was written. InvalidArgument outside the reservation.
@@ -340,6 +343,10 @@ class TieredCache {
   Status CopyBytes(void* dst, MemoryKind dst_kind, const void* src, MemoryKind src_kind,
                    uint64_t size);
 
+  // Bytes the disk tier holds in chunk records (DiskTier::ChunkBytes: a full scan; tests and
+  // diagnostics). 0 without a disk tier.
+  Result<uint64_t> DiskChunkBytes() const;
+
   // Writes every memory entry whose version is not on disk yet to the disk tier, then syncs it.
   // Used at shutdown so a restart finds everything. No-op without a disk tier.
   Status Flush();
@@ -366,7 +373,7 @@ class TieredCache {
   friend class WriteHandle;
   explicit TieredCache(std::unique_ptr<Impl> impl);
   Result<WriteHandle> ReserveImpl(std::string_view key, uint64_t size, const TensorMeta& tensor,
-                                  bool streamed);
+                                  bool streamed, bool durable);
   // Publishes a committed entry (an Entry) as the newest version of its key; the part of a
   // commit that cannot fail.
   uint64_t Publish(WriteHandle& h, std::shared_ptr<void> entry);

@@ -26,9 +26,11 @@
 // NoSpace and writes nothing. The objects of the write itself are never its victims.
 // Eviction walks `order` from a cursor (the smallest sequence that may still be there), so it
 // never rescans the tombstones of earlier evictions.
-// Chunks of a stream not yet committed are not counted in the capacity: a stream holds at most
-// one value's bytes (the node's maximum value size) beyond it until its commit is admitted or
-// refused like any Put.
+// A stream reserves its value's bytes in the capacity when it begins (evicting cache-only
+// objects as a Put would; NoSpace when even that cannot make room, or when a durable stream's
+// value would not fit the durable budget left now), so chunks in flight never take the disk
+// past its capacity; the commit turns the reservation into the object's bytes, an abort gives
+// it back.
 // Warm restart: Open() rebuilds the byte counts and the sequence counter from `meta`, and
 // ForEach() lists every stored key with its metadata.
 // Durability: a write with sync=true fsyncs the WAL before returning (and with it every earlier
@@ -42,6 +44,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -124,10 +127,11 @@ class DiskTier {
   Status PutBatch(std::vector<DiskWrite>* writes, bool sync, std::vector<DiskEviction>* evicted);
 
   // A value written in pieces, so that no buffer as large as the value is needed: BeginChunks
-  // returns a new stream id; WriteChunk stores bytes at an offset of it (unsynced; a synced
+  // reserves `size` bytes (see above; its evictions are appended to `evicted`) and returns a
+  // new stream id; WriteChunk stores bytes at an offset of it (unsynced; a synced
   // commit syncs them too, they precede it in the WAL); PutBatch/Put with meta.chunks = id
   // makes them the key's value; AbortChunks deletes a stream that will not be committed.
-  uint64_t BeginChunks();
+  Result<uint64_t> BeginChunks(uint64_t size, bool durable, std::vector<DiskEviction>* evicted);
   Status WriteChunk(uint64_t stream, uint64_t offset, const void* data, uint64_t size);
   void AbortChunks(uint64_t stream);
   // Bytes held in chunk records, committed or not (a full scan of them: tests and diagnostics).
@@ -194,6 +198,8 @@ class DiskTier {
   uint64_t object_count_ = 0;                // guarded by write_mu_
   uint64_t next_sequence_ = 1;               // guarded by write_mu_
   uint64_t evict_cursor_ = 0;  // guarded by write_mu_: no order entry below this sequence
+  // Streams begun and not yet committed or aborted: the bytes each reserved in used_bytes_.
+  std::map<uint64_t, uint64_t> open_chunks_;  // guarded by write_mu_
 };
 
 }  // namespace gkv
