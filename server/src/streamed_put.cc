@@ -153,15 +153,16 @@ void Server::Impl::HandlePutChunk(const Req& r, std::string_view body,
     return ReplyStatus(r, Status::Busy("every stream buffer of the node is in use; send the "
                                        "piece again shortly"));
   }
-  ReceivePayload(r.conn, std::move(msg), buffer.get(), MemoryKind::kHost,
-                 [this, stream, r, len, offset, buffer](Status rs) {
-                   if (!rs.ok()) return PieceStored(stream, r, len, rs, false);
-                   executors->Submit([this, stream, r, len, offset, buffer]() mutable {
-                     Status ws = cache->WriteAt(stream->handle, offset, buffer.get(), len);
-                     buffer.reset();  // back to the pool before a commit (and its fsync)
-                     PieceStored(stream, r, len, ws, true);
-                   });
-                 });
+  ReceivePayload(
+      r.conn, std::move(msg), buffer.get(), MemoryKind::kHost,
+      [this, stream, r, len, offset, buffer = std::move(buffer)](Status rs) mutable {
+        if (!rs.ok()) return PieceStored(stream, r, len, rs, false);
+        executors->Submit([this, stream, r, len, offset, buffer = std::move(buffer)]() mutable {
+          Status ws = cache->WriteAt(stream->handle, offset, buffer.get(), len);
+          buffer.reset();  // back to the pool before a commit (and its fsync)
+          PieceStored(stream, r, len, ws, true);
+        });
+      });
 }
 
 void Server::Impl::PieceStored(const std::shared_ptr<PutStream>& stream, const Req& r, uint64_t len,

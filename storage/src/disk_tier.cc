@@ -343,10 +343,16 @@ Status DiskTier::PutBatch(std::vector<DiskWrite>* writes, bool sync,
   rocksdb::WriteBatch batch;
   std::vector<size_t> included;
   std::vector<Victim> victims;
-  const uint64_t used0 = used_bytes_, durable0 = durable_bytes_, count0 = object_count_,
-                 cursor0 = evict_cursor_;
+  // This round's starting point, taken after every wait (which releases the lock, so other
+  // writers, streams and deletes change the counts meanwhile): an undo takes back only what the
+  // round itself changed.
+  uint64_t used0 = 0, durable0 = 0, count0 = 0, cursor0 = 0;
   for (;;) {
     ClaimLocked(lock, keys);
+    used0 = used_bytes_;
+    durable0 = durable_bytes_;
+    count0 = object_count_;
+    cursor0 = evict_cursor_;
     batch.Clear();
     included.clear();
     victims.clear();
@@ -538,36 +544,39 @@ Result<uint64_t> DiskTier::BeginChunks(uint64_t size, bool durable,
                            " bytes) is full");
   }
   const uint64_t stream = next_sequence_++;
-  const uint64_t used0 = used_bytes_, count0 = object_count_, cursor0 = evict_cursor_;
+  // Every change below is undone by its own amount, never by restoring a snapshot: the waits
+  // release the lock, and other writers change the counts meanwhile.
   used_bytes_ += size;
   rocksdb::WriteBatch batch;
   std::vector<Victim> victims;
   for (;;) {
     const bool any_busy = !busy_.empty();
+    // (Changes nothing when it fails.)
     if (ChooseVictimsLocked({}, &batch, &victims)) break;
-    // Keys in flight may free some; else there is no room.
-    used_bytes_ = used0 + size;
-    object_count_ = count0;
-    evict_cursor_ = cursor0;
     batch.Clear();
     victims.clear();
     if (!any_busy) {
-      used_bytes_ = used0;
+      used_bytes_ -= size;
       return Status::NoSpace("no room in the disk tier for a streamed value of " +
                              std::to_string(size) + " bytes");
     }
+    // Keys in flight may free some.
     key_released_.wait(lock);
   }
   if (!victims.empty()) {
     std::vector<std::string> claimed;
-    for (const Victim& v : victims) claimed.push_back(v.key);
-    const uint64_t freed = used0 + size - used_bytes_;
+    uint64_t freed = 0, oldest = UINT64_MAX;
+    for (const Victim& v : victims) {
+      claimed.push_back(v.key);
+      freed += v.bytes;
+      oldest = std::min(oldest, v.sequence);
+    }
     Status ws = WriteClaimedLocked(lock, &batch, /*sync=*/false, claimed, "disk tier eviction");
     if (!ws.ok()) {
       used_bytes_ += freed;
       used_bytes_ -= size;
       object_count_ += victims.size();
-      evict_cursor_ = std::min(evict_cursor_, cursor0);
+      evict_cursor_ = std::min(evict_cursor_, oldest);
       return ws;
     }
     if (evicted) {
@@ -594,6 +603,7 @@ void DiskTier::AbortChunks(uint64_t stream) {
     if (it != open_chunks_.end()) {
       used_bytes_ -= it->second;
       open_chunks_.erase(it);
+      key_released_.notify_all();  // writers waiting for room may find it now
     }
   }
   rocksdb::WriteBatch batch;
