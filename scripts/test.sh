@@ -63,12 +63,12 @@ tsan() {
   # The node tests: a race in a node makes it exit 66, which the harness reports when it stops
   # the node (a graceful stop must exit 0).
   GKV_BUILD_DIR=build-tsan \
-    GKV_TARGETS="cache_test transport_test gkv-server integration_test replication_test guarantees_test" \
+    GKV_TARGETS="storage_test cache_test transport_test gkv-server integration_test replication_test guarantees_test" \
     scripts/build.sh -DGKV_SANITIZE=thread -DGKV_BUILD_BENCH=OFF -DCMAKE_BUILD_TYPE=Debug &&
     UCX_MEM_EVENTS=no \
     TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/tests/tsan.supp" \
     ctest --test-dir build-tsan --output-on-failure -j "$JOBS" --timeout 600 \
-    -R 'Concurren|^IntegrationTest\..*(IoThread|SeveralClientThreads|SyncCalls)|^ReplicationTest\..*IoThread|^GuaranteesTest\..*(MidTransfer|LeftRunning|Abandoned)'
+    -R 'Concurren|Streamed|^IntegrationTest\..*(IoThread|SeveralClientThreads|SyncCalls)|^ReplicationTest\..*IoThread|^GuaranteesTest\..*(MidTransfer|LeftRunning|Abandoned)'
 }
 
 scripts/deps.sh

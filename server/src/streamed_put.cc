@@ -153,8 +153,9 @@ void Server::Impl::HandlePutChunk(const Req& r, std::string_view body,
     return ReplyStatus(r, Status::Busy("every stream buffer of the node is in use; send the "
                                        "piece again shortly"));
   }
+  std::byte* into = buffer.get();  // (taken before the callback below moves `buffer` away)
   ReceivePayload(
-      r.conn, std::move(msg), buffer.get(), MemoryKind::kHost,
+      r.conn, std::move(msg), into, MemoryKind::kHost,
       [this, stream, r, len, offset, buffer = std::move(buffer)](Status rs) mutable {
         if (!rs.ok()) return PieceStored(stream, r, len, rs, false);
         executors->Submit([this, stream, r, len, offset, buffer = std::move(buffer)]() mutable {
