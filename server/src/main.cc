@@ -99,7 +99,7 @@ int main(int argc, char** argv) {
                  "close a connection whose peer has not taken a reply for this long")
       ->check(CLI::Range(int64_t{10}, int64_t{3600000}));
   app.add_option("--stream-chunk-size", stream_chunk_size,
-                 "streamed puts: the largest piece the node takes (a power of two, 64KiB-64MiB)");
+                 "streamed puts: the largest piece the node takes (a power of two, 4KiB-64MiB)");
   app.add_option("--stream-window", stream_window,
                  "streamed puts: pieces one put may have in flight")
       ->check(CLI::Range(1, 64));
@@ -220,9 +220,9 @@ int main(int argc, char** argv) {
   }
   {
     auto chunk = gkv::ParseSize(stream_chunk_size);
-    if (!chunk.ok() || *chunk < (64u << 10) || *chunk > (64u << 20) || (*chunk & (*chunk - 1))) {
+    if (!chunk.ok() || *chunk < (4u << 10) || *chunk > (64u << 20) || (*chunk & (*chunk - 1))) {
       std::fprintf(stderr,
-                   "gkv-server: --stream-chunk-size must be a power of two from 64KiB "
+                   "gkv-server: --stream-chunk-size must be a power of two from 4KiB "
                    "to 64MiB\n");
       return 2;
     }
