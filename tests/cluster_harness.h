@@ -294,6 +294,14 @@ class Cluster {
     o.default_timeout = timeout;
     return NewClient(o);
   }
+  // A client that streams every put of more than `stream_threshold` bytes (ClientOptions).
+  std::unique_ptr<Client> NewStreamingClient(std::chrono::milliseconds timeout,
+                                             uint64_t stream_threshold = 1 << 20) {
+    ClientOptions o;
+    o.default_timeout = timeout;
+    o.stream_threshold = stream_threshold;
+    return NewClient(o);
+  }
   // A client with these options, on this cluster's file.
   std::unique_ptr<Client> NewClient(ClientOptions o) {
     o.cluster_file = cluster_file_;

@@ -94,10 +94,7 @@ TEST(FakeDeviceTest, StreamedPutsFromDeviceBuffersKeepEveryByte) {
   spec.host_mem = "8MiB";  // the 20 MiB value goes to disk
   spec.extra_args = {"--gpu-placement", "first", "--stream-chunk-size", "1MiB"};
   Cluster cluster(1, spec);
-  ClientOptions o;
-  o.default_timeout = std::chrono::seconds(30);
-  o.stream_threshold = 1 << 20;
-  auto client = cluster.NewClient(o);
+  auto client = cluster.NewStreamingClient(std::chrono::seconds(30));
   ASSERT_TRUE(client);
   Random rng(testing::TestSeed());
   for (auto [size, tier] : {std::pair<size_t, const char*>{(6 << 20) + 3, "gpu"},

@@ -791,6 +791,16 @@ TEST(GuaranteesTest, AbandonedTransfersHoldABoundedAmountOfMemory) {
   EXPECT_EQ(cut_off, 1) << "a read past the bound was left running instead of cut off";
 }
 
+// Waits up to 5 s until node 0 has closed a connection for the send timeout (a reader that
+// never took its reply).
+bool WaitForAStuckConnectionClosed(Client& client) {
+  for (int i = 0; i < 50; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    if (StatsCounter(client, 0, "stuck_connections_closed") >= 1) return true;
+  }
+  return false;
+}
+
 // Issue 12, review finding 6: MGET replies are gathered in memory; their bytes now count against
 // --max-inflight (each reply alone is allowed). A hung reader holds a 4 MiB batch reply: a second
 // batch gets Busy until the send timeout closes the hung connection and frees the reply.
@@ -809,12 +819,7 @@ TEST(GuaranteesTest, BatchRepliesCountAgainstTheInFlightLimit) {
   auto busy = client->MultiGet({"a"});
   ASSERT_EQ(busy.size(), 1u);
   EXPECT_EQ(busy[0].status().code(), StatusCode::kBusy) << busy[0].status().ToString();
-  bool closed = false;
-  for (int i = 0; i < 50 && !closed; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    closed = StatsCounter(*client, 0, "stuck_connections_closed") >= 1;
-  }
-  ASSERT_TRUE(closed);
+  ASSERT_TRUE(WaitForAStuckConnectionClosed(*client));
   auto ok = client->MultiGet({"a", "b"});
   ASSERT_TRUE(ok[0].ok()) << ok[0].status().ToString();
   ASSERT_TRUE(ok[1].ok()) << ok[1].status().ToString();
@@ -841,12 +846,7 @@ TEST(GuaranteesTest, ReadsFromDiskCountAgainstTheInFlightLimit) {
   ASSERT_EQ(hung.WaitReply(1), StatusCode::kOk);
   auto busy = client->Get("b");
   EXPECT_EQ(busy.status().code(), StatusCode::kBusy) << busy.status().ToString();
-  bool closed = false;
-  for (int i = 0; i < 50 && !closed; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    closed = StatsCounter(*client, 0, "stuck_connections_closed") >= 1;
-  }
-  ASSERT_TRUE(closed);
+  ASSERT_TRUE(WaitForAStuckConnectionClosed(*client));
   auto ok = client->Get("b");
   ASSERT_TRUE(ok.ok()) << ok.status().ToString();
   EXPECT_TRUE(ok->view() == value);
@@ -893,10 +893,7 @@ TEST(GuaranteesTest, AStreamedDiskBoundValueNeedsNoBufferAsLargeAsItself) {
   spec.host_mem = "8MiB";
   spec.extra_args = {"--stream-chunk-size", "1MiB", "--stream-buffers", "4"};
   Cluster cluster(1, spec);
-  ClientOptions o;
-  o.default_timeout = std::chrono::seconds(60);
-  o.stream_threshold = 1 << 20;
-  auto client = cluster.NewClient(o);
+  auto client = cluster.NewStreamingClient(std::chrono::seconds(60));
   ASSERT_TRUE(client);
   constexpr size_t kValue = 256u << 20;
   std::string value(kValue, '\0');

@@ -292,10 +292,7 @@ TEST(IntegrationTest, StreamedPutsLandInMemoryOrOnDiskWhole) {
   spec.host_mem = "8MiB";  // two slices of 4 MiB
   spec.extra_args = {"--stream-chunk-size", "1MiB"};
   Cluster cluster(1, spec);
-  ClientOptions o;
-  o.default_timeout = std::chrono::seconds(30);
-  o.stream_threshold = 1 << 20;
-  auto client = cluster.NewClient(o);
+  auto client = cluster.NewStreamingClient(std::chrono::seconds(30));
   ASSERT_TRUE(client);
   Random rng(testing::TestSeed());
   struct Case {
