@@ -66,8 +66,9 @@ struct Counts {
   uint64_t writes = 0, acked = 0, deletes = 0, batch_rows = 0, reads = 0, checked_reads = 0,
            excused_reads = 0, not_found = 0, crashes = 0, stops = 0;
   uint64_t never_written = 0, stale = 0, resurrected = 0, lost_durable = 0;
-  uint64_t spills = 0, promotions = 0;  // objects moved host -> disk and back, all lives
-  uint64_t streamed = 0;                // acknowledged puts that went in pieces
+  uint64_t spills = 0, promotions = 0;    // objects moved host -> disk and back, all lives
+  uint64_t streamed = 0;                  // acknowledged puts that went in pieces
+  uint64_t streams_completed_at_end = 0;  // the nodes' streamed_puts.completed, since their start
 };
 
 struct Mode {
@@ -347,6 +348,12 @@ Counts RunChecker(const Mode& mode, std::chrono::milliseconds duration) {
 
   for (int i = 0; i < 3; ++i) moved.Sample(i);
   Counts n;
+  if (mode.streamed && checker) {
+    for (int i = 0; i < 3; ++i) {
+      n.streams_completed_at_end +=
+          testing::StatsCounter(*checker, i, "completed", "\"streamed_puts\":{");
+    }
+  }
   n.spills = moved.spills;
   n.promotions = moved.promotions;
   for (auto& k : kills) (k.sigkill ? n.crashes : n.stops)++;
@@ -514,11 +521,13 @@ TEST(ConsistencyTest, CrashesAndRestartsKeepTheDocumentedSemanticsWhileObjectsSp
 // the larger values go to disk as chunks while nodes are killed mid-stream and restarted (their
 // next start deletes the chunks no commit names).
 TEST(ConsistencyTest, CrashesAndRestartsKeepTheDocumentedSemanticsWithStreamedPuts) {
-  Mode mode{1, "64KiB", "streamed", true};
+  Mode mode{1, "64KiB", "streamed"};
+  mode.count_moves = true;
   mode.streamed = true;
   const Counts n = RunChecker(mode, std::chrono::milliseconds(6000));
   ExpectEnoughWorkAndNoAnomaly(n);
   EXPECT_GT(n.streamed, 100u) << "too few puts were streamed";
+  EXPECT_GT(n.streams_completed_at_end, 0u) << "the nodes saw no streamed put since they started";
 }
 
 }  // namespace

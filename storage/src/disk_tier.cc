@@ -546,17 +546,20 @@ Result<uint64_t> DiskTier::BeginChunks(uint64_t size, bool durable,
   const uint64_t stream = next_sequence_++;
   // Every change below is undone by its own amount, never by restoring a snapshot: the waits
   // release the lock, and other writers change the counts meanwhile.
-  used_bytes_ += size;
   rocksdb::WriteBatch batch;
   std::vector<Victim> victims;
+  uint64_t cursor_before = 0;
   for (;;) {
     const bool any_busy = !busy_.empty();
+    used_bytes_ += size;
+    cursor_before = evict_cursor_;
     // (Changes nothing when it fails.)
     if (ChooseVictimsLocked({}, &batch, &victims)) break;
     batch.Clear();
     victims.clear();
+    // Not held while waiting: other writers must not see room taken that is not taken yet.
+    used_bytes_ -= size;
     if (!any_busy) {
-      used_bytes_ -= size;
       return Status::NoSpace("no room in the disk tier for a streamed value of " +
                              std::to_string(size) + " bytes");
     }
@@ -565,18 +568,17 @@ Result<uint64_t> DiskTier::BeginChunks(uint64_t size, bool durable,
   }
   if (!victims.empty()) {
     std::vector<std::string> claimed;
-    uint64_t freed = 0, oldest = UINT64_MAX;
+    uint64_t freed = 0;
     for (const Victim& v : victims) {
       claimed.push_back(v.key);
       freed += v.bytes;
-      oldest = std::min(oldest, v.sequence);
     }
     Status ws = WriteClaimedLocked(lock, &batch, /*sync=*/false, claimed, "disk tier eviction");
     if (!ws.ok()) {
       used_bytes_ += freed;
       used_bytes_ -= size;
       object_count_ += victims.size();
-      evict_cursor_ = std::min(evict_cursor_, oldest);
+      evict_cursor_ = std::min(evict_cursor_, cursor_before);
       return ws;
     }
     if (evicted) {
