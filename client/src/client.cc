@@ -1314,6 +1314,19 @@ struct Client::Impl {
     }
   }
 
+  // A PUT's body (this thread's buffer, `body`) and header flags; client_version != 0: the
+  // version this client assigned the write (kFlagClientVersion).
+  static uint16_t EncodePut(const w::PutRequest& req, const PutOptions& o, uint64_t client_version,
+                            std::string* body) {
+    uint16_t flags = o.durable ? w::kFlagDurable : 0;
+    w::EncodePutRequestTo(body, req);
+    if (client_version != 0) {
+      flags |= w::kFlagClientVersion;
+      w::AppendVersion(body, client_version);
+    }
+    return flags;
+  }
+
   // client_version != 0: the version this client assigned the write (kFlagClientVersion).
   void PutOnNode(int node, const std::string& key, const void* data, size_t size, MemoryKind kind,
                  std::shared_ptr<std::byte[]> keepalive, const PutOptions& o,
@@ -1334,13 +1347,8 @@ struct Client::Impl {
           write_clock.Observe(version);
           Complete(p, [done, version] { done(version); });
         });
-    uint16_t flags = o.durable ? w::kFlagDurable : 0;
     std::string& request_body = RequestBody();
-    w::EncodePutRequestTo(&request_body, req);
-    if (client_version != 0) {
-      flags |= w::kFlagClientVersion;
-      w::AppendVersion(&request_body, client_version);
-    }
+    const uint16_t flags = EncodePut(req, o, client_version, &request_body);
     // A staged device value (`keepalive`, which `data` points into) is the client's own copy.
     Issue(node, w::Opcode::kPut, flags, request_body, data, size, kind, deadline,
           std::move(on_reply), Pooled([done](Status s) { done(s); }), {}, keepalive);
@@ -1368,8 +1376,7 @@ struct Client::Impl {
     bool ended = false;
     Status end_status;
     uint64_t end_version = 0;
-    bool finished = false;  // `done` was called
-    std::function<void(Result<uint64_t>)> done;
+    std::function<void(Result<uint64_t>)> done;  // empty once called
   };
   static constexpr auto kPieceRetryFirst = std::chrono::milliseconds(2);
   static constexpr auto kPieceRetryMax = std::chrono::milliseconds(64);
@@ -1386,12 +1393,9 @@ struct Client::Impl {
     st->keepalive = std::move(keepalive);
     st->deadline = deadline;
     st->done = std::move(done);
-    uint16_t flags = w::kFlagStreamed | (o.durable ? w::kFlagDurable : 0);
-    std::string body = w::EncodePutRequest(w::PutRequest{key, o.tensor, size});
-    if (client_version != 0) {
-      flags |= w::kFlagClientVersion;
-      w::AppendVersion(&body, client_version);
-    }
+    std::string& body = RequestBody();
+    const uint16_t flags =
+        w::kFlagStreamed | EncodePut(w::PutRequest{key, o.tensor, size}, o, client_version, &body);
     auto on_reply = [this, st](const PendingPtr& p, std::unique_ptr<Incoming> msg) {
       w::StreamGrant grant;
       Status s = ParseReply(*msg, [&](std::string_view b, w::ReplyStatus* rs) {
@@ -1414,9 +1418,8 @@ struct Client::Impl {
       st->end_status = r.status();
       if (r.ok()) st->end_version = *r;
     }
-    if (st->in_flight > 0 || st->finished) return;
-    st->finished = true;
-    auto done = std::move(st->done);
+    if (st->in_flight > 0 || !st->done) return;
+    auto done = std::exchange(st->done, nullptr);
     if (!st->end_status.ok()) return done(st->end_status);
     done(st->end_version);
   }

@@ -74,12 +74,6 @@ Status DecodeMeta(std::string_view in, MetaRecord* r) {
   return Status::OK();
 }
 
-std::string OrderKey(uint64_t sequence) {
-  std::string k(8, '\0');
-  for (int i = 0; i < 8; ++i) k[i] = static_cast<char>((sequence >> (56 - 8 * i)) & 0xff);
-  return k;
-}
-
 void PutBigEndian(std::string* out, uint64_t v) {
   for (int i = 0; i < 8; ++i) out->push_back(static_cast<char>((v >> (56 - 8 * i)) & 0xff));
 }
@@ -88,6 +82,12 @@ uint64_t GetBigEndian(const char* p) {
   uint64_t v = 0;
   for (int i = 0; i < 8; ++i) v = (v << 8) | static_cast<uint8_t>(p[i]);
   return v;
+}
+
+std::string OrderKey(uint64_t sequence) {
+  std::string k;
+  PutBigEndian(&k, sequence);
+  return k;
 }
 
 // A chunk's key: its stream, then its offset, so one stream's chunks are one range in offset
