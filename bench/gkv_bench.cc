@@ -14,6 +14,7 @@
 #include <mutex>
 #include <numeric>
 #include <thread>
+#include <tuple>
 #include <unordered_map>
 
 #include "gkv/client.h"
@@ -59,7 +60,8 @@ struct Config {
   std::string json_file;
   std::string key_prefix = "bench/";
   int timeout_ms = 5000;
-  std::string stream_threshold;  // empty: the client's default
+  std::string stream_threshold;    // empty: the client's default
+  std::string pipeline_threshold;  // empty: the client's default
 };
 
 // ---- value contents: deterministic from (key, sequence), so a read can be checked ----
@@ -287,14 +289,16 @@ class Bench {
     ClientOptions o;
     o.cluster_file = c_.cluster_file;
     o.default_timeout = std::chrono::milliseconds(c_.timeout_ms);
-    if (!c_.stream_threshold.empty()) {
-      auto threshold = ParseSize(c_.stream_threshold);
+    for (auto [flag, text, field] :
+         {std::tuple{"--stream-threshold", &c_.stream_threshold, &o.stream_threshold},
+          std::tuple{"--pipeline-threshold", &c_.pipeline_threshold, &o.pipeline_threshold}}) {
+      if (text->empty()) continue;
+      auto threshold = ParseSize(*text);
       if (!threshold.ok()) {
-        std::fprintf(stderr, "gkv-bench: --stream-threshold: %s\n",
-                     threshold.status().ToString().c_str());
+        std::fprintf(stderr, "gkv-bench: %s: %s\n", flag, threshold.status().ToString().c_str());
         return 2;
       }
-      o.stream_threshold = *threshold;
+      *field = *threshold;
     }
     for (int t = 0; t < c_.threads; ++t) {
       auto client = Client::Open(o);
@@ -874,6 +878,9 @@ int main(int argc, char** argv) {
   app.add_option("--timeout-ms", c.timeout_ms, "per-request deadline");
   app.add_option("--stream-threshold", c.stream_threshold,
                  "puts of values larger than this are streamed in pieces (default 64MiB)");
+  app.add_option("--pipeline-threshold", c.pipeline_threshold,
+                 "--memory cuda puts this UCX cannot send from directly: values larger than "
+                 "this are staged piece by piece, overlapping the wire (default 16MiB)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

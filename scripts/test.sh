@@ -9,7 +9,7 @@
 #   4. every test again under ASan+UBSan (build-asan/)
 #   5. the cache and transport concurrency tests, the tests of a node's I/O workers (real
 #      gkv-server processes built with TSan), of the client's synchronous calls from several
-#      threads and of its timed-out transfers, under TSan (build-tsan/)
+#      threads, of its timed-out transfers and of its staging threads, under TSan (build-tsan/)
 # Options (environment): GKV_TEST_STEPS="normal python fuzz asan tsan" picks steps;
 # GKV_FUZZ_SECONDS (default 30). scripts/gpu-check.sh runs the gpu tests on a GPU machine.
 # Under TSan, UCX's memory-event hooks (which patch malloc and mmap) fight TSan's own
@@ -63,12 +63,12 @@ tsan() {
   # The node tests: a race in a node makes it exit 66, which the harness reports when it stops
   # the node (a graceful stop must exit 0).
   GKV_BUILD_DIR=build-tsan \
-    GKV_TARGETS="storage_test cache_test transport_test gkv-server integration_test replication_test guarantees_test" \
+    GKV_TARGETS="storage_test cache_test transport_test gkv-server integration_test replication_test guarantees_test fake_device_test" \
     scripts/build.sh -DGKV_SANITIZE=thread -DGKV_BUILD_BENCH=OFF -DCMAKE_BUILD_TYPE=Debug &&
     UCX_MEM_EVENTS=no \
     TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/tests/tsan.supp" \
     ctest --test-dir build-tsan --output-on-failure -j "$JOBS" --timeout 600 \
-    -R 'Concurren|Streamed|^IntegrationTest\..*(IoThread|SeveralClientThreads|SyncCalls)|^ReplicationTest\..*IoThread|^GuaranteesTest\..*(MidTransfer|LeftRunning|Abandoned)'
+    -R 'Concurren|Streamed|Pipelined|^IntegrationTest\..*(IoThread|SeveralClientThreads|SyncCalls)|^ReplicationTest\..*IoThread|^GuaranteesTest\..*(MidTransfer|LeftRunning|Abandoned)'
 }
 
 scripts/deps.sh

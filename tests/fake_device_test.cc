@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "cluster_harness.h"
@@ -113,6 +114,85 @@ TEST(FakeDeviceTest, StreamedPutsFromDeviceBuffersKeepEveryByte) {
     EXPECT_TRUE(dst.Read(size) == value) << "device buffer bytes differ";
   }
   EXPECT_EQ(testing::StatsCounter(*client, 0, "completed", "\"streamed_puts\":{"), 2u);
+}
+
+// Issue 10 item 3: a put from a device buffer that UCX cannot send from, larger than
+// ClientOptions::pipeline_threshold, is staged piece by piece (a streamed put: each piece is
+// copied while the ones before it are on the wire), synchronous and asynchronous alike; a
+// smaller one is staged whole and sent as one message. Where UCX moves device memory nothing is
+// staged and neither is streamed. Every byte read back into device and host memory.
+TEST(FakeDeviceTest, LargeStagedPutsArePipelinedPieceByPiece) {
+  NodeSpec spec;
+  spec.fake_gpu_mem = "32MiB";
+  spec.extra_args = {"--gpu-placement", "first", "--stream-chunk-size", "1MiB"};
+  Cluster cluster(1, spec);
+  ClientOptions o;
+  o.default_timeout = std::chrono::seconds(30);
+  o.pipeline_threshold = 4 << 20;  // below the (default) stream threshold of 64 MiB
+  auto client = cluster.NewClient(o);
+  ASSERT_TRUE(client);
+  const bool staged = FakeDeviceKind() == FakeDevice::kStaged;
+  Random rng(testing::TestSeed() + 5);
+  int pipelined = 0;
+  for (size_t size : {size_t{3} << 20, (size_t{9} << 20) + 5, (size_t{4} << 20) + 1}) {
+    for (bool async : {false, true}) {
+      SCOPED_TRACE("size " + std::to_string(size) + (async ? " async" : " sync"));
+      const std::string key = "piped/" + std::to_string(size) + (async ? "/a" : "/s");
+      const std::string value = Pattern(rng, size);
+      DeviceBuffer src(size);
+      src.Write(value);
+      auto put =
+          async ? client->PutAsync(key, src.get(), size).get() : client->Put(key, src.get(), size);
+      ASSERT_TRUE(put.ok()) << put.status().ToString();
+      if (size > o.pipeline_threshold) pipelined++;
+      DeviceBuffer dst(size);
+      auto info = client->GetInto(key, dst.get(), size);
+      ASSERT_TRUE(info.ok()) << info.status().ToString();
+      EXPECT_TRUE(dst.Read(size) == value) << "device buffer bytes differ";
+      auto host = client->Get(key);
+      ASSERT_TRUE(host.ok()) << host.status().ToString();
+      EXPECT_TRUE(host->view() == value) << "host copy differs";
+    }
+  }
+  EXPECT_EQ(StatsCounter(*client, 0, "completed", "\"streamed_puts\":{"),
+            staged ? static_cast<uint64_t>(pipelined) : 0u);
+}
+
+// A pipelined put whose copy fails part-way (here the caller's length runs past its device
+// buffer, which the fake device refuses as a GPU would fault) fails with the copy's error once
+// the pieces already sent have settled; nothing is stored, and the node drops the stream.
+TEST(FakeDeviceTest, APipelinedPutWhoseCopyFailsPartWayStoresNothing) {
+  if (FakeDeviceKind() != FakeDevice::kStaged) {
+    GTEST_SKIP() << "UCX moves device memory in this flavour: nothing is staged";
+  }
+  NodeSpec spec;
+  spec.extra_args = {"--stream-chunk-size", "1MiB", "--send-timeout-ms", "300"};
+  Cluster cluster(1, spec);
+  ClientOptions o;
+  o.default_timeout = std::chrono::seconds(10);
+  o.pipeline_threshold = 2 << 20;
+  auto client = cluster.NewClient(o);
+  ASSERT_TRUE(client);
+  const size_t length = (6 << 20) + (512 << 10);
+  DeviceBuffer src(length);
+  src.Write(std::string(length, 'd'));
+  auto put = client->Put("torn", src.get(), 10 << 20);  // the 7th piece runs past the buffer
+  ASSERT_FALSE(put.ok());
+  EXPECT_NE(put.status().message().find("past its allocation"), std::string::npos)
+      << put.status().ToString();
+  EXPECT_EQ(client->Stat("torn").status().code(), StatusCode::kNotFound);
+  // The node heard nothing more on the stream: dropped after its send timeout.
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (StatsCounter(*client, 0, "dropped", "\"streamed_puts\":{") == 0 &&
+         std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_EQ(StatsCounter(*client, 0, "dropped", "\"streamed_puts\":{"), 1u);
+  // The client works on: a pipelined put of the buffer's own length lands whole.
+  ASSERT_TRUE(client->Put("whole", src.get(), length).ok());
+  auto got = client->Get("whole");
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  EXPECT_TRUE(got->view() == std::string(length, 'd'));
 }
 
 TEST(FakeDeviceTest, PutsFromAndGetsIntoDeviceBuffersKeepEveryByte) {

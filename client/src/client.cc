@@ -6,6 +6,7 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <future>
 #include <map>
@@ -1332,7 +1333,9 @@ struct Client::Impl {
                  std::shared_ptr<std::byte[]> keepalive, const PutOptions& o,
                  Clock::time_point deadline, uint64_t client_version,
                  std::function<void(Result<uint64_t>)> done) {
-    if (size > options.stream_threshold) {
+    // A device buffer this UCX cannot send from reaches here only for a pipelined put
+    // (QueuePut): it is staged piece by piece.
+    if (size > options.stream_threshold || NeedsStaging(kind)) {
       return StreamPutOnNode(node, key, data, size, kind, std::move(keepalive), o, deadline,
                              client_version, std::move(done));
     }
@@ -1361,6 +1364,25 @@ struct Client::Impl {
   // after a backoff (2 ms, doubling to 64 ms), until the deadline. Any other error ends the
   // put with it once every piece sent has settled (none still reads the caller's buffer); the
   // node drops what it stored.
+  //
+  // Pipelined staging (a device buffer this UCX cannot send from, see QueuePut): a staging
+  // thread of the put's own copies the value piece by piece into pinned buffers (window + 1 of
+  // them, so it copies the next piece while the window's pieces are on the wire) and posts each
+  // piece to the I/O thread when its bytes are ready; a buffer goes back to the staging thread
+  // once the node has stored its piece. The put is reported only after the staging thread has
+  // stopped reading the caller's buffer.
+  struct Piece {
+    uint64_t offset = 0;
+    uint64_t len = 0;
+    std::shared_ptr<std::byte[]> staged;  // the piece's bytes, when staged; else in `data`
+  };
+  // Shared by a pipelined put's I/O-thread state and its staging thread.
+  struct StagingShare {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::vector<std::shared_ptr<std::byte[]>> free;  // buffers whose pieces the node stored
+    bool stop = false;                               // the put has ended: copy nothing more
+  };
   struct PutStreamState {
     int node = 0;
     const std::byte* data = nullptr;
@@ -1369,9 +1391,13 @@ struct Client::Impl {
     std::shared_ptr<std::byte[]> keepalive;  // a staged copy `data` points into, if any
     Clock::time_point deadline;
     w::StreamGrant grant;
-    uint64_t next = 0;   // offset of the next piece to send
+    uint64_t next = 0;   // offset of the next piece to send (not pipelined)
     uint64_t acked = 0;  // bytes the node stored
     int in_flight = 0;   // pieces sent (or waiting to be sent again) and not settled
+    // Pipelined staging: null when pieces are sent from `data` itself.
+    std::shared_ptr<StagingShare> staging;
+    std::deque<Piece> ready;     // staged pieces not sent yet
+    bool staging_reads = false;  // the staging thread may still read `data`
     // Set once: send nothing more, and report it (the version, or the error) when settled.
     bool ended = false;
     Status end_status;
@@ -1393,6 +1419,7 @@ struct Client::Impl {
     st->keepalive = std::move(keepalive);
     st->deadline = deadline;
     st->done = std::move(done);
+    if (NeedsStaging(kind)) st->staging = std::make_shared<StagingShare>();
     std::string& body = RequestBody();
     const uint16_t flags =
         w::kFlagStreamed | EncodePut(w::PutRequest{key, o.tensor, size}, o, client_version, &body);
@@ -1404,6 +1431,7 @@ struct Client::Impl {
       if (!s.ok()) return Fail(p, s);
       Complete(p, [this, st, grant] {
         st->grant = grant;
+        if (st->staging) return StartStaging(st);
         PumpStream(st);
       });
     };
@@ -1411,26 +1439,43 @@ struct Client::Impl {
           std::move(on_reply), [this, st](Status s) { EndStream(st, s); });
   }
 
-  // Records the put's outcome (the first one counts) and reports it once no piece is in flight.
+  // Records the put's outcome (the first one counts) and reports it once no piece is in flight
+  // and no staging thread reads the caller's buffer.
   void EndStream(const std::shared_ptr<PutStreamState>& st, Result<uint64_t> r) {
     if (!st->ended) {
       st->ended = true;
       st->end_status = r.status();
       if (r.ok()) st->end_version = *r;
+      if (st->staging) {
+        std::lock_guard<std::mutex> lock(st->staging->mu);
+        st->staging->stop = true;
+        st->staging->cv.notify_all();
+      }
     }
-    if (st->in_flight > 0 || !st->done) return;
+    ReportStream(st);
+  }
+  void ReportStream(const std::shared_ptr<PutStreamState>& st) {
+    if (!st->ended || st->in_flight > 0 || st->staging_reads || !st->done) return;
     auto done = std::exchange(st->done, nullptr);
     if (!st->end_status.ok()) return done(st->end_status);
     done(st->end_version);
   }
 
   void PumpStream(const std::shared_ptr<PutStreamState>& st) {
-    while (!st->ended && st->in_flight < st->grant.window && st->next < st->size) {
-      const uint64_t offset = st->next;
-      const uint64_t len = std::min<uint64_t>(st->grant.chunk_size, st->size - offset);
-      st->next += len;
+    while (!st->ended && st->in_flight < st->grant.window) {
+      Piece piece;
+      if (st->staging) {
+        if (st->ready.empty()) return;  // the staging thread posts the next one
+        piece = std::move(st->ready.front());
+        st->ready.pop_front();
+      } else {
+        if (st->next >= st->size) return;
+        piece.offset = st->next;
+        piece.len = std::min<uint64_t>(st->grant.chunk_size, st->size - piece.offset);
+        st->next += piece.len;
+      }
       st->in_flight++;
-      SendPiece(st, offset, len, kPieceRetryFirst);
+      SendPiece(st, std::move(piece), kPieceRetryFirst);
     }
   }
 
@@ -1446,33 +1491,132 @@ struct Client::Impl {
     PumpStream(st);
   }
 
-  void SendPiece(const std::shared_ptr<PutStreamState>& st, uint64_t offset, uint64_t len,
+  void SendPiece(const std::shared_ptr<PutStreamState>& st, Piece piece,
                  std::chrono::milliseconds backoff) {
     if (st->ended || closing) return PieceSettled(st, Status::Aborted("client closed"));
-    auto on_reply = [this, st, len](const PendingPtr& p, std::unique_ptr<Incoming> msg) {
+    const uint64_t offset = piece.offset;
+    const uint64_t len = piece.len;
+    const void* bytes = piece.staged ? piece.staged.get() : st->data + offset;
+    const MemoryKind kind = piece.staged ? MemoryKind::kHost : st->kind;
+    std::shared_ptr<std::byte[]> keepalive = piece.staged ? piece.staged : st->keepalive;
+    auto on_reply = [this, st, piece](const PendingPtr& p, std::unique_ptr<Incoming> msg) {
       uint64_t version = 0;
       Status s = ParseReply(*msg, [&](std::string_view b, w::ReplyStatus* rs) {
         return w::DecodePutReply(b, rs, &version);
       });
       if (!s.ok()) return Fail(p, s);
-      Complete(p, [this, st, len, version] {
-        st->acked += len;
+      Complete(p, [this, st, piece, version] {
+        st->acked += piece.len;
         if (version != 0) write_clock.Observe(version);
+        // Stored: its buffer takes the staging thread's next piece. (A piece that failed keeps
+        // its buffer: UCX may still be reading it.)
+        if (piece.staged) {
+          std::lock_guard<std::mutex> lock(st->staging->mu);
+          st->staging->free.push_back(piece.staged);
+          st->staging->cv.notify_all();
+        }
         PieceSettled(st, version);
       });
     };
-    auto on_error = [this, st, offset, len, backoff](Status s) {
+    auto on_error = [this, st, piece, backoff](Status s) {
       if (s.code() == StatusCode::kBusy && !st->ended && !closing &&
           Clock::now() + backoff < st->deadline) {
-        return AddTimer(Clock::now() + backoff, [this, st, offset, len, backoff] {
-          SendPiece(st, offset, len, std::min(backoff * 2, kPieceRetryMax));
+        return AddTimer(Clock::now() + backoff, [this, st, piece, backoff] {
+          SendPiece(st, piece, std::min(backoff * 2, kPieceRetryMax));
         });
       }
       PieceSettled(st, s);
     };
-    Issue(st->node, w::Opcode::kPutChunk, 0, w::EncodePutChunk(st->grant.stream, offset),
-          st->data + offset, len, st->kind, st->deadline, std::move(on_reply), std::move(on_error),
-          {}, st->keepalive);
+    Issue(st->node, w::Opcode::kPutChunk, 0, w::EncodePutChunk(st->grant.stream, offset), bytes,
+          len, kind, st->deadline, std::move(on_reply), std::move(on_error), {},
+          std::move(keepalive));
+  }
+
+  // Pipelined staging. Whether a buffer of this kind must go through host memory to be sent.
+  bool NeedsStaging(MemoryKind kind) const {
+    return kind == MemoryKind::kDevice && !transport->device_memory_supported();
+  }
+  // Staging threads, one per pipelined put while it copies (copies of several puts run side by
+  // side, as the whole-value copies on their callers' threads do); joined once done, and all of
+  // them before the transport goes (~Client).
+  struct StagingThread {
+    std::thread thread;
+    std::shared_ptr<std::atomic<bool>> finished;
+  };
+  std::mutex staging_threads_mu;
+  std::vector<StagingThread> staging_threads;  // guarded by staging_threads_mu
+
+  // I/O thread, once the node granted the stream: starts the put's staging thread.
+  void StartStaging(const std::shared_ptr<PutStreamState>& st) {
+    st->staging_reads = true;
+    std::lock_guard<std::mutex> lock(staging_threads_mu);
+    std::erase_if(staging_threads, [](StagingThread& t) {
+      if (!t.finished->load(std::memory_order_acquire)) return false;
+      t.thread.join();  // it has returned from its work, or is about to
+      return true;
+    });
+    auto finished = std::make_shared<std::atomic<bool>>(false);
+    try {
+      staging_threads.push_back({std::thread([this, st, finished] {
+                                   StagePieces(st);
+                                   finished->store(true, std::memory_order_release);
+                                 }),
+                                 finished});
+    } catch (const std::system_error& e) {
+      st->staging_reads = false;
+      EndStream(st, Status::Unavailable(std::string("no thread to stage the put: ") + e.what()));
+    }
+  }
+
+  void JoinStagingThreads() {
+    std::lock_guard<std::mutex> lock(staging_threads_mu);
+    for (auto& t : staging_threads) t.thread.join();
+    staging_threads.clear();
+  }
+
+  // The staging thread: copies piece after piece of `st->data` (device memory) into pinned
+  // buffers on this client's copy stream for that device, and posts each to the I/O thread. It
+  // stops at the first failure (which ends the put) or when the put has ended; its last post
+  // lets the put be reported.
+  void StagePieces(const std::shared_ptr<PutStreamState>& st) {
+    StagingShare& share = *st->staging;
+    const uint64_t piece = st->grant.chunk_size;
+    const int buffers = st->grant.window + 1;
+    int made = 0;
+    Status s;
+    for (uint64_t offset = 0; offset < st->size; offset += piece) {
+      std::shared_ptr<std::byte[]> buffer;
+      {
+        std::unique_lock<std::mutex> lock(share.mu);
+        share.cv.wait(lock, [&] { return share.stop || !share.free.empty() || made < buffers; });
+        if (share.stop) break;
+        if (!share.free.empty()) {
+          buffer = std::move(share.free.back());
+          share.free.pop_back();
+        }
+      }
+      if (!buffer) {
+        auto acquired = staging_pool->Acquire(piece);
+        if (!acquired.ok()) {
+          s = acquired.status();
+          break;
+        }
+        buffer = std::move(*acquired);
+        made++;
+      }
+      const uint64_t len = std::min(piece, st->size - offset);
+      s = DeviceCopy(buffer.get(), st->data + offset, len, st->data);
+      if (!s.ok()) break;
+      transport->Post([this, st, p = Piece{offset, len, std::move(buffer)}]() mutable {
+        st->ready.push_back(std::move(p));
+        PumpStream(st);
+      });
+    }
+    transport->Post([this, st, s] {
+      st->staging_reads = false;
+      if (!s.ok()) return EndStream(st, s);
+      ReportStream(st);  // the put may have ended while this thread was still copying
+    });
   }
 
   // Replies whose payload is a block to read fully (batches, stats).
@@ -1519,6 +1663,9 @@ Client::~Client() {
     drained.set_value();
   });
   drained.get_future().wait();
+  // Every put has ended (failed, if nothing else), so each staging thread stops at its next
+  // piece; what they post last runs before the transport goes.
+  I->JoinStagingThreads();
   I->transport.reset();
 }
 
@@ -1686,8 +1833,11 @@ void Client::Impl::QueuePut(std::string_view key, const void* data, size_t size,
     // The producer's work on the buffer is done before anything reads it (see PutOptions).
     if (Status ss = CudaSyncStream(o.cuda_stream, data); !ss.ok()) return callback(ss);
   }
-  if (kind == MemoryKind::kDevice && !I->transport->device_memory_supported()) {
-    // Stage device bytes through a pinned buffer (this UCX can't read device memory).
+  // Stage device bytes through pinned memory (this UCX can't read device memory): a large value
+  // with one replica piece by piece, pipelined (a streamed put: StreamPutOnNode), anything else
+  // whole, here, once for all its replicas.
+  const bool pipelined = size > I->options.pipeline_threshold && I->options.replicas == 1;
+  if (I->NeedsStaging(kind) && !pipelined) {
     auto staged = I->staging_pool->Acquire(size);
     if (!staged.ok()) return callback(staged.status());
     staging = std::move(*staged);

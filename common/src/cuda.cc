@@ -97,6 +97,15 @@ Status FakeCopy(void* dst, const void* src, size_t size) {
     GKV_LOG_ERROR("fake device: a synchronous device copy on a UCX progress thread");
     return Status::Internal("fake device: synchronous device copy on a UCX progress thread");
   }
+  // A range that starts in a device allocation must end in it, as cudaMemcpy requires.
+  for (const void* p : {static_cast<const void*>(dst), src}) {
+    const std::byte* start;
+    size_t block;
+    if (size && FakeRegistry::Get().Find(p, &start, &block) &&
+        static_cast<const std::byte*>(p) + size > start + block) {
+      return Status::InvalidArgument("fake device: a device range runs past its allocation");
+    }
+  }
   if (size) std::memcpy(dst, src, size);
   return Status::OK();
 }

@@ -59,9 +59,14 @@ struct ClientOptions {
   std::chrono::milliseconds reconnect_backoff_initial{50};
   std::chrono::milliseconds reconnect_backoff_max{2000};
   // A Put of a value larger than this is streamed: sent in pieces of the node's choosing, so a
-  // node stores a value bound for its disk without a buffer as large as the value (and a value
-  // in GPU memory the client stages goes out piece by piece). Smaller ones go as one message.
+  // node stores a value bound for its disk without a buffer as large as the value. Smaller ones
+  // go as one message (but see pipeline_threshold).
   uint64_t stream_threshold = uint64_t{64} << 20;
+  // A Put from a device buffer that this client's UCX cannot send from (it is staged through
+  // pinned host memory) larger than this is staged piece by piece: each piece is copied while
+  // the ones before it are on the wire, as a streamed put whatever its size. A smaller one, and
+  // any with more than one replica, is copied whole before it is sent.
+  uint64_t pipeline_threshold = uint64_t{16} << 20;
 };
 
 // What the server knows about a stored object.
