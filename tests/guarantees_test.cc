@@ -171,6 +171,7 @@ class RawConnection {
       std::lock_guard<std::mutex> lock(mu_);
       codes_[hd.request_id] = code;
       bodies_[hd.request_id] = std::string(body);
+      payload_sizes_[hd.request_id] = m->payload_size();
       if (keep_messages) kept_.push_back(std::move(m));
     };
     auto t = UcxTransport::Create({}, std::move(h));
@@ -215,6 +216,11 @@ class RawConnection {
     std::lock_guard<std::mutex> lock(mu_);
     return bodies_[id];
   }
+  // The size of the payload the reply to `id` carried (not received: only its size).
+  uint64_t ReplyPayloadSize(uint64_t id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return payload_sizes_[id];
+  }
 
   bool disconnected() const { return disconnected_.load(); }
 
@@ -252,6 +258,7 @@ class RawConnection {
   std::mutex mu_;
   std::map<uint64_t, StatusCode> codes_;
   std::map<uint64_t, std::string> bodies_;
+  std::map<uint64_t, uint64_t> payload_sizes_;
 };
 
 // A counter from node `node`'s stats JSON (docs/STATS.md): the first field `name` after the
@@ -930,6 +937,61 @@ TEST(GuaranteesTest, AStreamedDiskBoundValueNeedsNoBufferAsLargeAsItself) {
   ASSERT_TRUE(got.ok()) << got.status().ToString();
   EXPECT_EQ(got->version, *put);
   EXPECT_TRUE(back == value) << "the value read back differs from the one streamed";
+}
+
+// A ranged GET (kFlagRange) is answered with the whole object's metadata and the bytes of its
+// range, cut at the value's end; from exactly the version it names (else aborted); a value on
+// disk whole; a range of 0 bytes or a body without the range is refused, and a missing key is
+// not_found.
+TEST(GuaranteesTest, RangedGetsAnswerTheirRangeOfTheVersionAsked) {
+  NodeSpec spec;
+  spec.host_mem = "8MiB";
+  Cluster cluster(1, spec);
+  auto client = cluster.NewClient(std::chrono::seconds(10));
+  ASSERT_TRUE(client);
+  const uint64_t size = (1 << 20) + 7;
+  std::string value(size, 'r');
+  auto version = client->Put("ranged", value.data(), value.size());
+  ASSERT_TRUE(version.ok()) << version.status().ToString();
+  std::string big(20 << 20, 'b');  // larger than a slice of the host tier: on disk
+  auto on_disk = client->Put("ranged/disk", big.data(), big.size());
+  ASSERT_TRUE(on_disk.ok()) << on_disk.status().ToString();
+  ASSERT_EQ(client->Stat("ranged/disk")->tier, "disk");
+
+  RawConnection raw(client->cluster().nodes[0].port);
+  uint64_t id = 1;
+  wire::ObjectMeta meta;
+  // The reply's status; its metadata in `meta`, its payload's size in `*bytes`.
+  auto ranged = [&](const std::string& key, wire::GetRange range, uint64_t* bytes) {
+    const uint64_t rid = id++;
+    std::string body;
+    wire::EncodeRangeGetTo(&body, key, range);
+    raw.Send(wire::Opcode::kGet, body, rid, "", wire::kAmRequest, 0, wire::kFlagRange);
+    const StatusCode code = raw.WaitReply(rid);
+    wire::ReplyStatus rs;
+    meta = {};
+    EXPECT_TRUE(wire::DecodeObjectReply(raw.ReplyBody(rid), &rs, &meta).ok());
+    *bytes = raw.ReplyPayloadSize(rid);
+    return code;
+  };
+  uint64_t bytes = 0;
+  EXPECT_EQ(ranged("ranged", {0, 64 << 10, 0}, &bytes), StatusCode::kOk);
+  EXPECT_EQ(meta.size, size);
+  EXPECT_EQ(meta.version, *version);
+  EXPECT_EQ(bytes, 64u << 10);
+  EXPECT_EQ(ranged("ranged", {1 << 20, 64 << 10, *version}, &bytes), StatusCode::kOk);
+  EXPECT_EQ(bytes, 7u);  // cut at the value's end
+  EXPECT_EQ(meta.size, size);
+  EXPECT_EQ(ranged("ranged", {0, 64 << 10, *version + 1}, &bytes), StatusCode::kAborted);
+  EXPECT_EQ(bytes, 0u);
+  EXPECT_EQ(ranged("ranged/disk", {0, 64 << 10, 0}, &bytes), StatusCode::kOk);
+  EXPECT_EQ(bytes, big.size()) << "a value on disk is sent whole";
+  EXPECT_EQ(ranged("ranged/none", {0, 64 << 10, 0}, &bytes), StatusCode::kNotFound);
+  EXPECT_EQ(ranged("ranged", {0, 0, 0}, &bytes), StatusCode::kInvalidArgument);
+  raw.Send(wire::Opcode::kGet, wire::EncodeKeyRequest("ranged"), 900, "", wire::kAmRequest, 0,
+           wire::kFlagRange);
+  EXPECT_EQ(raw.WaitReply(900), StatusCode::kProtocolError);
+  EXPECT_EQ(StatsCounter(*client, 0, "ranged_gets"), 5u);
 }
 
 // A streamed put's pieces must be the ones its PUT declared: a piece of the wrong size fails

@@ -105,6 +105,25 @@ TEST(ProtocolTest, StreamedPutMessagesRoundTripAndRejectTruncation) {
   EXPECT_EQ(OpcodeName(Opcode::kPutChunk), "put_chunk");
 }
 
+TEST(ProtocolTest, RangedGetsRoundTripAndRejectTruncation) {
+  std::string body;
+  EncodeRangeGetTo(&body, "tensor/7", {8 << 20, 4 << 20, 99});
+  std::string key;
+  GetRange range;
+  ASSERT_TRUE(DecodeRangeGet(body, &key, &range).ok());
+  EXPECT_EQ(key, "tensor/7");
+  EXPECT_EQ(range.offset, 8u << 20);
+  EXPECT_EQ(range.length, 4u << 20);
+  EXPECT_EQ(range.version, 99u);
+  for (size_t cut = 0; cut < body.size(); ++cut) {
+    EXPECT_FALSE(DecodeRangeGet(body.substr(0, cut), &key, &range).ok()) << cut;
+  }
+  EXPECT_FALSE(DecodeRangeGet(body + "x", &key, &range).ok());
+  // A plain GET's body is not a ranged one, nor the other way round.
+  EXPECT_FALSE(DecodeRangeGet(EncodeKeyRequest("tensor/7"), &key, &range).ok());
+  EXPECT_FALSE(DecodeKeyRequest(body, &key).ok());
+}
+
 TEST(ProtocolTest, BatchBlocksRoundTripAndRejectLies) {
   std::vector<BatchPutItem> items = {{"a", {}, 3}, {"bb", TensorMeta{DType::kU8, {2}}, 2}};
   std::string payload = EncodeBatchPutBlock(items) + "xyz" + "pq";

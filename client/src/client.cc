@@ -966,6 +966,84 @@ struct Client::Impl {
           std::move(on_reply), std::move(on_fail));
   }
 
+  // --- pipelined gets into device buffers (docs/ARCHITECTURE.md, "Pipelined staging") ---
+  // A GetInto of a device buffer this UCX cannot receive into, with room for more than
+  // pipeline_threshold, reads the value in ranges (GET with kFlagRange) of kRangePiece bytes,
+  // kRangeWindow of them in flight, into pinned buffers, and the caller's thread copies each to
+  // the device while the next ones are on the wire. The first range learns the value's size
+  // and version; the others must come from that version.
+  static constexpr uint64_t kRangePiece = uint64_t{8} << 20;
+  static constexpr size_t kRangeWindow = 2;
+  struct RangePiece {
+    w::GetRange range;
+    std::shared_ptr<std::byte[]> buffer;  // pinned, kRangePiece bytes
+    struct Got {
+      w::ObjectMeta meta;  // the whole value's
+      uint64_t bytes = 0;  // received
+      // The node sent the whole value, larger than a piece (not in its memory): it is here.
+      std::shared_ptr<std::byte[]> whole;
+    };
+    SyncSlot<Result<Got>> got;
+    // Set before `got` when its error is the get's own answer (the caller's buffer is too
+    // small, or GetOptions::accept refused the value), not a reason to read it whole instead.
+    bool final_error = false;
+  };
+  // I/O thread: asks `node` for the range of `rp`; `capacity` and `accept` check the first one.
+  void GetRangeOnNode(int node, const std::string& key, const std::shared_ptr<RangePiece>& rp,
+                      size_t capacity, Clock::time_point deadline, const Accept& accept) {
+    auto on_reply = [this, rp, capacity, accept](const PendingPtr& p,
+                                                 std::unique_ptr<Incoming> msg) {
+      RangePiece::Got got;
+      Status s = ParseReply(*msg, [&](std::string_view body, w::ReplyStatus* rs) {
+        return w::DecodeObjectReply(body, rs, &got.meta);
+      });
+      const w::GetRange& range = rp->range;
+      got.bytes = msg->payload_size();
+      if (s.ok()) {
+        const uint64_t size = got.meta.size;
+        const uint64_t cut = range.offset < size ? std::min(range.length, size - range.offset) : 0;
+        const bool whole = range.offset == 0 && got.bytes == size;
+        if (got.bytes != cut && !whole) {
+          s = Status::ProtocolError("a ranged reply carries a payload of the wrong size");
+        }
+      }
+      if (s.ok() && range.version == 0) {  // the first range: the get's own checks
+        if (capacity < got.meta.size) {
+          s = Status::InvalidArgument("buffer of " + std::to_string(capacity) +
+                                      " bytes is smaller than the value (" +
+                                      std::to_string(got.meta.size) + " bytes)");
+        } else if (accept) {
+          s = accept(ToInfo(got.meta));
+        }
+        rp->final_error = !s.ok();
+      }
+      if (!s.ok()) return Fail(p, s);
+      if (s.ok()) write_clock.Observe(got.meta.version);
+      void* dst = rp->buffer.get();
+      if (got.bytes > range.length) {
+        got.whole = std::shared_ptr<std::byte[]>(new std::byte[got.bytes]);
+        dst = got.whole.get();
+      }
+      auto held = std::make_shared<RangePiece::Got>(std::move(got));
+      // Our own buffers (kept by `rp` and `held`): the call may end before the bytes land.
+      ReceivePayload(p, std::move(msg), dst, MemoryKind::kHost, /*dst_is_ours=*/true,
+                     [this, p, rp, held](Status rs) {
+                       if (!rs.ok()) return Fail(p, rs);
+                       Complete(p, [rp, held] { rp->got.Set(std::move(*held)); });
+                     });
+    };
+    std::string& body = RequestBody();
+    w::EncodeRangeGetTo(&body, key, rp->range);
+    Issue(node, w::Opcode::kGet, w::kFlagRange, body, nullptr, 0, MemoryKind::kHost, deadline,
+          std::move(on_reply), [rp](Status s) { rp->got.Set(s); });
+  }
+  // The caller's thread. The outcome, or nothing when the value is to be read whole instead
+  // (the first range missed or failed, a later one failed or found the value changed, no
+  // pinned buffer): that read then finds the key wherever the whole-value path would.
+  std::optional<Result<ValueInfo>> PipelinedGetInto(const std::string& key, void* dst,
+                                                    size_t capacity, const GetOptions& o,
+                                                    Clock::time_point deadline);
+
   // --- hot-key hints: which nodes hold a copy of which version (worker thread) ---
   // A hint is good for kHintTtl from when the request that brought it was sent: the primary
   // stopped hinting before it began withdrawing the copies and waits kWithdrawWait (1.5 s) for
@@ -1385,6 +1463,8 @@ struct Client::Impl {
   };
   struct PutStreamState {
     int node = 0;
+    std::string open;  // the PUT that opens the stream: its body and flags
+    uint16_t open_flags = 0;
     const std::byte* data = nullptr;
     uint64_t size = 0;
     MemoryKind kind = MemoryKind::kHost;
@@ -1420,9 +1500,14 @@ struct Client::Impl {
     st->deadline = deadline;
     st->done = std::move(done);
     if (NeedsStaging(kind)) st->staging = std::make_shared<StagingShare>();
-    std::string& body = RequestBody();
-    const uint16_t flags =
-        w::kFlagStreamed | EncodePut(w::PutRequest{key, o.tensor, size}, o, client_version, &body);
+    st->open_flags = w::kFlagStreamed |
+                     EncodePut(w::PutRequest{key, o.tensor, size}, o, client_version, &st->open);
+    OpenStream(st, kPieceRetryFirst);
+  }
+
+  // Asks the node for the stream; one that has no stream slot free (Busy) is asked again after
+  // a backoff, as a piece is, until the deadline.
+  void OpenStream(const std::shared_ptr<PutStreamState>& st, std::chrono::milliseconds backoff) {
     auto on_reply = [this, st](const PendingPtr& p, std::unique_ptr<Incoming> msg) {
       w::StreamGrant grant;
       Status s = ParseReply(*msg, [&](std::string_view b, w::ReplyStatus* rs) {
@@ -1435,8 +1520,16 @@ struct Client::Impl {
         PumpStream(st);
       });
     };
-    Issue(node, w::Opcode::kPut, flags, body, nullptr, 0, MemoryKind::kHost, deadline,
-          std::move(on_reply), [this, st](Status s) { EndStream(st, s); });
+    auto on_error = [this, st, backoff](Status s) {
+      if (s.code() == StatusCode::kBusy && !closing && Clock::now() + backoff < st->deadline) {
+        return AddTimer(Clock::now() + backoff, [this, st, backoff] {
+          OpenStream(st, std::min(backoff * 2, kPieceRetryMax));
+        });
+      }
+      EndStream(st, s);
+    };
+    Issue(st->node, w::Opcode::kPut, st->open_flags, st->open, nullptr, 0, MemoryKind::kHost,
+          st->deadline, std::move(on_reply), std::move(on_error));
   }
 
   // Records the put's outcome (the first one counts) and reports it once no piece is in flight
@@ -1545,33 +1638,50 @@ struct Client::Impl {
   };
   std::mutex staging_threads_mu;
   std::vector<StagingThread> staging_threads;  // guarded by staging_threads_mu
+  bool staging_closed = false;                 // guarded by staging_threads_mu
 
-  // I/O thread, once the node granted the stream: starts the put's staging thread.
+  // I/O thread, once the node granted the stream: starts the put's staging thread (none once
+  // the client is closing: the put ends Aborted).
   void StartStaging(const std::shared_ptr<PutStreamState>& st) {
-    st->staging_reads = true;
-    std::lock_guard<std::mutex> lock(staging_threads_mu);
-    std::erase_if(staging_threads, [](StagingThread& t) {
-      if (!t.finished->load(std::memory_order_acquire)) return false;
-      t.thread.join();  // it has returned from its work, or is about to
-      return true;
-    });
-    auto finished = std::make_shared<std::atomic<bool>>(false);
-    try {
-      staging_threads.push_back({std::thread([this, st, finished] {
-                                   StagePieces(st);
-                                   finished->store(true, std::memory_order_release);
-                                 }),
-                                 finished});
-    } catch (const std::system_error& e) {
-      st->staging_reads = false;
-      EndStream(st, Status::Unavailable(std::string("no thread to stage the put: ") + e.what()));
+    Status refused;
+    {
+      std::lock_guard<std::mutex> lock(staging_threads_mu);
+      std::erase_if(staging_threads, [](StagingThread& t) {
+        if (!t.finished->load(std::memory_order_acquire)) return false;
+        t.thread.join();  // it has returned from its work, or is about to
+        return true;
+      });
+      if (closing || staging_closed) {
+        refused = Status::Aborted("client closed");
+      } else {
+        auto finished = std::make_shared<std::atomic<bool>>(false);
+        staging_threads.emplace_back();  // the slot first: a thread made is never dropped
+        try {
+          staging_threads.back().thread = std::thread([this, st, finished] {
+            StagePieces(st);
+            finished->store(true, std::memory_order_release);
+          });
+          staging_threads.back().finished = std::move(finished);
+          st->staging_reads = true;
+        } catch (const std::system_error& e) {
+          staging_threads.pop_back();
+          refused = Status::Unavailable(std::string("no thread to stage the put: ") + e.what());
+        }
+      }
     }
+    if (!refused.ok()) EndStream(st, refused);  // outside the lock: it may run the callback
   }
 
+  // ~Client, once every put has ended: no staging thread starts after this; each one running
+  // stops at its next piece.
   void JoinStagingThreads() {
-    std::lock_guard<std::mutex> lock(staging_threads_mu);
-    for (auto& t : staging_threads) t.thread.join();
-    staging_threads.clear();
+    std::vector<StagingThread> threads;
+    {
+      std::lock_guard<std::mutex> lock(staging_threads_mu);
+      staging_closed = true;
+      threads.swap(staging_threads);
+    }
+    for (auto& t : threads) t.thread.join();
   }
 
   // The staging thread: copies piece after piece of `st->data` (device memory) into pinned
@@ -1664,8 +1774,12 @@ Client::~Client() {
   });
   drained.get_future().wait();
   // Every put has ended (failed, if nothing else), so each staging thread stops at its next
-  // piece; what they post last runs before the transport goes.
+  // piece. What they posted last runs on the I/O thread before the transport goes (and may run
+  // a caller's callback, which must still find the transport).
   I->JoinStagingThreads();
+  std::promise<void> flushed;
+  I->transport->Post([&flushed] { flushed.set_value(); });
+  flushed.get_future().wait();
   I->transport.reset();
 }
 
@@ -1800,6 +1914,10 @@ Result<ValueInfo> Client::GetInto(std::string_view key, void* dst, size_t capaci
   // Nothing still reading the destination when the bytes land (see PutOptions).
   if (kind == MemoryKind::kDevice) GKV_RETURN_IF_ERROR(CudaSyncStream(o.cuda_stream, dst));
   auto deadline = I->DeadlineFrom(o.timeout);
+  if (I->NeedsStaging(kind) && capacity > I->options.pipeline_threshold) {
+    auto piped = I->PipelinedGetInto(std::string(key), dst, capacity, o, deadline);
+    if (piped) return std::move(*piped);
+  }
   SyncSlot<Result<Value>> outcome;
   I->Submit(Pooled([&, key = std::string(key)]() mutable {
     I->DoGet(
@@ -1817,6 +1935,71 @@ Result<ValueInfo> Client::GetInto(std::string_view key, void* dst, size_t capaci
     if (!r->staged_) I->staging_pool->Warm(r->size());
   }
   return r->info();
+}
+
+std::optional<Result<ValueInfo>> Client::Impl::PipelinedGetInto(const std::string& key, void* dst,
+                                                                size_t capacity,
+                                                                const GetOptions& o,
+                                                                Clock::time_point deadline) {
+  const int node = Route()->ring->Owner(key);
+  std::vector<std::shared_ptr<std::byte[]>> spare;  // pinned buffers whose piece is copied
+  auto ask = [&](w::GetRange range) -> std::shared_ptr<RangePiece> {
+    auto rp = std::make_shared<RangePiece>();
+    rp->range = range;
+    if (!spare.empty()) {
+      rp->buffer = std::move(spare.back());
+      spare.pop_back();
+    } else {
+      auto acquired = staging_pool->Acquire(kRangePiece);
+      if (!acquired.ok()) return nullptr;
+      rp->buffer = std::move(*acquired);
+    }
+    transport->Post([this, node, key, rp, capacity, deadline, accept = o.accept] {
+      GetRangeOnNode(node, key, rp, capacity, deadline, accept);
+    });
+    return rp;
+  };
+  auto to_device = [&](uint64_t offset, const std::byte* bytes, uint64_t n) {
+    return DeviceCopy(static_cast<std::byte*>(dst) + offset, bytes, n, dst);
+  };
+  auto first = ask({0, kRangePiece, 0});
+  if (!first) return std::nullopt;
+  auto r0 = Await(first->got);
+  if (!r0.ok()) {
+    if (first->final_error) return Result<ValueInfo>(r0.status());
+    return std::nullopt;
+  }
+  const w::ObjectMeta meta = r0->meta;
+  if (r0->bytes == meta.size) {  // all of it in one
+    const std::byte* bytes = r0->whole ? r0->whole.get() : first->buffer.get();
+    GKV_RETURN_IF_ERROR(to_device(0, bytes, meta.size));
+    return ToInfo(meta);
+  }
+  std::deque<std::shared_ptr<RangePiece>> asked;
+  uint64_t next = r0->bytes;
+  // Keeps kRangeWindow ranges on the wire (one buffer more than that: the one being copied).
+  auto top_up = [&] {
+    while (asked.size() < kRangeWindow && next < meta.size) {
+      auto rp = ask({next, kRangePiece, meta.version});
+      if (!rp) return false;
+      asked.push_back(std::move(rp));
+      next += kRangePiece;
+    }
+    return true;
+  };
+  if (!top_up()) return std::nullopt;
+  GKV_RETURN_IF_ERROR(to_device(0, first->buffer.get(), r0->bytes));
+  spare.push_back(std::move(first->buffer));
+  while (!asked.empty()) {
+    auto rp = std::move(asked.front());
+    asked.pop_front();
+    auto r = Await(rp->got);
+    if (!r.ok()) return std::nullopt;  // e.g. the value changed: read it whole
+    if (!top_up()) return std::nullopt;
+    GKV_RETURN_IF_ERROR(to_device(rp->range.offset, rp->buffer.get(), r->bytes));
+    spare.push_back(std::move(rp->buffer));
+  }
+  return ToInfo(meta);
 }
 
 // Stages a device buffer where needed and queues the put: for the I/O thread, or for a

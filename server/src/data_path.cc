@@ -205,18 +205,31 @@ void Server::Impl::CommitAndReply(const std::shared_ptr<PutOp>& op) {
 }
 
 void Server::Impl::SendObject(const Req& r, const std::string& key,
-                              std::shared_ptr<ReadHandle> handle, const void* data, MemoryKind kind,
-                              std::shared_ptr<std::string> staging) {
+                              std::shared_ptr<ReadHandle> handle, const void* data, uint64_t size,
+                              MemoryKind kind, std::shared_ptr<std::string> staging) {
   // The handle keeps the entry pinned until UCX is done with its bytes.
   Reply(r, Status::OK(),
         w::EncodeObjectReply(Status::OK(), ToWire(handle->info()),
                              HintFor(key, handle->info().version)),
-        data, handle->size(), kind, [handle, staging] {});
+        data, size, kind, [handle, staging] {});
+}
+
+Server::Impl::Slice Server::Impl::SliceFor(const ReadHandle& h, const w::GetRange& range) {
+  if (range.length == 0 || h.info().tier == Tier::kDisk) return {0, h.size()};
+  const uint64_t offset = std::min(range.offset, h.size());
+  return {offset, std::min(range.length, h.size() - offset)};
+}
+
+Status Server::Impl::CheckRangeVersion(const ReadHandle& h, const w::GetRange& range) {
+  if (range.version == 0 || h.info().version == range.version) return Status::OK();
+  return Status::Aborted("the value changed: version " + std::to_string(h.info().version) +
+                         " is here, the range asked for " + std::to_string(range.version));
 }
 
 void Server::Impl::ReadOnExecutor(const Req& r, TieredCache* from, std::string key,
-                                  std::optional<Status> error_as, SendRead send) {
-  SubmitRequestWork(r, [this, r, from, key = std::move(key), error_as, send] {
+                                  std::optional<Status> error_as, SendRead send,
+                                  const w::GetRange& range) {
+  SubmitRequestWork(r, [this, r, from, key = std::move(key), error_as, send, range] {
     if (r.Expired()) return PostReplyStatus(r, DeadlinePassed());
     // A value on disk is read whole into memory: its bytes count against the node's in-flight
     // limit, as a batch reply's do, from before the read until its reply is sent (a read alone
@@ -237,27 +250,35 @@ void Server::Impl::ReadOnExecutor(const Req& r, TieredCache* from, std::string k
         Reply(r, err, w::EncodeObjectReply(err, {}), nullptr, 0, MemoryKind::kHost, nullptr);
       });
     }
+    if (Status vs = CheckRangeVersion(*acquired, range); !vs.ok()) {
+      return transport->PostTo(r.worker, [this, r, vs] {
+        Reply(r, vs, w::EncodeObjectReply(vs, {}), nullptr, 0, MemoryKind::kHost, nullptr);
+      });
+    }
     // (`held` goes with the handle: once the reply's send is done.)
     std::shared_ptr<ReadHandle> handle(new ReadHandle(std::move(*acquired)),
                                        [held](ReadHandle* h) { delete h; });
     std::shared_ptr<std::string> staging;
     const void* data = nullptr;
     MemoryKind kind = MemoryKind::kHost;
-    Status cs = StageForSend(*from, *handle, &data, &kind, &staging);
+    const Slice part = SliceFor(*handle, range);
+    Status cs = StageForSend(*from, *handle, part, &data, &kind, &staging);
     if (!cs.ok()) return PostReplyStatus(r, cs);
-    transport->PostTo(r.worker,
-                      [send, handle, data, kind, staging] { send(handle, data, kind, staging); });
+    transport->PostTo(r.worker, [send, handle, data, size = part.size, kind, staging] {
+      send(handle, data, size, kind, staging);
+    });
   });
 }
 
-Status Server::Impl::StageForSend(TieredCache& from, const ReadHandle& h, const void** data,
-                                  MemoryKind* kind, std::shared_ptr<std::string>* staging) {
-  *data = h.data();
+Status Server::Impl::StageForSend(TieredCache& from, const ReadHandle& h, Slice part,
+                                  const void** data, MemoryKind* kind,
+                                  std::shared_ptr<std::string>* staging) {
+  *data = h.data() + part.offset;
   *kind = h.memory_kind();
   if (*kind != MemoryKind::kDevice || device_zero_copy()) return Status::OK();
-  *staging = std::make_shared<std::string>(h.size(), '\0');
+  *staging = std::make_shared<std::string>(part.size, '\0');
   GKV_RETURN_IF_ERROR(
-      from.CopyBytes((*staging)->data(), MemoryKind::kHost, h.data(), *kind, h.size()));
+      from.CopyBytes((*staging)->data(), MemoryKind::kHost, *data, *kind, part.size));
   *data = (*staging)->data();
   *kind = MemoryKind::kHost;
   return Status::OK();
@@ -322,8 +343,9 @@ bool Server::Impl::ServeHere(std::unique_ptr<Incoming>& msg) {
   // A read of a copy held for another node has no routing to check; a key's own, as on worker 0.
   static thread_local std::string key;  // keeps its capacity: no allocation per request
   const bool replica_read = (r.h.flags & w::kFlagReplicaRead) != 0;
+  w::GetRange range;
   if (!replica_read) {
-    if (!w::DecodeKeyRequest(body, &key).ok()) return false;
+    if (!DecodeGet(r, body, &key, &range).ok()) return false;
     if (Misrouted(r, key)) return false;  // worker 0 answers wrong_node
   }
   // From here on as OnMessage and HandleGet would (the message itself is no longer needed).
@@ -337,44 +359,61 @@ bool Server::Impl::ServeHere(std::unique_ptr<Incoming>& msg) {
   if (replica_read) {
     HandleReplicaGet(r, body);
   } else {
-    ServeGet(r, key);
+    ServeGet(r, key, range);
   }
   return true;
 }
 
 void Server::Impl::ReplyFromMemory(const Req& r, TieredCache::FastPath fp, ReadHandle fast,
-                                   const std::vector<uint16_t>& hint) {
+                                   const std::vector<uint16_t>& hint, const w::GetRange& range) {
   if (fp == TieredCache::FastPath::kMiss) {
     Status nf = Status::NotFound("key not found");
     return Reply(r, nf, w::EncodeObjectReply(nf, {}), nullptr, 0, MemoryKind::kHost, nullptr);
+  }
+  if (Status vs = CheckRangeVersion(fast, range); !vs.ok()) {
+    return Reply(r, vs, w::EncodeObjectReply(vs, {}), nullptr, 0, MemoryKind::kHost, nullptr);
   }
   // Sent straight from the tier; the reply keeps the pin until UCX is done with the bytes.
   // The body is encoded into this thread's buffer (Reply copies it into the message).
   static thread_local std::string reply_body;
   w::EncodeObjectReplyTo(&reply_body, Status::OK(), ToWire(fast.info()), hint);
-  const void* data = fast.data();
-  const size_t size = fast.size();
+  const Slice part = SliceFor(fast, range);
+  const void* data = fast.data() + part.offset;
+  const size_t size = part.size;
   const MemoryKind kind = fast.memory_kind();
   Reply(r, Status::OK(), reply_body, data, size, kind, nullptr, std::move(fast));
+}
+
+Status Server::Impl::DecodeGet(const Req& r, std::string_view body, std::string* key,
+                               w::GetRange* range) {
+  if (r.h.flags & w::kFlagRange) {
+    GKV_RETURN_IF_ERROR(w::DecodeRangeGet(body, key, range));
+    if (range->length == 0) return Status::InvalidArgument("a ranged get of 0 bytes");
+    return Status::OK();
+  }
+  return w::DecodeKeyRequest(body, key);
 }
 
 void Server::Impl::HandleGet(const Req& r, std::string_view body) {
   if (r.h.flags & w::kFlagReplicaRead) return HandleReplicaGet(r, body);
   std::string key;
-  Status s = w::DecodeKeyRequest(body, &key);
+  w::GetRange range;
+  Status s = DecodeGet(r, body, &key, &range);
   if (s.ok() && Misrouted(r, key)) s = WrongNode();
   if (!s.ok()) return ReplyStatus(r, s);
-  ServeGet(r, key);
+  ServeGet(r, key, range);
 }
 
-void Server::Impl::ServeGet(const Req& r, const std::string& key) {
+void Server::Impl::ServeGet(const Req& r, const std::string& key, const w::GetRange& range) {
   CountRow();
   const bool unconfirmed = Unconfirmed(key);
   if (unconfirmed && (r.h.flags & w::kFlagLastResort) == 0) {  // HeldBack
     Status held = HeldBackStatus();
     return Reply(r, held, w::EncodeObjectReply(held, {}), nullptr, 0, MemoryKind::kHost, nullptr);
   }
-  if (replication_on() && !unconfirmed) CountRead(key);  // no copies of those
+  if (range.length != 0) counters.ranged_gets.fetch_add(1, std::memory_order_relaxed);
+  // No copies of those; a ranged read counts once, at its first range.
+  if (replication_on() && !unconfirmed && range.offset == 0) CountRead(key);
   // Hot path: an object in host memory (or in GPU memory that UCX can send) is answered right
   // here on the I/O thread, with the hint of a key with copies; anything that may block (disk,
   // promotion, GPU memory UCX cannot send from) goes to an executor.
@@ -385,14 +424,16 @@ void Server::Impl::ServeGet(const Req& r, const std::string& key) {
       const std::vector<uint16_t> hint = fp == TieredCache::FastPath::kMiss
                                              ? std::vector<uint16_t>{}
                                              : HintFor(key, fast.info().version);
-      return ReplyFromMemory(r, fp, std::move(fast), hint);
+      return ReplyFromMemory(r, fp, std::move(fast), hint, range);
     }
   }
-  ReadOnExecutor(r, cache.get(), key, std::nullopt,
-                 [this, r, key](std::shared_ptr<ReadHandle> handle, const void* data,
-                                MemoryKind kind, std::shared_ptr<std::string> staging) {
-                   SendObject(r, key, handle, data, kind, staging);
-                 });
+  ReadOnExecutor(
+      r, cache.get(), key, std::nullopt,
+      [this, r, key](std::shared_ptr<ReadHandle> handle, const void* data, uint64_t size,
+                     MemoryKind kind, std::shared_ptr<std::string> staging) {
+        SendObject(r, key, handle, data, size, kind, staging);
+      },
+      range);
 }
 
 void Server::Impl::HandleKeyOp(const Req& r, std::string_view body) {

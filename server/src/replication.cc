@@ -511,12 +511,13 @@ void Server::Impl::HandleReplicaGet(const Req& r, std::string_view body) {
     return Reply(r, miss, w::EncodeObjectReply(miss, {}), nullptr, 0, MemoryKind::kHost, nullptr);
   }
   auto send = [this, r, version](std::shared_ptr<ReadHandle> handle, const void* data,
-                                 MemoryKind kind, std::shared_ptr<std::string> staging) {
+                                 uint64_t size, MemoryKind kind,
+                                 std::shared_ptr<std::string> staging) {
     counters.CountReplicaRead(r.worker);
     CountRow();  // a miss costs the node little; it is read again from the primary
     w::ObjectMeta meta = ToWire(handle->info());
     meta.version = version;  // the primary's version, not this cache's own counter
-    Reply(r, Status::OK(), w::EncodeObjectReply(Status::OK(), meta), data, handle->size(), kind,
+    Reply(r, Status::OK(), w::EncodeObjectReply(Status::OK(), meta), data, size, kind,
           [handle, staging] {});
   };
   ReadHandle h;
@@ -527,7 +528,7 @@ void Server::Impl::HandleReplicaGet(const Req& r, std::string_view body) {
   if (fp == TieredCache::FastPath::kServed &&
       (h.memory_kind() == MemoryKind::kHost || device_zero_copy())) {
     auto handle = std::make_shared<ReadHandle>(std::move(h));
-    return send(handle, handle->data(), handle->memory_kind(), nullptr);
+    return send(handle, handle->data(), handle->size(), handle->memory_kind(), nullptr);
   }
   // A copy in GPU memory that UCX cannot send from: staged through host memory on an executor,
   // as the primary's own slow path does (promotion is off in the replica cache).

@@ -774,24 +774,39 @@ struct Server::Impl {
   }
 
   void SendObject(const Req& r, const std::string& key, std::shared_ptr<ReadHandle> handle,
-                  const void* data, MemoryKind kind, std::shared_ptr<std::string> staging);
+                  const void* data, uint64_t size, MemoryKind kind,
+                  std::shared_ptr<std::string> staging);
 
   void HandleGet(const Req& r, std::string_view body);
+  // A GET's key (and, with kFlagRange, its range: length 0 when none) from its body.
+  static Status DecodeGet(const Req& r, std::string_view body, std::string* key,
+                          w::GetRange* range);
   // A GET of `key` (decoded, routed, admitted) on the request's own I/O worker: from memory at
-  // once, or through an executor (ReadOnExecutor, SendObject).
-  void ServeGet(const Req& r, const std::string& key);
+  // once, or through an executor (ReadOnExecutor, SendObject). `range`: a ranged GET's.
+  void ServeGet(const Req& r, const std::string& key, const w::GetRange& range = {});
+
+  // The bytes of `h` a read answers with: all of them, or a ranged GET's (kFlagRange) within
+  // the value. A value read from disk goes whole: each piece would read all of it again.
+  struct Slice {
+    uint64_t offset = 0;
+    uint64_t size = 0;
+  };
+  static Slice SliceFor(const ReadHandle& h, const w::GetRange& range);
+  // Aborted when a ranged GET names a version other than the one `h` holds.
+  static Status CheckRangeVersion(const ReadHandle& h, const w::GetRange& range);
 
   // The slow path of a read: on an executor, Acquire `key` from `from` (errors answered as
-  // `error_as` when given), stage it if needed, then `send` on the request's I/O worker.
-  using SendRead = std::function<void(std::shared_ptr<ReadHandle>, const void* data,
+  // `error_as` when given), stage its slice (`range`) if needed, then `send` that slice on the
+  // request's I/O worker.
+  using SendRead = std::function<void(std::shared_ptr<ReadHandle>, const void* data, uint64_t size,
                                       MemoryKind kind, std::shared_ptr<std::string> staging)>;
   void ReadOnExecutor(const Req& r, TieredCache* from, std::string key,
-                      std::optional<Status> error_as, SendRead send);
+                      std::optional<Status> error_as, SendRead send, const w::GetRange& range = {});
 
-  // Executor: what a reply sends from `h` (of cache `from`): its own bytes, or a host copy in
-  // `*staging` when they are in GPU memory UCX cannot send from.
-  Status StageForSend(TieredCache& from, const ReadHandle& h, const void** data, MemoryKind* kind,
-                      std::shared_ptr<std::string>* staging);
+  // Executor: what a reply sends of `h` (of cache `from`), the slice `part`: its own bytes, or
+  // a host copy in `*staging` when they are in GPU memory UCX cannot send from.
+  Status StageForSend(TieredCache& from, const ReadHandle& h, Slice part, const void** data,
+                      MemoryKind* kind, std::shared_ptr<std::string>* staging);
 
   // DELETE and STAT (on the request's own I/O worker, or on worker 0).
   void HandleKeyOp(const Req& r, std::string_view body);
@@ -831,7 +846,7 @@ struct Server::Impl {
   void CountRead(const std::string& key);
   // A GET answered from memory (fast path): not found, or the pinned value with `hint`.
   void ReplyFromMemory(const Req& r, TieredCache::FastPath fp, ReadHandle fast,
-                       const std::vector<uint16_t>& hint);
+                       const std::vector<uint16_t>& hint, const w::GetRange& range = {});
   // Counts a row served of any kind (the node's load): every get, batch row and replica read.
   // On another I/O worker the row is added to node_read_count by worker 0's next tick.
   void CountRow() {

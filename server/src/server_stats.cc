@@ -69,6 +69,7 @@ std::string RenderStatsJson(const std::string& node_id, const CacheStats& st,
   j += ",\"streamed_puts\":{\"opened\":" + std::to_string(counters.streams_opened.load()) +
        ",\"completed\":" + std::to_string(counters.streams_completed.load()) +
        ",\"dropped\":" + std::to_string(counters.streams_dropped.load()) + "}";
+  j += ",\"ranged_gets\":" + std::to_string(counters.ranged_gets.load());
   const int io_threads =
       static_cast<int>(std::min<uint64_t>(counters.io_threads.load(), ServerCounters::kIoSlots));
   j += ",\"io_threads\":" + std::to_string(counters.io_threads.load());

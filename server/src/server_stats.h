@@ -30,6 +30,9 @@ struct ServerCounters {
   // and dropped before that (a
   // failed piece, the connection gone, or nothing received for the send timeout).
   std::atomic<uint64_t> streams_opened{0}, streams_completed{0}, streams_dropped{0};
+  // GETs of a range of a value (kFlagRange: a client reads a large value for a device buffer
+  // piece by piece), each range counted.
+  std::atomic<uint64_t> ranged_gets{0};
   // Adaptive replication: copies this node made of its hot keys (created) and withdrew (dropped),
   // and copies it installed for other primaries. The reads it served from those copies are
   // counted by I/O thread (IoSlot::replica_reads, ReplicaReads() for the node).

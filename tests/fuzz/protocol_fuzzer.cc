@@ -40,6 +40,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
           case Opcode::kGet:
             if (h.flags & kFlagReplicaRead) {
               (void)DecodeReplicaGet(body, &key, &version);
+            } else if (h.flags & kFlagRange) {
+              GetRange range;
+              (void)DecodeRangeGet(body, &key, &range);
             } else {
               (void)DecodeKeyRequest(body, &key);
             }

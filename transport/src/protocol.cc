@@ -343,6 +343,24 @@ Status DecodeObjectReply(std::string_view body, ReplyStatus* status, ObjectMeta*
   return Status::OK();
 }
 
+void EncodeRangeGetTo(std::string* out, std::string_view key, const GetRange& range) {
+  out->clear();
+  ByteWriter w(out);
+  w.String(key);
+  w.U64(range.offset);
+  w.U64(range.length);
+  w.U64(range.version);
+}
+
+Status DecodeRangeGet(std::string_view body, std::string* key, GetRange* range) {
+  ByteReader r(body);
+  if (!r.String(key, kMaxKeySize) || !r.U64(&range->offset) || !r.U64(&range->length) ||
+      !r.U64(&range->version) || r.remaining() != 0) {
+    return Malformed("range get");
+  }
+  return Status::OK();
+}
+
 std::string EncodeReplicaGet(std::string_view key, uint64_t version) {
   std::string out;
   ByteWriter w(&out);

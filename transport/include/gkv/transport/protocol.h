@@ -84,6 +84,13 @@ inline constexpr uint16_t kFlagExpectVersion = 1 << 7;
 // whose version is 0 except for the one piece that completed the value, answered with the
 // version the value was committed at (or the commit's error).
 inline constexpr uint16_t kFlagStreamed = 1 << 8;
+// get: a range of the value (GetRange): the body is the key followed by u64 offset, u64 length
+// and u64 version (0: whichever version the node holds; else the node must hold exactly that
+// one, or it answers `aborted`). The reply is a Get reply whose metadata describes the whole
+// object (its size is the value's) and whose payload is the value's bytes from `offset`, at
+// most `length` of them, or else the whole value (a node may send all of a value that is not
+// in memory). A client stages a large value for a device buffer piece by piece with it.
+inline constexpr uint16_t kFlagRange = 1 << 9;
 
 struct Header {
   Opcode opcode = Opcode::kPing;
@@ -181,6 +188,15 @@ void EncodeObjectReplyTo(std::string* out, const Status& s, const ObjectMeta& me
                          const std::vector<uint16_t>& replica_hint = {});
 Status DecodeObjectReply(std::string_view body, ReplyStatus* status, ObjectMeta* meta,
                          std::vector<uint16_t>* replica_hint = nullptr);
+
+// GET with kFlagRange: the key, then the range and the version it must come from.
+struct GetRange {
+  uint64_t offset = 0;
+  uint64_t length = 0;
+  uint64_t version = 0;  // 0: any
+};
+void EncodeRangeGetTo(std::string* out, std::string_view key, const GetRange& range);
+Status DecodeRangeGet(std::string_view body, std::string* key, GetRange* range);
 
 // Replica read (GET with kFlagReplicaRead): key and the version the hint named.
 std::string EncodeReplicaGet(std::string_view key, uint64_t version);
