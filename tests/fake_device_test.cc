@@ -176,6 +176,23 @@ TEST(FakeDeviceTest, LargeStagedPutsAndGetsArePipelinedPieceByPiece) {
   EXPECT_EQ(client->GetInto("piped/none", room.get(), 8 << 20).status().code(),
             StatusCode::kNotFound);  // the first range misses; the whole-value read says so
   if (staged) ranges++;
+  // A value `accept` refuses is refused at the first range, once, with nothing written.
+  {
+    const size_t size = (size_t{17} << 20) + 5;
+    DeviceBuffer dst(size);
+    dst.Write(std::string(size, 'u'));
+    int asked = 0;
+    GetOptions refuse;
+    refuse.accept = [&asked](const ValueInfo&) {
+      asked++;
+      return Status::InvalidArgument("not this one");
+    };
+    auto got = client->GetInto("piped/" + std::to_string(size) + "/s", dst.get(), size, refuse);
+    EXPECT_EQ(got.status().code(), StatusCode::kInvalidArgument) << got.status().ToString();
+    EXPECT_EQ(asked, 1);
+    EXPECT_TRUE(dst.Read(size) == std::string(size, 'u')) << "a refused value was written";
+    if (staged) ranges++;
+  }
   EXPECT_EQ(StatsCounter(*client, 0, "completed", "\"streamed_puts\":{"),
             staged ? pipelined_puts : 0u);
   EXPECT_EQ(StatsCounter(*client, 0, "ranged_gets"), staged ? ranges : 0u);
@@ -215,9 +232,20 @@ TEST(FakeDeviceTest, ManyPipelinedPutsAtOnceAllLand) {
     ASSERT_TRUE(got.ok()) << i << ": " << got.status().ToString();
     EXPECT_TRUE(got->view() == values[i]) << i;
   }
+  // Read back into a device buffer in ranges served from the host tier's memory (the node has
+  // no GPU tier): 8 MiB, 8 MiB, then the rest.
+  const size_t big_size = (size_t{20} << 20) + 3;
+  const std::string big = Pattern(rng, big_size);
+  ASSERT_TRUE(client->Put("many/big", big.data(), big.size()).ok());
+  DeviceBuffer dst(big_size);
+  auto info = client->GetInto("many/big", dst.get(), big_size);
+  ASSERT_TRUE(info.ok()) << info.status().ToString();
+  EXPECT_EQ(info->tier, "host");
+  EXPECT_TRUE(dst.Read(big_size) == big) << "device buffer bytes differ";
   if (FakeDeviceKind() == FakeDevice::kStaged) {
     EXPECT_EQ(StatsCounter(*client, 0, "completed", "\"streamed_puts\":{"),
               static_cast<uint64_t>(kPuts));
+    EXPECT_EQ(StatsCounter(*client, 0, "ranged_gets"), 3u);
   }
 }
 

@@ -185,6 +185,35 @@ TEST(TieredCacheTest, PromotionNeedsASecondReadWithinTheWindow) {
   EXPECT_EQ(TierOf(*c2, "k0"), Tier::kDisk);
 }
 
+// The later pieces of a read already counted (a ranged GET's ranges after the first) do not
+// count as reads: a value read once in many pieces is not promoted, nor counted as hits, and a
+// real second read still promotes it.
+TEST(TieredCacheTest, ContinuedReadsNeitherCountNorPromote) {
+  testing::TempDir dir;
+  auto c = MustOpen(SmallOptions(dir.path(), 64 * kKiB, 256 * kKiB, 8 << 20));
+  ASSERT_TRUE(c);
+  std::string v(16 * kKiB, 'c');
+  for (int i = 0; i < 6; ++i) ASSERT_TRUE(c->Put("k" + std::to_string(i), v.data(), v.size()).ok());
+  ASSERT_EQ(TierOf(*c, "k0"), Tier::kHost);  // spilled from the 64 KiB GPU tier
+  const uint64_t hits_before = c->GetStats().tiers[static_cast<int>(Tier::kHost)].hits;
+  {
+    auto first = c->Acquire("k0");
+    ASSERT_TRUE(first.ok());
+  }
+  for (int piece = 0; piece < 5; ++piece) {
+    ReadHandle h;
+    EXPECT_EQ(c->TryAcquireFromMemory("k0", &h, true, TieredCache::ReadKind::kContinued),
+              TieredCache::FastPath::kServed);
+    auto slow = c->Acquire("k0", TieredCache::ReadKind::kContinued);
+    ASSERT_TRUE(slow.ok());
+    EXPECT_EQ(slow->info().tier, Tier::kHost);
+  }
+  EXPECT_EQ(TierOf(*c, "k0"), Tier::kHost) << "one read in pieces must not promote";
+  EXPECT_EQ(c->GetStats().tiers[static_cast<int>(Tier::kHost)].hits, hits_before + 1);
+  ASSERT_TRUE(c->Acquire("k0").ok());  // a second read within the window
+  EXPECT_EQ(TierOf(*c, "k0"), Tier::kGpu);
+}
+
 TEST(TieredCacheTest, ScanDoesNotFlushTheHotSet) {
   testing::TempDir dir;
   auto c = MustOpen(SmallOptions(dir.path(), 0, 64 * kKiB, 16 << 20));

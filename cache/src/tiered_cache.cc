@@ -1361,13 +1361,14 @@ Result<uint64_t> TieredCache::Put(std::string_view key, const void* data, uint64
   return Commit(std::move(h), durable);
 }
 
-Result<ReadHandle> TieredCache::Acquire(std::string_view key) {
+Result<ReadHandle> TieredCache::Acquire(std::string_view key, ReadKind how) {
   Impl& I = *impl_;
+  const bool counted = how == ReadKind::kRead;
   // From memory without the placement lock where it can (it counts nothing when it leaves the
   // read to the code below); under that lock for disk, promotion and entries being moved.
   {
     ReadHandle fast;
-    switch (TryAcquireFromMemory(key, &fast)) {
+    switch (TryAcquireFromMemory(key, &fast, /*device_ok=*/true, how)) {
       case FastPath::kServed:
         return fast;
       case FastPath::kMiss:
@@ -1399,7 +1400,8 @@ Result<ReadHandle> TieredCache::Acquire(std::string_view key) {
       continue;
     }
     const auto now = Clock::now();
-    const bool promote = I.Admit(e, now) && I.Rank(I.TopMemoryTierFor(e->size)) < I.Rank(e->tier);
+    const bool promote =
+        counted && I.Admit(e, now) && I.Rank(I.TopMemoryTierFor(e->size)) < I.Rank(e->tier);
 
     if (e->tier != Tier::kDisk) {
       if (promote && I.PinCount(e) > 0) {
@@ -1435,7 +1437,7 @@ Result<ReadHandle> TieredCache::Acquire(std::string_view key) {
       }
       ReadHandle h;
       Impl::Pin(e);
-      shard.hits[static_cast<int>(e->tier)].fetch_add(1, std::memory_order_relaxed);
+      if (counted) shard.hits[static_cast<int>(e->tier)].fetch_add(1, std::memory_order_relaxed);
       FillReadHandle(std::move(sp), &h);
       lock.unlock();
       I.DrainEvictions();
@@ -1443,7 +1445,7 @@ Result<ReadHandle> TieredCache::Acquire(std::string_view key) {
     }
 
     // Disk tier: read without any lock held.
-    shard.hits[2].fetch_add(1, std::memory_order_relaxed);
+    if (counted) shard.hits[2].fetch_add(1, std::memory_order_relaxed);
     const uint64_t version = e->version;
     lock.unlock();
     ReadHandle h;
@@ -1517,8 +1519,9 @@ void TieredCache::FillReadHandle(std::shared_ptr<void> entry, ReadHandle* out) {
 }
 
 TieredCache::FastPath TieredCache::TryAcquireFromMemory(std::string_view key, ReadHandle* out,
-                                                        bool device_ok) {
+                                                        bool device_ok, ReadKind how) {
   Impl& I = *impl_;
+  const bool counted = how == ReadKind::kRead;
   *out = ReadHandle();
   // No placement lock: the pin is taken under the shard lock (the entry cannot be replaced
   // meanwhile) and placement never moves a pinned entry (the pin protocol in Impl).
@@ -1538,13 +1541,15 @@ TieredCache::FastPath TieredCache::TryAcquireFromMemory(std::string_view key, Re
   const auto now = Clock::now();
   // Not counted here when the slow path will serve it: a second Admit there would count one
   // read twice (and promote on the first read).
-  if (!e->live || e->tier == Tier::kDisk || I.WouldPromote(e, now) ||
+  if (!e->live || e->tier == Tier::kDisk || (counted && I.WouldPromote(e, now)) ||
       (!device_ok && e->arena->kind() == MemoryKind::kDevice)) {
     I.ReleaseReadPin(e);
     return FastPath::kNeedsSlowPath;
   }
-  I.Admit(e, now);
-  s.hits[static_cast<int>(e->tier)].fetch_add(1, std::memory_order_relaxed);
+  if (counted) {
+    I.Admit(e, now);
+    s.hits[static_cast<int>(e->tier)].fetch_add(1, std::memory_order_relaxed);
+  }
   FillReadHandle(std::move(sp), out);
   return FastPath::kServed;
 }

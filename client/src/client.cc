@@ -991,12 +991,20 @@ struct Client::Impl {
   // I/O thread: asks `node` for the range of `rp`; `capacity` and `accept` check the first one.
   void GetRangeOnNode(int node, const std::string& key, const std::shared_ptr<RangePiece>& rp,
                       size_t capacity, Clock::time_point deadline, const Accept& accept) {
-    auto on_reply = [this, rp, capacity, accept](const PendingPtr& p,
-                                                 std::unique_ptr<Incoming> msg) {
+    const bool first = rp->range.version == 0;
+    // A key with copies is read the usual way, which spreads its reads over them.
+    if (first && HasCopies(key)) return rp->got.Set(Status::Aborted("the key has copies"));
+    const Clock::time_point sent = Clock::now();
+    auto on_reply = [this, node, key, first, sent, rp, capacity, accept](
+                        const PendingPtr& p, std::unique_ptr<Incoming> msg) {
       RangePiece::Got got;
+      std::vector<uint16_t> hint;
       Status s = ParseReply(*msg, [&](std::string_view body, w::ReplyStatus* rs) {
-        return w::DecodeObjectReply(body, rs, &got.meta);
+        return w::DecodeObjectReply(body, rs, &got.meta, &hint);
       });
+      if (s.ok() && first && node == Route()->ring->Owner(key)) {
+        RememberHint(key, got.meta.version, std::move(hint), sent);
+      }
       const w::GetRange& range = rp->range;
       got.bytes = msg->payload_size();
       if (s.ok()) {
@@ -1007,7 +1015,7 @@ struct Client::Impl {
           s = Status::ProtocolError("a ranged reply carries a payload of the wrong size");
         }
       }
-      if (s.ok() && range.version == 0) {  // the first range: the get's own checks
+      if (s.ok() && first) {  // the get's own checks
         if (capacity < got.meta.size) {
           s = Status::InvalidArgument("buffer of " + std::to_string(capacity) +
                                       " bytes is smaller than the value (" +
@@ -1141,6 +1149,13 @@ struct Client::Impl {
     *node = h.nodes[pick - 1];
     *version = h.version;
     return true;
+  }
+
+  // Whether a fresh hint names copies of `key`.
+  bool HasCopies(const std::string& key) const {
+    if (hints.empty()) return false;
+    auto it = hints.find(key);
+    return it != hints.end() && Clock::now() < it->second.expires && !it->second.nodes.empty();
   }
 
   void AvoidCopiesOn(int node) { copies_avoided_until[node] = Clock::now() + kAvoidSlowCopies; }
@@ -1994,7 +2009,11 @@ std::optional<Result<ValueInfo>> Client::Impl::PipelinedGetInto(const std::strin
     auto rp = std::move(asked.front());
     asked.pop_front();
     auto r = Await(rp->got);
-    if (!r.ok()) return std::nullopt;  // e.g. the value changed: read it whole
+    // Failed, or the value changed (the node checks the version; this checks it again): read
+    // it whole.
+    if (!r.ok() || r->meta.version != meta.version || r->meta.size != meta.size) {
+      return std::nullopt;
+    }
     if (!top_up()) return std::nullopt;
     GKV_RETURN_IF_ERROR(to_device(rp->range.offset, rp->buffer.get(), r->bytes));
     spare.push_back(std::move(rp->buffer));

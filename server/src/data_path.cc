@@ -236,6 +236,11 @@ void Server::Impl::ReadOnExecutor(const Req& r, TieredCache* from, std::string k
     // always goes), so concurrent reads of large values cannot take the node's memory.
     std::shared_ptr<std::string> held;
     if (auto st = from->Stat(key); st.ok() && st->tier == Tier::kDisk) {
+      // A later range of a value now on disk would read all of it for one piece: the client
+      // reads it whole instead.
+      if (range.offset != 0) {
+        return PostReplyStatus(r, Status::Aborted("the value went to disk; read it whole"));
+      }
       held = ReserveBatchReply(st->size);
       if (!held) {
         return PostReplyStatus(r, Status::Busy("node has " + FormatSize(batch_reply_bytes->load()) +
@@ -243,7 +248,7 @@ void Server::Impl::ReadOnExecutor(const Req& r, TieredCache* from, std::string k
                                                FormatSize(st->size)));
       }
     }
-    auto acquired = from->Acquire(key);
+    auto acquired = from->Acquire(key, ReadKindFor(range));
     if (!acquired.ok()) {
       Status err = error_as ? *error_as : acquired.status();
       return transport->PostTo(r.worker, [this, r, err] {
@@ -405,7 +410,7 @@ void Server::Impl::HandleGet(const Req& r, std::string_view body) {
 }
 
 void Server::Impl::ServeGet(const Req& r, const std::string& key, const w::GetRange& range) {
-  CountRow();
+  if (range.offset == 0) CountRow();  // a ranged read is one row, as it is one read
   const bool unconfirmed = Unconfirmed(key);
   if (unconfirmed && (r.h.flags & w::kFlagLastResort) == 0) {  // HeldBack
     Status held = HeldBackStatus();
@@ -419,7 +424,7 @@ void Server::Impl::ServeGet(const Req& r, const std::string& key, const w::GetRa
   // promotion, GPU memory UCX cannot send from) goes to an executor.
   {
     ReadHandle fast;
-    const auto fp = cache->TryAcquireFromMemory(key, &fast, device_zero_copy());
+    const auto fp = cache->TryAcquireFromMemory(key, &fast, device_zero_copy(), ReadKindFor(range));
     if (fp != TieredCache::FastPath::kNeedsSlowPath) {
       const std::vector<uint16_t> hint = fp == TieredCache::FastPath::kMiss
                                              ? std::vector<uint16_t>{}

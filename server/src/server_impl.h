@@ -794,6 +794,10 @@ struct Server::Impl {
   static Slice SliceFor(const ReadHandle& h, const w::GetRange& range);
   // Aborted when a ranged GET names a version other than the one `h` holds.
   static Status CheckRangeVersion(const ReadHandle& h, const w::GetRange& range);
+  // A ranged read counts (admission, hits, promotion) at its first range only.
+  static TieredCache::ReadKind ReadKindFor(const w::GetRange& range) {
+    return range.offset == 0 ? TieredCache::ReadKind::kRead : TieredCache::ReadKind::kContinued;
+  }
 
   // The slow path of a read: on an executor, Acquire `key` from `from` (errors answered as
   // `error_as` when given), stage its slice (`range`) if needed, then `send` that slice on the

@@ -62,10 +62,14 @@ struct ClientOptions {
   // node stores a value bound for its disk without a buffer as large as the value. Smaller ones
   // go as one message (but see pipeline_threshold).
   uint64_t stream_threshold = uint64_t{64} << 20;
-  // A Put from a device buffer that this client's UCX cannot send from (it is staged through
-  // pinned host memory) larger than this is staged piece by piece: each piece is copied while
-  // the ones before it are on the wire, as a streamed put whatever its size. A smaller one, and
-  // any with more than one replica, is copied whole before it is sent.
+  // Device buffers that this client's UCX cannot move (staged through pinned host memory):
+  // a Put larger than this is staged piece by piece, each piece copied while the ones before it
+  // are on the wire (a streamed put whatever its size; a smaller one, and any with more than
+  // one replica, is copied whole before it is sent); a GetInto whose buffer holds more than
+  // this reads the value in ranges, copying each to the device while the next ones arrive (a
+  // key with hot-key copies is read whole). If the value changes or a node fails part-way, the
+  // GetInto reads it again whole: then `accept` may run twice, and a call that fails may have
+  // written part of the buffer.
   uint64_t pipeline_threshold = uint64_t{16} << 20;
 };
 
@@ -149,7 +153,7 @@ class Client {
                        const PutOptions& options = {});
   Result<Value> Get(std::string_view key, const GetOptions& options = {});
   // Receives the value into `dst` (host or device). InvalidArgument if it holds fewer than the
-  // value's bytes (nothing is written then).
+  // value's bytes (nothing is written then; but see ClientOptions::pipeline_threshold).
   Result<ValueInfo> GetInto(std::string_view key, void* dst, size_t capacity,
                             const GetOptions& options = {});
   Status Delete(std::string_view key, std::chrono::milliseconds timeout = {});

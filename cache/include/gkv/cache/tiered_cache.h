@@ -298,16 +298,21 @@ class TieredCache {
                        const TensorMeta& tensor = {}, bool durable = false,
                        MemoryKind src_kind = MemoryKind::kHost);
 
+  // How a read counts: kRead is a read (admission rule, hit counters, promotion); kContinued is
+  // a further piece of a read already counted (a ranged GET's later ranges), which neither
+  // counts nor promotes, so reading one value in pieces is one read, not several in a row.
+  enum class ReadKind { kRead, kContinued };
   // A pinned view of the newest version; may promote the object (see the admission rule).
   // Served as TryAcquireFromMemory serves it when it can; only disk, promotion and an entry
   // being moved take the placement lock.
-  Result<ReadHandle> Acquire(std::string_view key);
+  Result<ReadHandle> Acquire(std::string_view key, ReadKind how = ReadKind::kRead);
   // The non-blocking subset of Acquire, for I/O threads that must not wait on disk or on
   // eviction: kServed (and *out set) when the object is in a memory tier and this read would not
   // promote it; kMiss when the key is absent; kNeedsSlowPath otherwise (call Acquire).
   // `device_ok`: the caller can serve device memory as it is; when false, an object in device
   // memory is kNeedsSlowPath before it is counted as a read (the slow path counts it once).
-  FastPath TryAcquireFromMemory(std::string_view key, ReadHandle* out, bool device_ok = true);
+  FastPath TryAcquireFromMemory(std::string_view key, ReadHandle* out, bool device_ok = true,
+                                ReadKind how = ReadKind::kRead);
 
   // Copies the object into `dst` (host or device memory). InvalidArgument if dst_size is
   // smaller than the object.
