@@ -7,8 +7,10 @@
 #   scripts/gpu-check.sh run       there: run the gpu-labelled tests, the whole unit suite, the
 #                                  Python CUDA tests (when that machine has a CUDA torch), the
 #                                  storage benchmarks (GPU tier next to cudaMemcpy) and the
-#                                  cluster check (below), writing everything under $OUT (or
-#                                  ./gpu-results). A missing GPU fails it.
+#                                  cluster check (below; once more with UCX unable to move CUDA
+#                                  memory, so the client's pipelined staging runs on the GPU),
+#                                  writing everything under $OUT (or ./gpu-results). A missing
+#                                  GPU fails it.
 #   scripts/gpu-check.sh cpu [BINDIR]
 #                                  here and in CI (a ctest entry): the same cluster check on
 #                                  the binaries in BINDIR (default build/bin) in both fake-device
@@ -108,9 +110,9 @@ cpu() {
     local tier=gpu
     [ "$flavour" = 1 ] && tier=host
     GKV_FAKE_DEVICE=$flavour cluster_check "$bindir" "$out" "cluster_check_fake_$flavour" \
-      --sizes 4KiB,64KiB,1MiB,4MiB --reps 5 --expect-tier "$tier" \
-      --spill-values 64 --spill-value-size 2MiB -- \
-      --gpu-mem 16MiB --host-mem 32MiB --disk-capacity 1GiB --threads 2 || rc=1
+      --sizes 4KiB,64KiB,1MiB,4MiB,20MiB --reps 5 --expect-tier "$tier" \
+      --spill-values 160 --spill-value-size 2MiB -- \
+      --gpu-mem 32MiB --host-mem 64MiB --disk-capacity 1GiB --threads 2 || rc=1
   done
   if [ "$made_out" = 1 ]; then rm -rf "$out"; fi
   return $rc
@@ -150,6 +152,13 @@ run() {
   # Last, so that its table ends the output. 1 GiB GPU tiers hold the 256 MiB values (and an
   # overwrite's new copy beside the old); 320 values of 16 MiB (5 GiB) are more than both
   # nodes' GPU and host tiers hold (4 GiB).
+  # The staged paths on the real GPU: UCX without its CUDA transports cannot move device
+  # memory, so the client stages through pinned buffers (values over 16 MiB pipelined: streamed
+  # puts, ranged gets) and the nodes' GPU tier sits behind host memory.
+  echo "== cluster check, staged (UCX_TLS without the CUDA transports)"
+  UCX_TLS='^cuda_copy,cuda_ipc,gdr_copy' cluster_check "$BUNDLE/bin" "$out" cluster_check_staged \
+    --sizes 4KiB,1MiB,16MiB,64MiB,256MiB --reps 10 --expect-tier host -- \
+    --gpu-mem 1GiB --host-mem 1GiB --disk-capacity 16GiB --threads 4 || rc=1
   echo "== cluster check (2 nodes on GPU 0)"
   cluster_check "$BUNDLE/bin" "$out" cluster_check --expect-tier gpu \
     --spill-values 320 --spill-value-size 16MiB -- \
