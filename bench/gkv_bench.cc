@@ -879,8 +879,9 @@ int main(int argc, char** argv) {
   app.add_option("--stream-threshold", c.stream_threshold,
                  "puts of values larger than this are streamed in pieces (default 64MiB)");
   app.add_option("--pipeline-threshold", c.pipeline_threshold,
-                 "--memory cuda puts this UCX cannot send from directly: values larger than "
-                 "this are staged piece by piece, overlapping the wire (default 16MiB)");
+                 "--memory cuda where this UCX cannot move device memory: puts of values and "
+                 "gets into buffers larger than this are staged piece by piece, overlapping "
+                 "the wire (default 16MiB)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -986,12 +986,15 @@ TEST(GuaranteesTest, RangedGetsAnswerTheirRangeOfTheVersionAsked) {
   EXPECT_EQ(bytes, 0u);
   EXPECT_EQ(ranged("ranged/disk", {0, 64 << 10, 0}, &bytes), StatusCode::kOk);
   EXPECT_EQ(bytes, big.size()) << "a value on disk is sent whole";
+  // A later range of it would read all of it again for one piece: read it whole instead.
+  EXPECT_EQ(ranged("ranged/disk", {64 << 10, 64 << 10, *on_disk}, &bytes), StatusCode::kAborted);
+  EXPECT_EQ(bytes, 0u);
   EXPECT_EQ(ranged("ranged/none", {0, 64 << 10, 0}, &bytes), StatusCode::kNotFound);
   EXPECT_EQ(ranged("ranged", {0, 0, 0}, &bytes), StatusCode::kInvalidArgument);
   raw.Send(wire::Opcode::kGet, wire::EncodeKeyRequest("ranged"), 900, "", wire::kAmRequest, 0,
            wire::kFlagRange);
   EXPECT_EQ(raw.WaitReply(900), StatusCode::kProtocolError);
-  EXPECT_EQ(StatsCounter(*client, 0, "ranged_gets"), 5u);
+  EXPECT_EQ(StatsCounter(*client, 0, "ranged_gets"), 6u);
 }
 
 // A streamed put's pieces must be the ones its PUT declared: a piece of the wrong size fails

@@ -212,6 +212,15 @@ TEST(TieredCacheTest, ContinuedReadsNeitherCountNorPromote) {
   EXPECT_EQ(c->GetStats().tiers[static_cast<int>(Tier::kHost)].hits, hits_before + 1);
   ASSERT_TRUE(c->Acquire("k0").ok());  // a second read within the window
   EXPECT_EQ(TierOf(*c, "k0"), Tier::kGpu);
+  // A value on disk is not read for a piece of it.
+  std::string big(128 * kKiB, 'd');  // four overflow both memory tiers: the first goes to disk
+  for (int i = 0; i < 4; ++i) {
+    ASSERT_TRUE(c->Put("big" + std::to_string(i), big.data(), big.size()).ok());
+  }
+  ASSERT_EQ(TierOf(*c, "big0"), Tier::kDisk);
+  EXPECT_EQ(c->Acquire("big0", TieredCache::ReadKind::kContinued).status().code(),
+            StatusCode::kAborted);
+  EXPECT_TRUE(c->Acquire("big0").ok());
 }
 
 TEST(TieredCacheTest, ScanDoesNotFlushTheHotSet) {

@@ -1444,8 +1444,10 @@ Result<ReadHandle> TieredCache::Acquire(std::string_view key, ReadKind how) {
       return h;
     }
 
-    // Disk tier: read without any lock held.
-    if (counted) shard.hits[2].fetch_add(1, std::memory_order_relaxed);
+    // Disk tier: read without any lock held. A continued read does not read a whole value
+    // from disk for one piece of it: its caller reads the value again as a whole.
+    if (!counted) return Status::Aborted("the value is on disk: read it whole");
+    shard.hits[2].fetch_add(1, std::memory_order_relaxed);
     const uint64_t version = e->version;
     lock.unlock();
     ReadHandle h;

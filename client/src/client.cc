@@ -894,6 +894,17 @@ struct Client::Impl {
     return true;
   }
 
+  // The get's own checks of a value about to be received: the caller's buffer holds it, and
+  // GetOptions::accept takes it.
+  static Status CheckAnswer(const w::ObjectMeta& meta, uint64_t capacity, const Accept& accept) {
+    if (capacity < meta.size) {
+      return Status::InvalidArgument("buffer of " + std::to_string(capacity) +
+                                     " bytes is smaller than the value (" +
+                                     std::to_string(meta.size) + " bytes)");
+    }
+    return accept ? accept(ToInfo(meta)) : Status::OK();
+  }
+
   // replica_version != 0: read the copy of exactly that version a replica node holds.
   void GetOnNode(int node, const std::string& key, void* user_dst, size_t capacity,
                  MemoryKind dst_kind, Clock::time_point deadline,
@@ -919,12 +930,7 @@ struct Client::Impl {
           if (s.ok() && meta.size != msg->payload_size()) {
             s = Status::ProtocolError("reply carries a payload of the wrong size");
           }
-          if (s.ok() && user_dst && capacity < meta.size) {
-            s = Status::InvalidArgument("buffer of " + std::to_string(capacity) +
-                                        " bytes is smaller than the value (" +
-                                        std::to_string(meta.size) + " bytes)");
-          }
-          if (s.ok() && accept) s = accept(ToInfo(meta));
+          if (s.ok()) s = CheckAnswer(meta, user_dst ? capacity : meta.size, accept);
           if (!s.ok()) return Fail(p, s);
           auto value = MakePooledShared<Value>();
           value->info_ = ToInfo(meta);
@@ -966,6 +972,22 @@ struct Client::Impl {
           std::move(on_reply), std::move(on_fail));
   }
 
+  // Busy answers (a node's stream slots or buffers taken, its queues full) to a streamed put's
+  // open or piece, or a ranged get's range: asked again after `backoff` (2 ms, doubling to
+  // 64 ms) while the deadline leaves room. Returns whether `again` (given the next backoff) was
+  // scheduled; otherwise `s` is the request's outcome.
+  static constexpr auto kPieceRetryFirst = std::chrono::milliseconds(2);
+  static constexpr auto kPieceRetryMax = std::chrono::milliseconds(64);
+  bool RetryIfBusy(const Status& s, Clock::time_point deadline, std::chrono::milliseconds backoff,
+                   std::function<void(std::chrono::milliseconds)> again) {
+    if (s.code() != StatusCode::kBusy || closing || Clock::now() + backoff >= deadline) {
+      return false;
+    }
+    AddTimer(Clock::now() + backoff,
+             [again = std::move(again), backoff] { again(std::min(backoff * 2, kPieceRetryMax)); });
+    return true;
+  }
+
   // --- pipelined gets into device buffers (docs/ARCHITECTURE.md, "Pipelined staging") ---
   // A GetInto of a device buffer this UCX cannot receive into, with room for more than
   // pipeline_threshold, reads the value in ranges (GET with kFlagRange) of kRangePiece bytes,
@@ -980,8 +1002,10 @@ struct Client::Impl {
     struct Got {
       w::ObjectMeta meta;  // the whole value's
       uint64_t bytes = 0;  // received
-      // The node sent the whole value, larger than a piece (not in its memory): it is here.
+      // The node sent the whole value, larger than a piece (not in its memory): it is here,
+      // in a pinned buffer from the pool or (none cached) in ordinary memory.
       std::shared_ptr<std::byte[]> whole;
+      bool whole_pinned = false;
     };
     SyncSlot<Result<Got>> got;
     // Set before `got` when its error is the get's own answer (the caller's buffer is too
@@ -989,9 +1013,11 @@ struct Client::Impl {
     bool final_error = false;
   };
   // I/O thread: asks `node` for the range of `rp`; `capacity` and `accept` check the first one.
+  // A range the node answers Busy is asked again after a backoff, as a streamed put's piece is.
   void GetRangeOnNode(int node, const std::string& key, const std::shared_ptr<RangePiece>& rp,
-                      size_t capacity, Clock::time_point deadline, const Accept& accept) {
-    const bool first = rp->range.version == 0;
+                      size_t capacity, Clock::time_point deadline, const Accept& accept,
+                      std::chrono::milliseconds backoff = kPieceRetryFirst) {
+    const bool first = rp->range.offset == 0;
     // A key with copies is read the usual way, which spreads its reads over them.
     if (first && HasCopies(key)) return rp->got.Set(Status::Aborted("the key has copies"));
     const Clock::time_point sent = Clock::now();
@@ -1002,34 +1028,42 @@ struct Client::Impl {
       Status s = ParseReply(*msg, [&](std::string_view body, w::ReplyStatus* rs) {
         return w::DecodeObjectReply(body, rs, &got.meta, &hint);
       });
-      if (s.ok() && first && node == Route()->ring->Owner(key)) {
-        RememberHint(key, got.meta.version, std::move(hint), sent);
+      const auto route = Route();
+      const bool owner_answered = first && node == route->ring->Owner(key);
+      if (s.ok() && owner_answered) RememberHint(key, got.meta.version, std::move(hint), sent);
+      // The owner's miss is the get's answer while keys stay where they are (as OnGetAnswer
+      // takes it); while they move, the whole-value read asks the other owners too.
+      if (s.code() == StatusCode::kNotFound && owner_answered && !route->Moving()) {
+        rp->final_error = true;
       }
       const w::GetRange& range = rp->range;
       got.bytes = msg->payload_size();
       if (s.ok()) {
         const uint64_t size = got.meta.size;
         const uint64_t cut = range.offset < size ? std::min(range.length, size - range.offset) : 0;
-        const bool whole = range.offset == 0 && got.bytes == size;
+        const bool whole = first && got.bytes == size;
         if (got.bytes != cut && !whole) {
           s = Status::ProtocolError("a ranged reply carries a payload of the wrong size");
         }
       }
-      if (s.ok() && first) {  // the get's own checks
-        if (capacity < got.meta.size) {
-          s = Status::InvalidArgument("buffer of " + std::to_string(capacity) +
-                                      " bytes is smaller than the value (" +
-                                      std::to_string(got.meta.size) + " bytes)");
-        } else if (accept) {
-          s = accept(ToInfo(got.meta));
-        }
+      if (s.ok() && first) {
+        s = CheckAnswer(got.meta, capacity, accept);
         rp->final_error = !s.ok();
       }
       if (!s.ok()) return Fail(p, s);
-      if (s.ok()) write_clock.Observe(got.meta.version);
+      write_clock.Observe(got.meta.version);
+      if (owner_answered && options.replicas > 1 && !route->Moving()) {
+        static thread_local std::vector<int> owners;
+        route->ring->Owners(key, options.replicas, &owners);
+        MaybeReadRepair(key, owners, got.meta.version);
+      }
       void* dst = rp->buffer.get();
       if (got.bytes > range.length) {
-        got.whole = std::shared_ptr<std::byte[]>(new std::byte[got.bytes]);
+        // The whole value (the node holds it on disk): a pinned buffer when the pool has one
+        // cached (this thread must not allocate one), else ordinary memory.
+        got.whole = staging_pool->TryAcquireCached(got.bytes);
+        got.whole_pinned = got.whole != nullptr;
+        if (!got.whole) got.whole = std::shared_ptr<std::byte[]>(new std::byte[got.bytes]);
         dst = got.whole.get();
       }
       auto held = std::make_shared<RangePiece::Got>(std::move(got));
@@ -1040,14 +1074,24 @@ struct Client::Impl {
                        Complete(p, [rp, held] { rp->got.Set(std::move(*held)); });
                      });
     };
+    auto on_error = [this, node, key, rp, capacity, deadline, accept, backoff](Status s) {
+      if (RetryIfBusy(s, deadline, backoff, [=, this](std::chrono::milliseconds next) {
+            GetRangeOnNode(node, key, rp, capacity, deadline, accept, next);
+          })) {
+        return;
+      }
+      rp->got.Set(s);
+    };
     std::string& body = RequestBody();
     w::EncodeRangeGetTo(&body, key, rp->range);
     Issue(node, w::Opcode::kGet, w::kFlagRange, body, nullptr, 0, MemoryKind::kHost, deadline,
-          std::move(on_reply), [rp](Status s) { rp->got.Set(s); });
+          std::move(on_reply), std::move(on_error));
   }
   // The caller's thread. The outcome, or nothing when the value is to be read whole instead
-  // (the first range missed or failed, a later one failed or found the value changed, no
-  // pinned buffer): that read then finds the key wherever the whole-value path would.
+  // (the first range failed, or missed while keys move; a later one failed or found the value
+  // changed; no pinned buffer): that read then finds the key wherever the whole-value path
+  // would. The owner's miss (keys not moving), a buffer too small and `accept`'s refusal are
+  // the outcome.
   std::optional<Result<ValueInfo>> PipelinedGetInto(const std::string& key, void* dst,
                                                     size_t capacity, const GetOptions& o,
                                                     Clock::time_point deadline);
@@ -1499,8 +1543,6 @@ struct Client::Impl {
     uint64_t end_version = 0;
     std::function<void(Result<uint64_t>)> done;  // empty once called
   };
-  static constexpr auto kPieceRetryFirst = std::chrono::milliseconds(2);
-  static constexpr auto kPieceRetryMax = std::chrono::milliseconds(64);
 
   void StreamPutOnNode(int node, const std::string& key, const void* data, size_t size,
                        MemoryKind kind, std::shared_ptr<std::byte[]> keepalive, const PutOptions& o,
@@ -1536,10 +1578,9 @@ struct Client::Impl {
       });
     };
     auto on_error = [this, st, backoff](Status s) {
-      if (s.code() == StatusCode::kBusy && !closing && Clock::now() + backoff < st->deadline) {
-        return AddTimer(Clock::now() + backoff, [this, st, backoff] {
-          OpenStream(st, std::min(backoff * 2, kPieceRetryMax));
-        });
+      if (RetryIfBusy(s, st->deadline, backoff,
+                      [this, st](std::chrono::milliseconds next) { OpenStream(st, next); })) {
+        return;
       }
       EndStream(st, s);
     };
@@ -1627,11 +1668,11 @@ struct Client::Impl {
       });
     };
     auto on_error = [this, st, piece, backoff](Status s) {
-      if (s.code() == StatusCode::kBusy && !st->ended && !closing &&
-          Clock::now() + backoff < st->deadline) {
-        return AddTimer(Clock::now() + backoff, [this, st, piece, backoff] {
-          SendPiece(st, piece, std::min(backoff * 2, kPieceRetryMax));
-        });
+      if (!st->ended &&
+          RetryIfBusy(s, st->deadline, backoff, [this, st, piece](std::chrono::milliseconds next) {
+            SendPiece(st, piece, next);
+          })) {
+        return;
       }
       PieceSettled(st, s);
     };
@@ -1988,6 +2029,9 @@ std::optional<Result<ValueInfo>> Client::Impl::PipelinedGetInto(const std::strin
   if (r0->bytes == meta.size) {  // all of it in one
     const std::byte* bytes = r0->whole ? r0->whole.get() : first->buffer.get();
     GKV_RETURN_IF_ERROR(to_device(0, bytes, meta.size));
+    // Staged through ordinary memory: a pinned buffer of this size for next time, made here,
+    // off the I/O thread (as GetInto's whole-value path does).
+    if (r0->whole && !r0->whole_pinned) staging_pool->Warm(meta.size);
     return ToInfo(meta);
   }
   std::deque<std::shared_ptr<RangePiece>> asked;

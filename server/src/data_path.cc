@@ -220,7 +220,11 @@ Server::Impl::Slice Server::Impl::SliceFor(const ReadHandle& h, const w::GetRang
   return {offset, std::min(range.length, h.size() - offset)};
 }
 
-Status Server::Impl::CheckRangeVersion(const ReadHandle& h, const w::GetRange& range) {
+Status Server::Impl::CheckRange(const ReadHandle& h, const w::GetRange& range) {
+  if (range.length == 0) return Status::OK();
+  if (range.offset != 0 && h.info().tier == Tier::kDisk) {
+    return Status::Aborted("the value went to disk; read it whole");
+  }
   if (range.version == 0 || h.info().version == range.version) return Status::OK();
   return Status::Aborted("the value changed: version " + std::to_string(h.info().version) +
                          " is here, the range asked for " + std::to_string(range.version));
@@ -237,7 +241,7 @@ void Server::Impl::ReadOnExecutor(const Req& r, TieredCache* from, std::string k
     std::shared_ptr<std::string> held;
     if (auto st = from->Stat(key); st.ok() && st->tier == Tier::kDisk) {
       // A later range of a value now on disk would read all of it for one piece: the client
-      // reads it whole instead.
+      // reads it whole instead (CheckRange says the same if it goes to disk before Acquire).
       if (range.offset != 0) {
         return PostReplyStatus(r, Status::Aborted("the value went to disk; read it whole"));
       }
@@ -255,7 +259,7 @@ void Server::Impl::ReadOnExecutor(const Req& r, TieredCache* from, std::string k
         Reply(r, err, w::EncodeObjectReply(err, {}), nullptr, 0, MemoryKind::kHost, nullptr);
       });
     }
-    if (Status vs = CheckRangeVersion(*acquired, range); !vs.ok()) {
+    if (Status vs = CheckRange(*acquired, range); !vs.ok()) {
       return transport->PostTo(r.worker, [this, r, vs] {
         Reply(r, vs, w::EncodeObjectReply(vs, {}), nullptr, 0, MemoryKind::kHost, nullptr);
       });
@@ -375,7 +379,7 @@ void Server::Impl::ReplyFromMemory(const Req& r, TieredCache::FastPath fp, ReadH
     Status nf = Status::NotFound("key not found");
     return Reply(r, nf, w::EncodeObjectReply(nf, {}), nullptr, 0, MemoryKind::kHost, nullptr);
   }
-  if (Status vs = CheckRangeVersion(fast, range); !vs.ok()) {
+  if (Status vs = CheckRange(fast, range); !vs.ok()) {
     return Reply(r, vs, w::EncodeObjectReply(vs, {}), nullptr, 0, MemoryKind::kHost, nullptr);
   }
   // Sent straight from the tier; the reply keeps the pin until UCX is done with the bytes.

@@ -112,7 +112,8 @@ struct GetOptions {
   // or a thread waiting in a synchronous call of this Client, not necessarily the caller's own;
   // keep it short, no blocking, take no lock a caller of this Client may hold) with
   // a value's metadata before any of its bytes reaches the caller's buffer; a non-OK status
-  // refuses the value (the call returns that status for the key; the buffer is untouched).
+  // refuses the value (the call returns that status for the key; the buffer is untouched; but
+  // see ClientOptions::pipeline_threshold).
   // E.g. to require an exact dtype and byte size.
   std::function<Status(const ValueInfo&)> accept;
 };

@@ -300,7 +300,9 @@ class TieredCache {
 
   // How a read counts: kRead is a read (admission rule, hit counters, promotion); kContinued is
   // a further piece of a read already counted (a ranged GET's later ranges), which neither
-  // counts nor promotes, so reading one value in pieces is one read, not several in a row.
+  // counts nor promotes, so reading one value in pieces is one read, not several in a row, and
+  // which does not read a value on disk (Aborted: reading it whole for a piece is the caller's
+  // choice to make again).
   enum class ReadKind { kRead, kContinued };
   // A pinned view of the newest version; may promote the object (see the admission rule).
   // Served as TryAcquireFromMemory serves it when it can; only disk, promotion and an entry
