@@ -189,7 +189,7 @@ TEST(FakeDeviceTest, LargeStagedPutsAndGetsArePipelinedPieceByPiece) {
   }
   DeviceBuffer room(8 << 20);
   EXPECT_EQ(client->GetInto("piped/none", room.get(), 8 << 20).status().code(),
-            StatusCode::kNotFound);  // the first range misses; the whole-value read says so
+            StatusCode::kNotFound);  // the owner's miss on the first range is the answer
   if (staged) ranges++;
   // A value `accept` refuses is refused at the first range, once, with nothing written.
   {
@@ -260,8 +260,8 @@ TEST(FakeDeviceTest, ManyPipelinedPutsAtOnceAllLand) {
 }
 
 // A client closed while pipelined puts are staging answers each of them (stored, or Aborted /
-// Unavailable), from its destructor, and leaves no staging thread behind. It is closed right
-// after the puts are queued: 192 MiB cannot all have moved by then.
+// Unavailable), from its destructor, and leaves no staging thread behind. It is closed once a
+// stream is open (staging runs), before 192 MiB can all have moved.
 TEST(FakeDeviceTest, AClientClosedDuringPipelinedPutsAnswersEachOne) {
   PipeliningSetup setup(1 << 20);
   ASSERT_TRUE(setup.client);
@@ -282,6 +282,13 @@ TEST(FakeDeviceTest, AClientClosedDuringPipelinedPutsAnswersEachOne) {
           if (r.ok()) stored++;
           answered++;
         });
+  }
+  if (FakeDeviceKind() == FakeDevice::kStaged) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    while (StatsCounter(*setup.client, 0, "opened", "\"streamed_puts\":{") == 0 &&
+           std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
   }
   setup.client.reset();
   EXPECT_EQ(answered.load(), kPuts);

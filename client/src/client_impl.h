@@ -1014,7 +1014,8 @@ struct Client::Impl {
     bool final_error = false;
   };
   // I/O thread: asks `node` for the range of `rp`; `capacity` and `accept` check the first one.
-  // A range the node answers Busy is asked again after a backoff, as a streamed put's piece is.
+  // A later range the node answers Busy is asked again after a backoff, as a streamed put's
+  // piece is.
   void GetRangeOnNode(int node, const std::string& key, const std::shared_ptr<RangePiece>& rp,
                       size_t capacity, Clock::time_point deadline, const Accept& accept,
                       std::chrono::milliseconds backoff = kPieceRetryFirst);

@@ -241,19 +241,26 @@ void Client::Impl::GetRangeOnNode(int node, const std::string& key,
   // A key with copies is read the usual way, which spreads its reads over them.
   if (first && HasCopies(key)) return rp->got.Set(Status::Aborted("the key has copies"));
   const Clock::time_point sent = Clock::now();
-  auto on_reply = [this, node, key, first, sent, rp, capacity, accept](
+  // As OnGetAnswer, which takes whether keys move from when the get starts.
+  const bool moving_at_send = first && Route()->Moving();
+  auto on_reply = [this, node, key, first, moving_at_send, sent, rp, capacity, accept](
                       const PendingPtr& p, std::unique_ptr<Incoming> msg) {
     RangePiece::Got got;
     std::vector<uint16_t> hint;
     Status s = ParseReply(*msg, [&](std::string_view body, w::ReplyStatus* rs) {
       return w::DecodeObjectReply(body, rs, &got.meta, &hint);
     });
-    const auto route = Route();
-    const bool owner_answered = first && node == route->ring->Owner(key);
+    std::shared_ptr<const Routing> route;  // the first range's only
+    bool owner_answered = false;
+    if (first) {
+      route = Route();
+      owner_answered = node == route->ring->Owner(key);
+    }
     if (s.ok() && owner_answered) RememberHint(key, got.meta.version, std::move(hint), sent);
     // The owner's miss is the get's answer while keys stay where they are (as OnGetAnswer
     // takes it); while they move, the whole-value read asks the other owners too.
-    if (s.code() == StatusCode::kNotFound && owner_answered && !route->Moving()) {
+    if (s.code() == StatusCode::kNotFound && owner_answered && !moving_at_send &&
+        !route->Moving()) {
       rp->final_error = true;
     }
     const w::GetRange& range = rp->range;
@@ -272,7 +279,7 @@ void Client::Impl::GetRangeOnNode(int node, const std::string& key,
     }
     if (!s.ok()) return Fail(p, s);
     write_clock.Observe(got.meta.version);
-    if (owner_answered && options.replicas > 1 && !route->Moving()) {
+    if (owner_answered && options.replicas > 1 && !moving_at_send && !route->Moving()) {
       static thread_local std::vector<int> owners;
       route->ring->Owners(key, options.replicas, &owners);
       MaybeReadRepair(key, owners, got.meta.version);
@@ -294,8 +301,11 @@ void Client::Impl::GetRangeOnNode(int node, const std::string& key,
                      Complete(p, [rp, held] { rp->got.Set(std::move(*held)); });
                    });
   };
-  auto on_error = [this, node, key, rp, capacity, deadline, accept, backoff](Status s) {
-    if (RetryIfBusy(s, deadline, backoff, [=, this](std::chrono::milliseconds next) {
+  auto on_error = [this, node, key, first, rp, capacity, deadline, accept, backoff](Status s) {
+    // The first range's Busy is the get's answer, as a whole-value get's is; a later range
+    // is asked again (the value is part read).
+    if (first && s.code() == StatusCode::kBusy) rp->final_error = true;
+    if (!first && RetryIfBusy(s, deadline, backoff, [=, this](std::chrono::milliseconds next) {
           GetRangeOnNode(node, key, rp, capacity, deadline, accept, next);
         })) {
       return;
