@@ -28,6 +28,10 @@ Client::~Client() {
   std::promise<void> flushed;
   I->transport->Post([&flushed] { flushed.set_value(); });
   flushed.get_future().wait();
+  // Transfers still in flight (a streamed piece, a payload on the caller's memory) complete
+  // while the transport stops, and so do the calls they held: their callbacks run on the I/O
+  // thread and still find `transport` (OnIoThread asks it), so it is stopped before it goes.
+  I->transport->Stop();
   I->transport.reset();
 }
 
