@@ -317,6 +317,7 @@ void Client::Impl::GetRangeOnNode(int node, const std::string& key,
   Issue(node, w::Opcode::kGet, w::kFlagRange, body, nullptr, 0, MemoryKind::kHost, deadline,
         std::move(on_reply), std::move(on_error));
 }
+
 std::optional<Result<ValueInfo>> Client::Impl::PipelinedGetInto(const std::string& key, void* dst,
                                                                 size_t capacity,
                                                                 const GetOptions& o,

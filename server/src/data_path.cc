@@ -221,10 +221,6 @@ Server::Impl::Slice Server::Impl::SliceFor(const ReadHandle& h, const w::GetRang
 }
 
 Status Server::Impl::CheckRange(const ReadHandle& h, const w::GetRange& range) {
-  if (range.length == 0) return Status::OK();
-  if (range.offset != 0 && h.info().tier == Tier::kDisk) {
-    return Status::Aborted("the value went to disk; read it whole");
-  }
   if (range.version == 0 || h.info().version == range.version) return Status::OK();
   return Status::Aborted("the value changed: version " + std::to_string(h.info().version) +
                          " is here, the range asked for " + std::to_string(range.version));
@@ -240,8 +236,8 @@ void Server::Impl::ReadOnExecutor(const Req& r, TieredCache* from, std::string k
     // always goes), so concurrent reads of large values cannot take the node's memory.
     std::shared_ptr<std::string> held;
     if (auto st = from->Stat(key); st.ok() && st->tier == Tier::kDisk) {
-      // A later range of a value now on disk would read all of it for one piece: the client
-      // reads it whole instead (CheckRange says the same if it goes to disk before Acquire).
+      // A later range of a value now on disk: refused before any bytes are reserved for it
+      // (Acquire refuses it too, should it reach the disk after this look).
       if (range.offset != 0) {
         return PostReplyStatus(r, Status::Aborted("the value went to disk; read it whole"));
       }
@@ -253,15 +249,11 @@ void Server::Impl::ReadOnExecutor(const Req& r, TieredCache* from, std::string k
       }
     }
     auto acquired = from->Acquire(key, ReadKindFor(range));
-    if (!acquired.ok()) {
-      Status err = error_as ? *error_as : acquired.status();
+    const Status err =
+        acquired.ok() ? CheckRange(*acquired, range) : (error_as ? *error_as : acquired.status());
+    if (!err.ok()) {
       return transport->PostTo(r.worker, [this, r, err] {
         Reply(r, err, w::EncodeObjectReply(err, {}), nullptr, 0, MemoryKind::kHost, nullptr);
-      });
-    }
-    if (Status vs = CheckRange(*acquired, range); !vs.ok()) {
-      return transport->PostTo(r.worker, [this, r, vs] {
-        Reply(r, vs, w::EncodeObjectReply(vs, {}), nullptr, 0, MemoryKind::kHost, nullptr);
       });
     }
     // (`held` goes with the handle: once the reply's send is done.)

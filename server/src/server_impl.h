@@ -792,11 +792,11 @@ struct Server::Impl {
     uint64_t size = 0;
   };
   static Slice SliceFor(const ReadHandle& h, const w::GetRange& range);
-  // Aborted when a ranged GET names a version other than the one `h` holds, or is a later
-  // range of a value read from disk (the client then reads it whole: SliceFor would send all
-  // of it for one piece).
+  // Aborted when a ranged GET names a version other than the one `h` holds.
   static Status CheckRange(const ReadHandle& h, const w::GetRange& range);
-  // A ranged read counts (admission, hits, promotion) at its first range only.
+  // A ranged read counts (admission, hits, promotion) at its first range only; its later
+  // ranges (kContinued) are not read from disk, where SliceFor would send all of the value for
+  // one piece: Acquire answers them Aborted and the client reads the value whole.
   static TieredCache::ReadKind ReadKindFor(const w::GetRange& range) {
     return range.offset == 0 ? TieredCache::ReadKind::kRead : TieredCache::ReadKind::kContinued;
   }
