@@ -89,7 +89,35 @@ std::string ValueFor(int key, uint64_t seq, Random& rng) {
   return v;
 }
 
+// What a failure message shows of an anomalous read: its times, the key's operations around
+// it and every kill of the key's primary, in milliseconds since the run began.
+std::string Timeline(const ReadRecord& rd, const std::vector<WriteRecord>& hist, int primary,
+                     const std::vector<Kill>& kills, Clock::time_point start) {
+  auto ms = [&](Clock::time_point t) {
+    return std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(t - start).count());
+  };
+  std::string out = "  read " + ms(rd.began) + ".." + ms(rd.ended) + " ms; primary node " +
+                    std::to_string(primary) + "\n";
+  for (auto& w : hist) {
+    if (w.acked + std::chrono::seconds(3) < rd.began || w.invoked > rd.ended) continue;
+    out += "  seq " + std::to_string(w.seq) + (w.deleted ? " delete" : " put") +
+           (w.durable ? " durable" : "") + (w.overwrote_disk_copy ? " over-disk-copy" : "") + " " +
+           ms(w.invoked) + ".." + ms(w.acked) + " ms " + (w.ok ? "ok" : "failed") + "\n";
+  }
+  for (auto& k : kills) {
+    if (k.node != primary) continue;
+    out += std::string("  ") + (k.sigkill ? "SIGKILL" : "SIGTERM") + " of node " +
+           std::to_string(k.node) + " " + ms(k.began) + ", dead " + ms(k.dead) + ", back " +
+           ms(k.back) + " ms\n";
+  }
+  return out;
+}
+
 Counts RunChecker(const Mode& mode, std::chrono::milliseconds duration) {
+  // GKV_CONSISTENCY_SECONDS lengthens a run (a soak: more kills, same checks).
+  if (const char* s = std::getenv("GKV_CONSISTENCY_SECONDS")) {
+    duration = std::max(duration, std::chrono::milliseconds(1000 * std::atoll(s)));
+  }
   const int replicas = mode.replicas;
   NodeSpec spec;
   spec.host_mem = mode.host_mem;
@@ -107,6 +135,7 @@ Counts RunChecker(const Mode& mode, std::chrono::milliseconds duration) {
   std::mutex reads_mu;
   std::vector<Kill> kills;
   std::atomic<bool> stop{false};
+  const auto start = Clock::now();
   auto open = [&] {
     ClientOptions o;
     o.cluster_file = cluster.cluster_file();
@@ -474,7 +503,8 @@ Counts RunChecker(const Mode& mode, std::chrono::milliseconds duration) {
                                                    : std::string("not found")))
                   << " older than acknowledged " << (floor_deleted ? "delete" : "write") << " seq "
                   << floor << (floor_durable ? " (durable)" : "")
-                  << (final_read ? " at the final check" : "");
+                  << (final_read ? " at the final check" : "") << "\n"
+                  << Timeline(rd, hist, primary[rd.key], kills, start);
   }
   n.streamed = streamed_acked.load();
   std::cout << "consistency (" << mode.name << ", R=" << replicas << "): " << n.writes

@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <iostream>
 #include <string>
 
 #include "gkv/random.h"
@@ -21,7 +22,12 @@ class TempDir {
     EXPECT_NE(p, nullptr) << "mkdtemp failed";
     path_ = tmpl;
   }
+  // GKV_KEEP_FAILED_TEST_DIRS=1 keeps the directory (node logs, disk tiers) of a test that failed.
   ~TempDir() {
+    if (std::getenv("GKV_KEEP_FAILED_TEST_DIRS") && ::testing::Test::HasFailure()) {
+      std::cerr << "kept " << path_ << " (the test failed)\n";
+      return;
+    }
     std::error_code ec;
     std::filesystem::remove_all(path_, ec);
   }

@@ -996,6 +996,53 @@ TEST(TieredCacheFastPathTest, AReaderThatPinsDuringASpillKeepsTheEntryInPlace) {
   EXPECT_EQ(out, values[0]);
 }
 
+// A durable put writes its disk copy before it publishes. An older version that is spilled in
+// between meets the newer one on disk, and it must stay readable until the put publishes: the
+// spill keeps it and takes the room from another entry. (It used to be dropped as superseded,
+// and reads in that window missed a key whose every version was acknowledged: the consistency
+// checker's "read not found older than acknowledged write".) Deterministic: the hook runs in
+// that window.
+TEST(TieredCacheTest, AVersionSpilledWhileANewerOneIsBeingCommittedStaysReadable) {
+  testing::TempDir dir;
+  CacheOptions o = SmallOptions(dir.path(), 0, 64 * kKiB, 8 << 20);
+  TieredCache* cache = nullptr;
+  Random rng(testing::TestSeed());
+  const std::string filler = ValueFor(rng, 16 * kKiB);
+  bool armed = false, hooked = false;
+  Status put_in_window, get_in_window = Status::Internal("not run");
+  std::string read_in_window;
+  o.test_before_publish = [&](const std::string& key) {
+    if (key != "k0" || !armed || hooked) return;
+    hooked = true;
+    // Memory is full (k0, k1, k2 and the new version's room): this put moves k0, the least
+    // recently used, down to disk, where the new version already is.
+    put_in_window = cache->Put("f", filler.data(), filler.size()).status();
+    get_in_window = cache->Get("k0", &read_in_window).status();
+  };
+  auto c = MustOpen(o);
+  ASSERT_TRUE(c);
+  cache = c.get();
+  std::vector<std::string> old_values;
+  for (int i = 0; i < 3; ++i) {
+    old_values.push_back(ValueFor(rng, 16 * kKiB));
+    ASSERT_TRUE(c->Put("k" + std::to_string(i), old_values[i].data(), 16 * kKiB).ok());
+  }
+  const std::string v2 = ValueFor(rng, 16 * kKiB);
+  armed = true;
+  ASSERT_TRUE(c->Put("k0", v2.data(), v2.size(), TensorMeta(), /*durable=*/true).ok());
+  ASSERT_TRUE(hooked);
+  EXPECT_TRUE(put_in_window.ok()) << put_in_window.ToString();
+  ASSERT_TRUE(get_in_window.ok()) << "k0 read before its new version was published: "
+                                  << get_in_window.ToString();
+  EXPECT_EQ(read_in_window, old_values[0]);
+  std::string out;
+  ASSERT_TRUE(c->Get("k0", &out).ok());
+  EXPECT_EQ(out, v2);
+  ASSERT_TRUE(c->Get("k1", &out).ok());  // the entry that made the room
+  EXPECT_EQ(out, old_values[1]);
+  EXPECT_EQ(c->GetStats().dropped, 0u);
+}
+
 // A fast-path read (which never takes the placement lock, so never reorders an LRU list) still
 // keeps the entry from being the next to move down: the eviction scan gives it a second chance.
 TEST(TieredCacheFastPathTest, AFastReadKeepsAnEntryFromBeingTheNextToMove) {

@@ -102,6 +102,11 @@ struct alignas(64) Shard {
   // reader of the node shares (relaxed).
   std::atomic<uint64_t> hits[kTierCount] = {};
   std::atomic<uint64_t> misses{0};
+  // This shard's keys with a commit between its disk write and its publish (CommitBatch), and
+  // how many: the disk holds a version of theirs newer than the visible one. A leaf lock (taken
+  // alone, or under a placement lock, and nothing taken under it).
+  std::mutex committing_mu;
+  std::unordered_map<std::string, int, StringKeyHash, std::equal_to<>> committing;
 };
 
 }  // namespace
@@ -168,6 +173,21 @@ struct TieredCache::Impl {
 
   size_t ShardIndex(std::string_view key) const { return HashKey(key) % shards.size(); }
   Shard& ShardFor(std::string_view key) { return *shards[ShardIndex(key)]; }
+
+  // Counts a commit of `key` in (+1) or out (-1) of the span between its disk write and its
+  // publish.
+  void CountCommitInFlight(const std::string& key, int delta) {
+    Shard& s = ShardFor(key);
+    std::lock_guard<std::mutex> lock(s.committing_mu);
+    auto it = s.committing.try_emplace(key, 0).first;
+    it->second += delta;
+    if (it->second == 0) s.committing.erase(it);
+  }
+  bool CommitInFlight(std::string_view key) {
+    Shard& s = ShardFor(key);
+    std::lock_guard<std::mutex> lock(s.committing_mu);
+    return s.committing.find(key) != s.committing.end();
+  }
   uint32_t PartitionIndex(size_t shard_index) const {
     return static_cast<uint32_t>(shard_index % partitions.size());
   }
@@ -522,7 +542,16 @@ struct TieredCache::Impl {
         EndWriteback(e);
         Unpin(e);
         if (s.ok() && !written) {
-          // A newer version of the key is already on disk: this one is superseded, drop it.
+          // A newer version of the key is already on disk: this one is superseded. While the
+          // commit that wrote it has not published it yet (a durable or disk-tier put writes
+          // before it publishes), this entry is still what readers must find: dropped now, they
+          // would miss in between (an acknowledged value read as not found). So it stays, and
+          // the room comes from another entry; the commit replaces it. Otherwise (a hand-off
+          // refused at publish leaves its newer copy) it goes.
+          if (e->live && e->tier == from && impl->CommitInFlight(e->key)) {
+            Touch(e);
+            return;
+          }
           if (e->live && e->tier == from) {
             if (!Freeze(e, 0)) {
               Touch(e);
@@ -1187,6 +1216,7 @@ std::vector<Result<uint64_t>> TieredCache::CommitBatch(std::vector<WriteHandle> 
       w.data = src;
       writes.push_back(std::move(w));
       write_of.push_back(i);
+      I.CountCommitInFlight(h.key_, +1);
     }
     entries[i] = std::move(e);
   }
@@ -1219,8 +1249,10 @@ std::vector<Result<uint64_t>> TieredCache::CommitBatch(std::vector<WriteHandle> 
   }
   for (size_t i = 0; i < n; ++i) {
     if (!entries[i]) continue;
+    if (I.options.test_before_publish) I.options.test_before_publish(handles[i].key_);
     results[i] = Publish(handles[i], std::move(entries[i]));
   }
+  for (size_t i : write_of) I.CountCommitInFlight(handles[i].key_, -1);
   I.DrainEvictions();
   return results;
 }

@@ -100,6 +100,9 @@ struct CacheOptions {
   // slow one, after its bytes were copied and before the placement lock is taken again (no lock
   // held): a reader can pin the entry at exactly that moment.
   std::function<void(const std::string& key)> test_after_spill_copy;
+  // Tests only: called with the key of a commit after its disk write (if it has one) and before
+  // it is published (no lock held): the key's previous version is still the visible one.
+  std::function<void(const std::string& key)> test_before_publish;
 
   uint64_t max_key_size = 1024;
   int index_shards = 16;
