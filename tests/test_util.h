@@ -22,9 +22,11 @@ class TempDir {
     EXPECT_NE(p, nullptr) << "mkdtemp failed";
     path_ = tmpl;
   }
-  // GKV_KEEP_FAILED_TEST_DIRS=1 keeps the directory (node logs, disk tiers) of a test that failed.
+  // GKV_KEEP_FAILED_TEST_DIRS=1 keeps the directory (node logs, disk tiers) of a test that had
+  // failed by the time the directory went.
   ~TempDir() {
-    if (std::getenv("GKV_KEEP_FAILED_TEST_DIRS") && ::testing::Test::HasFailure()) {
+    const char* keep = std::getenv("GKV_KEEP_FAILED_TEST_DIRS");
+    if (keep && std::strcmp(keep, "1") == 0 && ::testing::Test::HasFailure()) {
       std::cerr << "kept " << path_ << " (the test failed)\n";
       return;
     }

@@ -1036,11 +1036,16 @@ TEST(TieredCacheTest, AVersionSpilledWhileANewerOneIsBeingCommittedStaysReadable
                                   << get_in_window.ToString();
   EXPECT_EQ(read_in_window, old_values[0]);
   std::string out;
-  ASSERT_TRUE(c->Get("k0", &out).ok());
-  EXPECT_EQ(out, v2);
   ASSERT_TRUE(c->Get("k1", &out).ok());  // the entry that made the room
   EXPECT_EQ(out, old_values[1]);
   EXPECT_EQ(c->GetStats().dropped, 0u);
+  // Published, the new version moves like any other (its commit no longer counts as in flight).
+  for (int i = 0; i < 4; ++i) {
+    ASSERT_TRUE(c->Put("g" + std::to_string(i), filler.data(), filler.size()).ok());
+  }
+  EXPECT_EQ(TierOf(*c, "k0"), Tier::kDisk);
+  ASSERT_TRUE(c->Get("k0", &out).ok());
+  EXPECT_EQ(out, v2);
 }
 
 // A fast-path read (which never takes the placement lock, so never reorders an LRU list) still

@@ -179,9 +179,10 @@ struct TieredCache::Impl {
   void CountCommitInFlight(const std::string& key, int delta) {
     Shard& s = ShardFor(key);
     std::lock_guard<std::mutex> lock(s.committing_mu);
-    auto it = s.committing.try_emplace(key, 0).first;
+    auto it = delta > 0 ? s.committing.try_emplace(key, 0).first : s.committing.find(key);
+    if (it == s.committing.end()) return;  // (a -1 whose +1 failed to allocate)
     it->second += delta;
-    if (it->second == 0) s.committing.erase(it);
+    if (it->second <= 0) s.committing.erase(it);
   }
   bool CommitInFlight(std::string_view key) {
     Shard& s = ShardFor(key);
@@ -411,7 +412,11 @@ struct TieredCache::Impl {
     // second chance first (to the front, reference cleared). At most as many second chances per
     // call as the list has entries, so a stream of reads cannot keep the scan going. nullptr when
     // every entry is pinned.
-    static Entry* PickVictim(TierState& t) {
+    // The least recently used entry of `t` that can move now: not pinned, and not one whose key
+    // has a commit in flight (its move would meet the newer version on disk and be refused, see
+    // MoveDown; picked again and again, it kept the allocating thread spinning on this lock,
+    // which starved the commit it waited for). nullptr if none.
+    Entry* PickVictim(TierState& t) {
       size_t chances = t.lru.size();
       auto it = t.lru.end();
       while (it != t.lru.begin()) {
@@ -423,7 +428,7 @@ struct TieredCache::Impl {
           t.lru.splice(t.lru.begin(), t.lru, cur);  // `it` stays valid: its predecessor is next
           continue;
         }
-        if (PinCount(e) == 0) return e;
+        if (PinCount(e) == 0 && !impl->CommitInFlight(e->key)) return e;
         it = cur;
       }
       return nullptr;
@@ -444,7 +449,8 @@ struct TieredCache::Impl {
     }
 
     // Allocates `size` bytes in memory tier `tier`, moving LRU entries down until it fits.
-    // May release and retake `lock`. Returns nullptr if every remaining entry is pinned.
+    // May release and retake `lock`. Returns nullptr if no remaining entry can move now
+    // (PickVictim).
     std::byte* AllocateIn(Tier tier, uint64_t size, MemoryArena** arena,
                           std::unique_lock<std::mutex>& lock) {
       TierState& t = tiers[static_cast<int>(tier)];
@@ -546,8 +552,9 @@ struct TieredCache::Impl {
           // commit that wrote it has not published it yet (a durable or disk-tier put writes
           // before it publishes), this entry is still what readers must find: dropped now, they
           // would miss in between (an acknowledged value read as not found). So it stays, and
-          // the room comes from another entry; the commit replaces it. Otherwise (a hand-off
-          // refused at publish leaves its newer copy) it goes.
+          // the room comes from another entry (PickVictim passes over it until the commit has
+          // replaced it). Otherwise (a hand-off refused at publish leaves its newer copy) it
+          // goes.
           if (e->live && e->tier == from && impl->CommitInFlight(e->key)) {
             Touch(e);
             return;
@@ -1163,6 +1170,22 @@ std::vector<Result<uint64_t>> TieredCache::CommitBatch(std::vector<WriteHandle> 
   // one DiskTier::PutBatch: one WriteBatch, and for durable puts one fsync.
   std::vector<DiskWrite> writes;
   std::vector<size_t> write_of;  // writes[j] belongs to handles[write_of[j]]
+  // Each key written to disk here counts as committing from before its write until its publish
+  // (Impl::CountCommitInFlight), on every way out of this function.
+  struct InFlight {
+    Impl& impl;
+    std::vector<std::string> keys;
+    void Add(const std::string& key) {
+      keys.push_back(key);
+      impl.CountCommitInFlight(key, +1);
+    }
+    void Release() {
+      for (const std::string& k : keys) impl.CountCommitInFlight(k, -1);
+      keys.clear();
+    }
+    ~InFlight() { Release(); }
+  } in_flight{I, {}};
+  in_flight.keys.reserve(n);
   std::vector<std::string> staging(n);
   for (size_t i = 0; i < n; ++i) {
     WriteHandle& h = handles[i];
@@ -1216,7 +1239,7 @@ std::vector<Result<uint64_t>> TieredCache::CommitBatch(std::vector<WriteHandle> 
       w.data = src;
       writes.push_back(std::move(w));
       write_of.push_back(i);
-      I.CountCommitInFlight(h.key_, +1);
+      in_flight.Add(h.key_);
     }
     entries[i] = std::move(e);
   }
@@ -1252,7 +1275,7 @@ std::vector<Result<uint64_t>> TieredCache::CommitBatch(std::vector<WriteHandle> 
     if (I.options.test_before_publish) I.options.test_before_publish(handles[i].key_);
     results[i] = Publish(handles[i], std::move(entries[i]));
   }
-  for (size_t i : write_of) I.CountCommitInFlight(handles[i].key_, -1);
+  in_flight.Release();
   I.DrainEvictions();
   return results;
 }
