@@ -180,9 +180,12 @@ struct TieredCache::Impl {
     Shard& s = ShardFor(key);
     std::lock_guard<std::mutex> lock(s.committing_mu);
     auto it = delta > 0 ? s.committing.try_emplace(key, 0).first : s.committing.find(key);
-    if (it == s.committing.end()) return;  // (a -1 whose +1 failed to allocate)
+    if (it == s.committing.end()) {  // every -1 has its +1 (CommitBatch's InFlight)
+      GKV_LOG_ERROR("commit count of '{}' released without being taken (a bug)", key.substr(0, 32));
+      return;
+    }
     it->second += delta;
-    if (it->second <= 0) s.committing.erase(it);
+    if (it->second == 0) s.committing.erase(it);
   }
   bool CommitInFlight(std::string_view key) {
     Shard& s = ShardFor(key);
@@ -408,14 +411,13 @@ struct TieredCache::Impl {
       if (e->pins.fetch_sub(1) == 1 && !e->live) FreeMemory(e);
     }
 
-    // The least recently used unpinned entry of `t`, giving entries read since the last scan a
-    // second chance first (to the front, reference cleared). At most as many second chances per
-    // call as the list has entries, so a stream of reads cannot keep the scan going. nullptr when
-    // every entry is pinned.
-    // The least recently used entry of `t` that can move now: not pinned, and not one whose key
-    // has a commit in flight (its move would meet the newer version on disk and be refused, see
-    // MoveDown; picked again and again, it kept the allocating thread spinning on this lock,
-    // which starved the commit it waited for). nullptr if none.
+    // The least recently used entry of `t` that can move now, giving entries read since the last
+    // scan a second chance first (to the front, reference cleared). At most as many second
+    // chances per call as the list has entries, so a stream of reads cannot keep the scan going.
+    // Can move now: not pinned, and its key has no commit in flight (a move to disk would meet
+    // the newer version and be refused, see MoveDown; picked again and again, the entry would
+    // keep the allocating thread looping on this lock while the commit waits for it). nullptr if
+    // none.
     Entry* PickVictim(TierState& t) {
       size_t chances = t.lru.size();
       auto it = t.lru.end();
@@ -1151,7 +1153,8 @@ Result<WriteHandle> TieredCache::ReserveImpl(std::string_view key, uint64_t size
     return h;
   }
   return Status::NoSpace("no tier has room for " + FormatSize(size) +
-                         " (memory is held by pinned entries)");
+                         " (memory is held by entries that cannot move now: pinned, or being "
+                         "replaced)");
 }
 
 Result<uint64_t> TieredCache::Commit(WriteHandle h, bool durable) {
@@ -1170,22 +1173,24 @@ std::vector<Result<uint64_t>> TieredCache::CommitBatch(std::vector<WriteHandle> 
   // one DiskTier::PutBatch: one WriteBatch, and for durable puts one fsync.
   std::vector<DiskWrite> writes;
   std::vector<size_t> write_of;  // writes[j] belongs to handles[write_of[j]]
-  // Each key written to disk here counts as committing from before its write until its publish
-  // (Impl::CountCommitInFlight), on every way out of this function.
+  // Each key written to disk here counts as committing from before its write until its batch
+  // is published (Impl::CountCommitInFlight), on every way out of this function. Only counted
+  // handles are recorded (their room is reserved: recording cannot fail), so each -1 has its +1.
   struct InFlight {
     Impl& impl;
-    std::vector<std::string> keys;
-    void Add(const std::string& key) {
-      keys.push_back(key);
-      impl.CountCommitInFlight(key, +1);
+    const std::vector<WriteHandle>& handles;
+    std::vector<size_t> counted;
+    void Add(size_t i) {
+      impl.CountCommitInFlight(handles[i].key_, +1);
+      counted.push_back(i);
     }
     void Release() {
-      for (const std::string& k : keys) impl.CountCommitInFlight(k, -1);
-      keys.clear();
+      for (size_t i : counted) impl.CountCommitInFlight(handles[i].key_, -1);
+      counted.clear();
     }
     ~InFlight() { Release(); }
-  } in_flight{I, {}};
-  in_flight.keys.reserve(n);
+  } in_flight{I, handles, {}};
+  in_flight.counted.reserve(n);
   std::vector<std::string> staging(n);
   for (size_t i = 0; i < n; ++i) {
     WriteHandle& h = handles[i];
@@ -1239,7 +1244,7 @@ std::vector<Result<uint64_t>> TieredCache::CommitBatch(std::vector<WriteHandle> 
       w.data = src;
       writes.push_back(std::move(w));
       write_of.push_back(i);
-      in_flight.Add(h.key_);
+      in_flight.Add(i);
     }
     entries[i] = std::move(e);
   }
