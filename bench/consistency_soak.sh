@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs the crash-consistency checker (tests/consistency_test.cc) again and again: its anomalies
 # are races that one run in the suite meets rarely. Each run uses its own seed; a failed run
-# keeps its log and its cluster directory (node logs, disk tiers), both under $TMPDIR (the
-# paths are printed).
+# keeps its log, and its cluster directory (node logs, disk tiers) when the failure was found
+# while the cluster ran (an anomaly, a node that would not stop; not the counts checked after
+# it), both under $TMPDIR (the paths are printed).
 #   bench/consistency_soak.sh [RUNS] [FILTER] [SECONDS_PER_RUN]
 # FILTER picks the checker variants (a gtest filter; default all four: R1, R2, WhileObjectsSpill,
 # WithStreamedPuts). SECONDS_PER_RUN lengthens each run (GKV_CONSISTENCY_SECONDS; default the

@@ -107,6 +107,7 @@ struct alignas(64) Shard {
   // alone, or under a placement lock, and nothing taken under it).
   std::mutex committing_mu;
   std::unordered_map<std::string, int, StringKeyHash, std::equal_to<>> committing;
+  std::atomic<int> commits_in_flight{0};  // the sum of `committing` (changed under its lock)
 };
 
 }  // namespace
@@ -174,21 +175,31 @@ struct TieredCache::Impl {
   size_t ShardIndex(std::string_view key) const { return HashKey(key) % shards.size(); }
   Shard& ShardFor(std::string_view key) { return *shards[ShardIndex(key)]; }
 
-  // Counts a commit of `key` in (+1) or out (-1) of the span between its disk write and its
-  // publish.
-  void CountCommitInFlight(const std::string& key, int delta) {
+  // A commit of `key` enters (before its disk write) and leaves (after its batch is published)
+  // the span in which the disk may hold a version of the key newer than the visible one. Every
+  // leave has its enter (CommitBatch's InFlight).
+  void EnterCommit(const std::string& key) {
     Shard& s = ShardFor(key);
     std::lock_guard<std::mutex> lock(s.committing_mu);
-    auto it = delta > 0 ? s.committing.try_emplace(key, 0).first : s.committing.find(key);
-    if (it == s.committing.end()) {  // every -1 has its +1 (CommitBatch's InFlight)
-      GKV_LOG_ERROR("commit count of '{}' released without being taken (a bug)", key.substr(0, 32));
+    s.committing[key]++;
+    s.commits_in_flight.fetch_add(1, std::memory_order_release);
+  }
+  void LeaveCommit(const std::string& key) {
+    Shard& s = ShardFor(key);
+    std::lock_guard<std::mutex> lock(s.committing_mu);
+    auto it = s.committing.find(key);
+    if (it == s.committing.end()) {
+      GKV_LOG_ERROR("commit of '{}' left without having entered (a bug)", key.substr(0, 32));
       return;
     }
-    it->second += delta;
-    if (it->second == 0) s.committing.erase(it);
+    if (--it->second == 0) s.committing.erase(it);
+    s.commits_in_flight.fetch_sub(1, std::memory_order_release);
   }
-  bool CommitInFlight(std::string_view key) {
+  // Whether a commit of `key` is in that span. Without the lock while its shard has none: a
+  // commit enters before it writes to disk, so whoever saw its disk write sees it entered.
+  bool HasCommitInFlight(std::string_view key) {
     Shard& s = ShardFor(key);
+    if (s.commits_in_flight.load(std::memory_order_acquire) == 0) return false;
     std::lock_guard<std::mutex> lock(s.committing_mu);
     return s.committing.find(key) != s.committing.end();
   }
@@ -430,7 +441,7 @@ struct TieredCache::Impl {
           t.lru.splice(t.lru.begin(), t.lru, cur);  // `it` stays valid: its predecessor is next
           continue;
         }
-        if (PinCount(e) == 0 && !impl->CommitInFlight(e->key)) return e;
+        if (PinCount(e) == 0 && !impl->HasCommitInFlight(e->key)) return e;
         it = cur;
       }
       return nullptr;
@@ -534,6 +545,7 @@ struct TieredCache::Impl {
         StoredObjectMeta meta{e->size, e->version, e->tensor};
         const std::string key = e->key;
         lock.unlock();
+        if (impl->options.test_before_disk_spill) impl->options.test_before_disk_spill(key);
         std::vector<DiskEviction> evicted;
         std::string staging;
         Status s;
@@ -557,7 +569,7 @@ struct TieredCache::Impl {
           // the room comes from another entry (PickVictim passes over it until the commit has
           // replaced it). Otherwise (a hand-off refused at publish leaves its newer copy) it
           // goes.
-          if (e->live && e->tier == from && impl->CommitInFlight(e->key)) {
+          if (e->live && e->tier == from && impl->HasCommitInFlight(e->key)) {
             Touch(e);
             return;
           }
@@ -1174,18 +1186,18 @@ std::vector<Result<uint64_t>> TieredCache::CommitBatch(std::vector<WriteHandle> 
   std::vector<DiskWrite> writes;
   std::vector<size_t> write_of;  // writes[j] belongs to handles[write_of[j]]
   // Each key written to disk here counts as committing from before its write until its batch
-  // is published (Impl::CountCommitInFlight), on every way out of this function. Only counted
+  // is published (Impl::EnterCommit), on every way out of this function. Only counted
   // handles are recorded (their room is reserved: recording cannot fail), so each -1 has its +1.
   struct InFlight {
     Impl& impl;
     const std::vector<WriteHandle>& handles;
     std::vector<size_t> counted;
     void Add(size_t i) {
-      impl.CountCommitInFlight(handles[i].key_, +1);
+      impl.EnterCommit(handles[i].key_);
       counted.push_back(i);
     }
     void Release() {
-      for (size_t i : counted) impl.CountCommitInFlight(handles[i].key_, -1);
+      for (size_t i : counted) impl.LeaveCommit(handles[i].key_);
       counted.clear();
     }
     ~InFlight() { Release(); }

@@ -6,8 +6,9 @@
 //    partition is fixed by its hash. Everything below happens within the key's partition: "a
 //    tier" is that partition's slice of it, and eviction is LRU among that partition's keys.
 //  - A put lands in the highest tier whose capacity can hold the object; when that tier is full,
-//    its least recently used unpinned entries (CLOCK: a read marks its entry, and the eviction
-//    scan gives a marked entry a second chance) move one tier down (GPU -> host -> disk) until the
+//    its least recently used entries that can move (not pinned, and no commit of their key in
+//    flight: see docs/ARCHITECTURE.md, "Eviction") move one tier down (GPU -> host -> disk; CLOCK:
+//    a read marks its entry, and the eviction scan gives a marked entry a second chance) until the
 //    new object fits. An object larger than a tier (slice) skips it; one larger than every tier
 //    is refused with NoSpace. The disk tier drops its oldest cache-only objects past its own
 //    capacity; durable objects are never dropped (they have their own budget, see DiskTier).
@@ -103,6 +104,9 @@ struct CacheOptions {
   // Tests only: called with the key of a commit after its disk write (if it has one) and before
   // it is published (no lock held): the key's previous version is still the visible one.
   std::function<void(const std::string& key)> test_before_publish;
+  // Tests only: called with the key of an entry being written back from memory to disk, before
+  // its disk write (no lock held; the entry is pinned).
+  std::function<void(const std::string& key)> test_before_disk_spill;
 
   uint64_t max_key_size = 1024;
   int index_shards = 16;
@@ -262,7 +266,7 @@ class TieredCache {
   enum class FastPath { kServed, kMiss, kNeedsSlowPath };
 
   // Reserves room for `size` bytes under `key`, evicting as needed. InvalidArgument for a bad
-  // key or tensor metadata, NoSpace when the object fits no tier or every candidate is pinned.
+  // key or tensor metadata, NoSpace when the object fits no tier or no candidate can move now.
   Result<WriteHandle> Reserve(std::string_view key, uint64_t size, const TensorMeta& tensor);
   // Reserve for a value that arrives in pieces (a streamed put), filled through WriteAt: a
   // reservation in a memory tier is the same as Reserve's; one bound for the disk tier has no
