@@ -177,7 +177,7 @@ struct TieredCache::Impl {
 
   // A commit of `key` enters (before its disk write) and leaves (after its batch is published)
   // the span in which the disk may hold a version of the key newer than the visible one. Every
-  // leave has its enter (CommitBatch's InFlight).
+  // leave has its enter (CommitBatch's LeaveCommits).
   void EnterCommit(const std::string& key) {
     Shard& s = ShardFor(key);
     std::lock_guard<std::mutex> lock(s.committing_mu);
@@ -569,12 +569,8 @@ struct TieredCache::Impl {
           // the room comes from another entry (PickVictim passes over it until the commit has
           // replaced it). Otherwise (a hand-off refused at publish leaves its newer copy) it
           // goes.
-          if (e->live && e->tier == from && impl->HasCommitInFlight(e->key)) {
-            Touch(e);
-            return;
-          }
           if (e->live && e->tier == from) {
-            if (!Freeze(e, 0)) {
+            if (impl->HasCommitInFlight(e->key) || !Freeze(e, 0)) {
               Touch(e);
               return;
             }
@@ -1185,24 +1181,19 @@ std::vector<Result<uint64_t>> TieredCache::CommitBatch(std::vector<WriteHandle> 
   // one DiskTier::PutBatch: one WriteBatch, and for durable puts one fsync.
   std::vector<DiskWrite> writes;
   std::vector<size_t> write_of;  // writes[j] belongs to handles[write_of[j]]
-  // Each key written to disk here counts as committing from before its write until its batch
-  // is published (Impl::EnterCommit), on every way out of this function. Only counted
-  // handles are recorded (their room is reserved: recording cannot fail), so each -1 has its +1.
-  struct InFlight {
+  // The keys in write_of count as committing (Impl::EnterCommit) from before their disk write
+  // until the batch is published, and leave on every way out of this function. A key is entered
+  // just before it is recorded, into room reserved beforehand: each leave has its enter.
+  struct LeaveCommits {
     Impl& impl;
     const std::vector<WriteHandle>& handles;
-    std::vector<size_t> counted;
-    void Add(size_t i) {
-      impl.EnterCommit(handles[i].key_);
-      counted.push_back(i);
+    std::vector<size_t>& entered;
+    void Now() {
+      for (size_t i : entered) impl.LeaveCommit(handles[i].key_);
+      entered.clear();
     }
-    void Release() {
-      for (size_t i : counted) impl.LeaveCommit(handles[i].key_);
-      counted.clear();
-    }
-    ~InFlight() { Release(); }
-  } in_flight{I, handles, {}};
-  in_flight.counted.reserve(n);
+    ~LeaveCommits() { Now(); }
+  } leave_commits{I, handles, write_of};
   std::vector<std::string> staging(n);
   for (size_t i = 0; i < n; ++i) {
     WriteHandle& h = handles[i];
@@ -1254,9 +1245,13 @@ std::vector<Result<uint64_t>> TieredCache::CommitBatch(std::vector<WriteHandle> 
       w.meta = StoredObjectMeta{e->size, e->version, e->tensor, durable};
       w.meta.chunks = h.disk_stream_;
       w.data = src;
+      if (writes.empty()) {  // room for every item at the first: recording one cannot fail
+        writes.reserve(n);
+        write_of.reserve(n);
+      }
       writes.push_back(std::move(w));
+      I.EnterCommit(h.key_);
       write_of.push_back(i);
-      in_flight.Add(i);
     }
     entries[i] = std::move(e);
   }
@@ -1292,7 +1287,7 @@ std::vector<Result<uint64_t>> TieredCache::CommitBatch(std::vector<WriteHandle> 
     if (I.options.test_before_publish) I.options.test_before_publish(handles[i].key_);
     results[i] = Publish(handles[i], std::move(entries[i]));
   }
-  in_flight.Release();
+  leave_commits.Now();
   I.DrainEvictions();
   return results;
 }

@@ -237,7 +237,7 @@ void Client::Impl::GetRangeOnNode(int node, const std::string& key,
                                   const std::shared_ptr<RangePiece>& rp, size_t capacity,
                                   Clock::time_point deadline, const Accept& accept,
                                   std::chrono::milliseconds backoff) {
-  const bool first = rp->range.offset == 0;
+  const bool first = rp->range.IsFirst();
   // A key with copies is read the usual way, which spreads its reads over them.
   if (first && HasCopies(key)) return rp->got.Set(Status::Aborted("the key has copies"));
   const Clock::time_point sent = Clock::now();

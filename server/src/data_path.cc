@@ -220,7 +220,7 @@ Server::Impl::Slice Server::Impl::SliceFor(const ReadHandle& h, const w::GetRang
   return {offset, std::min(range.length, h.size() - offset)};
 }
 
-Status Server::Impl::CheckRange(const ReadHandle& h, const w::GetRange& range) {
+Status Server::Impl::CheckRangeVersion(const ReadHandle& h, const w::GetRange& range) {
   if (range.version == 0 || h.info().version == range.version) return Status::OK();
   return Status::Aborted("the value changed: version " + std::to_string(h.info().version) +
                          " is here, the range asked for " + std::to_string(range.version));
@@ -238,7 +238,7 @@ void Server::Impl::ReadOnExecutor(const Req& r, TieredCache* from, std::string k
     if (auto st = from->Stat(key); st.ok() && st->tier == Tier::kDisk) {
       // A later range of a value now on disk: refused before any bytes are reserved for it
       // (Acquire refuses it too, should it reach the disk after this look).
-      if (range.offset != 0) {
+      if (!range.IsFirst()) {
         return PostReplyStatus(r, Status::Aborted("the value went to disk; read it whole"));
       }
       held = ReserveBatchReply(st->size);
@@ -249,8 +249,8 @@ void Server::Impl::ReadOnExecutor(const Req& r, TieredCache* from, std::string k
       }
     }
     auto acquired = from->Acquire(key, ReadKindFor(range));
-    const Status err =
-        acquired.ok() ? CheckRange(*acquired, range) : (error_as ? *error_as : acquired.status());
+    const Status err = acquired.ok() ? CheckRangeVersion(*acquired, range)
+                                     : (error_as ? *error_as : acquired.status());
     if (!err.ok()) {
       return transport->PostTo(r.worker, [this, r, err] {
         Reply(r, err, w::EncodeObjectReply(err, {}), nullptr, 0, MemoryKind::kHost, nullptr);
@@ -371,7 +371,7 @@ void Server::Impl::ReplyFromMemory(const Req& r, TieredCache::FastPath fp, ReadH
     Status nf = Status::NotFound("key not found");
     return Reply(r, nf, w::EncodeObjectReply(nf, {}), nullptr, 0, MemoryKind::kHost, nullptr);
   }
-  if (Status vs = CheckRange(fast, range); !vs.ok()) {
+  if (Status vs = CheckRangeVersion(fast, range); !vs.ok()) {
     return Reply(r, vs, w::EncodeObjectReply(vs, {}), nullptr, 0, MemoryKind::kHost, nullptr);
   }
   // Sent straight from the tier; the reply keeps the pin until UCX is done with the bytes.
@@ -406,7 +406,7 @@ void Server::Impl::HandleGet(const Req& r, std::string_view body) {
 }
 
 void Server::Impl::ServeGet(const Req& r, const std::string& key, const w::GetRange& range) {
-  if (range.offset == 0) CountRow();  // a ranged read is one row, as it is one read
+  if (range.IsFirst()) CountRow();  // a ranged read is one row, as it is one read
   const bool unconfirmed = Unconfirmed(key);
   if (unconfirmed && (r.h.flags & w::kFlagLastResort) == 0) {  // HeldBack
     Status held = HeldBackStatus();
@@ -414,7 +414,7 @@ void Server::Impl::ServeGet(const Req& r, const std::string& key, const w::GetRa
   }
   if (range.length != 0) counters.ranged_gets.fetch_add(1, std::memory_order_relaxed);
   // No copies of those; a ranged read counts once, at its first range.
-  if (replication_on() && !unconfirmed && range.offset == 0) CountRead(key);
+  if (replication_on() && !unconfirmed && range.IsFirst()) CountRead(key);
   // Hot path: an object in host memory (or in GPU memory that UCX can send) is answered right
   // here on the I/O thread, with the hint of a key with copies; anything that may block (disk,
   // promotion, GPU memory UCX cannot send from) goes to an executor.

@@ -793,12 +793,12 @@ struct Server::Impl {
   };
   static Slice SliceFor(const ReadHandle& h, const w::GetRange& range);
   // Aborted when a ranged GET names a version other than the one `h` holds.
-  static Status CheckRange(const ReadHandle& h, const w::GetRange& range);
+  static Status CheckRangeVersion(const ReadHandle& h, const w::GetRange& range);
   // A ranged read counts (admission, hits, promotion) at its first range only; its later
   // ranges (kContinued) are not read from disk, where SliceFor would send all of the value for
   // one piece: Acquire answers them Aborted and the client reads the value whole.
   static TieredCache::ReadKind ReadKindFor(const w::GetRange& range) {
-    return range.offset == 0 ? TieredCache::ReadKind::kRead : TieredCache::ReadKind::kContinued;
+    return range.IsFirst() ? TieredCache::ReadKind::kRead : TieredCache::ReadKind::kContinued;
   }
 
   // The slow path of a read: on an executor, Acquire `key` from `from` (errors answered as

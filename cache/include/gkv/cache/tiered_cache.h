@@ -306,8 +306,9 @@ class TieredCache {
                        MemoryKind src_kind = MemoryKind::kHost);
 
   // How a read counts: kRead is a read (admission rule, hit counters, promotion); kContinued is
-  // a further piece of a read already counted (a ranged GET's later ranges), which neither
-  // counts nor promotes, so reading one value in pieces is one read, not several in a row, and
+  // a further piece of a read already counted (a ranged GET's later ranges), which counts no hit
+  // and promotes nothing (a miss, the key gone between pieces, is still counted), so reading one
+  // value in pieces is one read, not several in a row, and
   // which does not read a value on disk (Aborted: reading it whole for a piece is the caller's
   // choice to make again).
   enum class ReadKind { kRead, kContinued };

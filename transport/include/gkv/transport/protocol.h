@@ -194,6 +194,9 @@ struct GetRange {
   uint64_t offset = 0;
   uint64_t length = 0;
   uint64_t version = 0;  // 0: any
+  // The first range of a ranged read, or a whole-value read: the one that counts as the read
+  // (admission, hits, promotion, hotness) and the only one that may be served from disk.
+  bool IsFirst() const { return offset == 0; }
 };
 void EncodeRangeGetTo(std::string* out, std::string_view key, const GetRange& range);
 Status DecodeRangeGet(std::string_view body, std::string* key, GetRange* range);
