@@ -7,6 +7,10 @@
 # The gkv node runs IO_THREADS UCX I/O threads (--io-threads, default 1) and memcached as many
 # worker threads (override with MC_THREADS), so ops/s compare server threads like for like;
 # both counts are printed.
+# GKV_BIN_DIR: the build whose gkv-server and gkv-bench are measured as gkv (default build/bin),
+# so an older commit built elsewhere is measured in the same run; Redis and memcached are always
+# driven by build/bin/gkv-bench. A gkv-server older than --io-threads runs one I/O thread, so
+# IO_THREADS must then be 1.
 # Installs redis-server and memcached (Debian packages) when missing. Needs build/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,6 +26,15 @@ if ((${#need[@]})); then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" > /dev/null
 fi
 [ -x build/bin/gkv-bench ] || scripts/build.sh
+GKV_BIN=${GKV_BIN_DIR:-build/bin}
+io_args=(--io-threads "$GKV_IO_THREADS")
+if ! "$GKV_BIN/gkv-server" --help 2>&1 | grep -q -- --io-threads; then
+  if [ "$GKV_IO_THREADS" != 1 ]; then
+    echo "$GKV_BIN/gkv-server runs one I/O thread (it has no --io-threads)" >&2
+    exit 2
+  fi
+  io_args=()
+fi
 
 DIR=$(mktemp -d /tmp/gkv-compare-XXXXXX)
 PIDS=()
@@ -43,17 +56,18 @@ MC_USER=()
 [ "$(id -u)" -eq 0 ] && MC_USER=(-u root)  # memcached refuses to run as root without -u
 memcached "${MC_USER[@]}" -l 127.0.0.1 -p "$MC_PORT" -U 0 -m 4096 -I 32m -t "$MC_THREADS" > "$DIR/memcached.log" 2>&1 &
 PIDS+=($!)
-scripts/cluster.sh start "$DIR/gkv" 1 --host-mem 4GiB --disk-capacity 8GiB --threads 2 \
-  --io-threads "$GKV_IO_THREADS" > /dev/null
+GKV_SERVER_BIN="$GKV_BIN/gkv-server" scripts/cluster.sh start "$DIR/gkv" 1 --host-mem 4GiB \
+  --disk-capacity 8GiB --threads 2 "${io_args[@]}" > /dev/null
 sleep 0.5
 
 run() {  # system size op keys -> json
   local sys=$1 size=$2 op=$3 keys=$4 out="$DIR/$1-$2-$3.json"
   local ratio=$([ "$op" = get ] && echo 1:0 || echo 0:1)
-  local target=(--cluster "$DIR/gkv/cluster.yaml")
+  local target=(--cluster "$DIR/gkv/cluster.yaml") bench=$GKV_BIN/gkv-bench
+  [ "$sys" = gkv ] || bench=build/bin/gkv-bench
   [ "$sys" = redis ] && target=(--protocol redis --server "127.0.0.1:$REDIS_PORT")
   [ "$sys" = memcached ] && target=(--protocol memcached --server "127.0.0.1:$MC_PORT")
-  build/bin/gkv-bench "${target[@]}" --threads "$THREADS" --connections "$CONNS" \
+  "$bench" "${target[@]}" --threads "$THREADS" --connections "$CONNS" \
     --keys "$keys" --value-size "$size" --ratio "$ratio" --duration "$SECS" --warmup 1 \
     --json "$out" > "$DIR/$sys-$size-$op.log" 2>&1 || { cat "$DIR/$sys-$size-$op.log" >&2; }
   echo "$out"
