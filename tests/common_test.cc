@@ -142,6 +142,45 @@ TEST(BytesTest, TensorRoundTripAndTruncation) {
   }
 }
 
+// The wire and disk layout of integers: little-endian, exactly as wide as the type, whatever
+// the host. Pinned byte for byte so a faster encoder cannot change what other versions read.
+TEST(BytesTest, IntegersAreLittleEndianAndExactlyTheirWidth) {
+  std::string buf;
+  ByteWriter w(&buf);
+  w.U8(0x01);
+  w.U16(0x0302);
+  w.U32(0x07060504);
+  w.U64(0x0f0e0d0c0b0a0908ULL);
+  w.I64(-2);
+  std::string want;
+  for (int b = 1; b <= 15; ++b) want.push_back(static_cast<char>(b));
+  want += std::string("\xfe\xff\xff\xff\xff\xff\xff\xff", 8);
+  EXPECT_EQ(buf, want);
+
+  ByteReader r(buf);
+  uint8_t a = 0;
+  uint16_t b = 0;
+  uint32_t c = 0;
+  uint64_t d = 0;
+  int64_t e = 0;
+  ASSERT_TRUE(r.U8(&a) && r.U16(&b) && r.U32(&c) && r.U64(&d) && r.I64(&e));
+  EXPECT_EQ(a, 0x01);
+  EXPECT_EQ(b, 0x0302);
+  EXPECT_EQ(c, 0x07060504u);
+  EXPECT_EQ(d, 0x0f0e0d0c0b0a0908ULL);
+  EXPECT_EQ(e, -2);
+  EXPECT_EQ(r.remaining(), 0u);
+  // Each width refuses input one byte short, reads nothing, and the reader stays failed.
+  const std::string bytes = "\xaa\xbb\xcc\xdd\xee\x11\x22\x33";
+  ByteReader short16(bytes.data(), 1), short32(bytes.data(), 3), short64(bytes.data(), 7);
+  EXPECT_FALSE(short16.U16(&b));
+  EXPECT_FALSE(short32.U32(&c));
+  EXPECT_FALSE(short64.U64(&d));
+  EXPECT_TRUE(short16.failed());
+  EXPECT_EQ(short16.remaining(), 1u);
+  EXPECT_FALSE(short16.U8(&a));  // failed: even a byte that is there is not read
+}
+
 TEST(HashTest, StableXxh3Values) {
   // Pinned so that every client and server version maps keys to the same nodes.
   EXPECT_EQ(HashKey(""), 0x2D06800538D394C2ULL);
