@@ -931,8 +931,13 @@ struct Client::Impl {
             return w::DecodeObjectReply(body, rs, &meta, &hint);
           });
           // Versions are per node: only the key's own node's count (a failover read is not).
-          if (s.ok() && replica_version == 0 && node == Route()->ring->Owner(key)) {
-            RememberHint(key, meta.version, std::move(hint), sent);
+          // One look at the ring and one hash of the key serve the test and the hint.
+          if (s.ok() && replica_version == 0) {
+            const RingPtr ring = Route()->ring;
+            const uint64_t key_hash = HashKey(key);
+            if (node == ring->OwnerForHash(key_hash)) {
+              RememberHint(key, key_hash, *ring, meta.version, std::move(hint), sent);
+            }
           }
           if (s.ok()) write_clock.Observe(meta.version);
           if (s.ok() && meta.size != msg->payload_size()) {
@@ -1061,15 +1066,18 @@ struct Client::Impl {
   // the key never takes its place, so this client never reads v2 and then v1 from a copy.
   void RememberHint(const std::string& key, uint64_t version, std::vector<uint16_t> nodes,
                     Clock::time_point sent) {
+    RememberHint(key, HashKey(key), *Route()->ring, version, std::move(nodes), sent);
+  }
+  // The same with the key's hash and the ring at hand (`ring`: the current one).
+  void RememberHint(const std::string& key, uint64_t h, const RingView& ring, uint64_t version,
+                    std::vector<uint16_t> nodes, Clock::time_point sent) {
     // On the wire a copy's node is its position in the ring; ours maps it to the node table
     // (rings that differ for a moment name the wrong node, whose exact-version check then
     // misses: harmless).
-    const RingPtr ring = Route()->ring;
     for (uint16_t& n : nodes) {
-      if (n >= ring->size()) return;  // a hint from a node with another cluster file
-      n = static_cast<uint16_t>(ring->slot(n));
+      if (n >= ring.size()) return;  // a hint from a node with another cluster file
+      n = static_cast<uint16_t>(ring.slot(n));
     }
-    const uint64_t h = HashKey(key);
     auto& slot = seen_version[h % kSeenSlots];
     if (slot.first == h && slot.second > version) return;
     slot = {h, version};
