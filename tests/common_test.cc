@@ -176,9 +176,13 @@ TEST(BytesTest, IntegersAreLittleEndianAndExactlyTheirWidth) {
   EXPECT_FALSE(short16.U16(&b));
   EXPECT_FALSE(short32.U32(&c));
   EXPECT_FALSE(short64.U64(&d));
-  EXPECT_TRUE(short16.failed());
+  for (ByteReader* r : {&short16, &short32, &short64}) {
+    EXPECT_TRUE(r->failed());
+    EXPECT_FALSE(r->U8(&a));  // failed: even a byte that is there is not read
+  }
   EXPECT_EQ(short16.remaining(), 1u);
-  EXPECT_FALSE(short16.U8(&a));  // failed: even a byte that is there is not read
+  EXPECT_EQ(short32.remaining(), 3u);
+  EXPECT_EQ(short64.remaining(), 7u);
 }
 
 TEST(HashTest, StableXxh3Values) {
