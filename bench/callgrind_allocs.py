@@ -10,7 +10,8 @@
     (ucm_bistro_patch), which waits for the patch to apply by spinning on gettimeofday and
     sched_yield;
   - a contended pthread_spin_lock's spinning (UCX's locks, taken by its async thread too): all
-    but the 4 instructions an uncontended call runs (lock decl, jne, xor, ret).
+    but the 4 instructions an uncontended call runs (lock decl, jne, xor, ret in Debian 12's
+    glibc; a build with endbr64 runs 5, so one per call would then be taken out too).
   callgrind_allocs.py FILE
 """
 import re
@@ -30,8 +31,19 @@ def count(path):
     target_excluded = None  # the EXCLUDED name a calls= line is about, if any
     calls = 0
     cost_of_call_follows = False
+    ir_field = 1  # a cost line: the positions ("positions:"), then the events ("events:")
+    positions = 1
     with open(path, errors="replace") as f:
         for line in f:
+            if line.startswith("positions:"):
+                positions = len(line.split()) - 1
+                continue
+            if line.startswith("events:"):
+                events = line.split()[1:]
+                if "Ir" not in events:
+                    sys.exit(f"{path}: no Ir event")
+                ir_field = positions + events.index("Ir")
+                continue
             if line.startswith("cfn="):
                 m = re.match(r"cfn=\((\d+)\)(?: (.*))?", line.rstrip("\n"))
                 if m:
@@ -43,12 +55,12 @@ def count(path):
                     target_excluded = base if base in EXCLUDED else None
                 continue
             if cost_of_call_follows:
-                # The line after calls= holds the call's inclusive cost: position, then Ir.
+                # The line after calls= holds the call's inclusive cost.
                 cost_of_call_follows = False
                 fields = line.split()
-                if len(fields) >= 2:
+                if len(fields) > ir_field:
                     work = EXCLUDED[target_excluded] or 0
-                    excluded += max(0, int(fields[1]) - work * calls)
+                    excluded += max(0, int(fields[ir_field]) - work * calls)
                 target_excluded = None
                 continue
             if line.startswith("calls="):

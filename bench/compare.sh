@@ -7,7 +7,8 @@
 # The gkv node runs IO_THREADS UCX I/O threads (--io-threads, default 1) and memcached as many
 # worker threads (override with MC_THREADS), so ops/s compare server threads like for like;
 # both counts are printed.
-# GKV_BIN_DIR: the build whose gkv-server and gkv-bench are measured as gkv (default build/bin),
+# GKV_BIN_DIR (absolute, or relative to the repository's root): the build whose gkv-server
+# (unless GKV_SERVER_BIN names one) and gkv-bench are measured as gkv (default build/bin),
 # so an older commit built elsewhere is measured in the same run; Redis and memcached are always
 # driven by build/bin/gkv-bench. A gkv-server older than --io-threads runs one I/O thread, so
 # IO_THREADS must then be 1.
@@ -27,10 +28,15 @@ if ((${#need[@]})); then
 fi
 [ -x build/bin/gkv-bench ] || scripts/build.sh
 GKV_BIN=${GKV_BIN_DIR:-build/bin}
+export GKV_SERVER_BIN=${GKV_SERVER_BIN:-$GKV_BIN/gkv-server}  # for scripts/cluster.sh
 io_args=(--io-threads "$GKV_IO_THREADS")
-if ! "$GKV_BIN/gkv-server" --help 2>&1 | grep -q -- --io-threads; then
+# The whole help text read before it is searched: `--help | grep -q` under pipefail fails
+# whenever grep leaves before the server's last write (which SIGPIPE then kills).
+server_help=$("$GKV_SERVER_BIN" --help 2>&1 || true)
+if [[ $server_help != *--io-threads* ]]; then
+  [[ $server_help == *--cluster* ]] || { echo "$GKV_SERVER_BIN: not a gkv-server" >&2; exit 2; }
   if [ "$GKV_IO_THREADS" != 1 ]; then
-    echo "$GKV_BIN/gkv-server runs one I/O thread (it has no --io-threads)" >&2
+    echo "$GKV_SERVER_BIN runs one I/O thread (it has no --io-threads)" >&2
     exit 2
   fi
   io_args=()
@@ -56,8 +62,8 @@ MC_USER=()
 [ "$(id -u)" -eq 0 ] && MC_USER=(-u root)  # memcached refuses to run as root without -u
 memcached "${MC_USER[@]}" -l 127.0.0.1 -p "$MC_PORT" -U 0 -m 4096 -I 32m -t "$MC_THREADS" > "$DIR/memcached.log" 2>&1 &
 PIDS+=($!)
-GKV_SERVER_BIN="$GKV_BIN/gkv-server" scripts/cluster.sh start "$DIR/gkv" 1 --host-mem 4GiB \
-  --disk-capacity 8GiB --threads 2 "${io_args[@]}" > /dev/null
+scripts/cluster.sh start "$DIR/gkv" 1 --host-mem 4GiB --disk-capacity 8GiB --threads 2 \
+  "${io_args[@]}" > /dev/null
 sleep 0.5
 
 run() {  # system size op keys -> json

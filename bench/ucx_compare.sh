@@ -13,14 +13,15 @@
 # picks CMA's zero-copy read instead, which UCX 1.22 does not select for endpoints with error
 # handling (UCX_PROTO_INFO=y shows either choice), so that would not be the same transport.
 # ucx_perftest is the one of the UCX gkv links (scripts/ucx.sh). Needs build/ (scripts/build.sh).
-# GKV_BIN_DIR: the build whose gkv-server and gkv-bench are measured (default build/bin), so an
-# older commit built elsewhere is measured against the same references.
+# GKV_BIN_DIR (absolute, or relative to the repository's root): the build whose gkv-server
+# (unless GKV_SERVER_BIN names one) and gkv-bench are measured (default build/bin), so an older
+# commit built elsewhere is measured against the same references.
 #   bench/ucx_compare.sh [SECONDS_PER_POINT]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SECS=${1:-5}
 GKV_BIN=${GKV_BIN_DIR:-build/bin}
-export GKV_SERVER_BIN=$GKV_BIN/gkv-server  # for scripts/cluster.sh
+export GKV_SERVER_BIN=${GKV_SERVER_BIN:-$GKV_BIN/gkv-server}  # for scripts/cluster.sh
 if [ -n "${UCX_TLS:-}" ]; then SETS=("$UCX_TLS"); else SETS=(tcp same-host); fi
 # Both sides on the loopback device only (gkv nodes on loopback do so by themselves, unless
 # UCX_TLS is set): the same lanes for both, and no UCX listener on another address.

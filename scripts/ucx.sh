@@ -4,6 +4,7 @@
 # tools do not find their libraries by themselves, hence this wrapper.
 #   scripts/ucx.sh ucx_info -v
 #   scripts/ucx.sh ucx_perftest -t ucp_am_bw ...
+# UCX_TOOL_WRAPPER: a command (split on spaces) that runs the tool, e.g. "valgrind --tool=callgrind".
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 prefix=${GKV_UCX_PREFIX:-}
@@ -17,4 +18,6 @@ if [ -z "$prefix" ] || [ ! -x "$prefix/bin/$1" ]; then
 fi
 tool=$1
 shift
-LD_LIBRARY_PATH="$prefix/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" exec "$prefix/bin/$tool" "$@"
+read -r -a wrapper <<< "${UCX_TOOL_WRAPPER:-}"
+LD_LIBRARY_PATH="$prefix/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" exec "${wrapper[@]}" \
+  "$prefix/bin/$tool" "$@"
