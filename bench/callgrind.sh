@@ -123,6 +123,18 @@ for size in 64 4KiB; do
       "$(awk -v a="$ca1" -v b="$ca2" -v n="$N" 'BEGIN { print (b - a) / n }')"
   done
 done
+# wait_listening PORT PID LOG NAME: returns once something listens on PORT (a reference server
+# under valgrind starts slowly); stops the script with LOG if PID exits first or 10 s pass.
+wait_listening() {
+  for _ in $(seq 1 100); do
+    ss -ltn 2> /dev/null | grep -q ":$1 " && return 0
+    kill -0 "$2" 2> /dev/null || break
+    sleep 0.1
+  done
+  echo "$4 did not start:" >&2
+  cat "$3" >&2
+  exit 1
+}
 # The reference: ucx_perftest ucp_am_lat, 64 B each way, in gkv's endpoint mode (-e -I,
 # UCX_MM_ERROR_HANDLING=y) and sleeping while it waits (-E sleep, as busy-polling is off above),
 # both sides counted at once. A round trip of it is what a GET's request and reply cost UCX
@@ -130,19 +142,14 @@ done
 perftest_ir() {
   local port sout="$dir/perftest.server.$1.cg" cout="$dir/perftest.client.$1.cg" pid
   port=$(free_port)
-  export UCX_MM_ERROR_HANDLING=y
-  UCX_TOOL_WRAPPER="valgrind --tool=callgrind --callgrind-out-file=$sout" \
+  UCX_MM_ERROR_HANDLING=y UCX_TOOL_WRAPPER="valgrind --tool=callgrind --callgrind-out-file=$sout" \
     scripts/ucx.sh ucx_perftest -p "$port" -e -I -E sleep > "$dir/perftest-server.log" 2>&1 &
   pid=$!
-  for _ in $(seq 1 100); do  # listening once valgrind has started it
-    ss -ltn 2> /dev/null | grep -q ":$port " && break
-    sleep 0.1
-  done
-  UCX_TOOL_WRAPPER="valgrind --tool=callgrind --callgrind-out-file=$cout" \
+  wait_listening "$port" "$pid" "$dir/perftest-server.log" ucx_perftest
+  UCX_MM_ERROR_HANDLING=y UCX_TOOL_WRAPPER="valgrind --tool=callgrind --callgrind-out-file=$cout" \
     scripts/ucx.sh ucx_perftest 127.0.0.1 -p "$port" -e -I -E sleep -t ucp_am_lat -s 64 \
     -n "$1" -w 0 > "$dir/perftest-client.log" 2>&1 || { cat "$dir/perftest-client.log" >&2; exit 1; }
   wait "$pid"
-  unset UCX_MM_ERROR_HANDLING
   echo "$(total_ir "$sout" | cut -d' ' -f1) $(total_ir "$cout" | cut -d' ' -f1)"
 }
 # The other reference: memcached (one worker thread) and gkv-bench's memcached text-protocol
@@ -162,16 +169,7 @@ memcached_ir() {
   "${wrap[@]}" memcached "${args[@]}" -l 127.0.0.1 -p "$port" -U 0 -t 1 -m 64 \
     > "$dir/memcached.log" 2>&1 &
   server_pid=$!
-  for _ in $(seq 1 100); do
-    ss -ltn 2> /dev/null | grep -q "127.0.0.1:$port " && break
-    kill -0 "$server_pid" 2> /dev/null || break
-    sleep 0.1
-  done
-  if ! ss -ltn 2> /dev/null | grep -q "127.0.0.1:$port "; then
-    echo "memcached did not start:" >&2
-    cat "$dir/memcached.log" >&2
-    exit 1
-  fi
+  wait_listening "$port" "$server_pid" "$dir/memcached.log" memcached
   wrap=()
   [ "$1" = client ] && wrap=(valgrind --tool=callgrind --callgrind-out-file="$out")
   "${wrap[@]}" "$PWD/build/bin/gkv-bench" --protocol memcached --server "127.0.0.1:$port" \

@@ -9,6 +9,7 @@
 #include <atomic>
 #include <future>
 #include <map>
+#include <mutex>
 #include <thread>
 
 #include "gkv/cache/tiered_cache.h"
@@ -1110,6 +1111,8 @@ TEST(TieredCacheTest, ASpillThatMeetsANewerVersionBeingCommittedKeepsTheEntry) {
   Random rng(testing::TestSeed());
   const std::string v2 = ValueFor(rng, 16 * kKiB);
   std::promise<void> written, may_publish;
+  std::once_flag written_once;  // set at the put's publish, or when the put ends without one
+  auto set_written = [&] { std::call_once(written_once, [&] { written.set_value(); }); };
   std::shared_future<void> publish_allowed = may_publish.get_future().share();
   std::thread committer;
   Status committed = Status::Internal("not run");
@@ -1119,12 +1122,13 @@ TEST(TieredCacheTest, ASpillThatMeetsANewerVersionBeingCommittedKeepsTheEntry) {
     spill_held = true;
     committer = std::thread([&] {
       committed = cache->Put("k0", v2.data(), v2.size(), TensorMeta(), /*durable=*/true).status();
+      set_written();  // a put that failed before its publish fails the test below, not hangs it
     });
     written.get_future().wait();  // the put's new version is on disk, not yet published
   };
   o.test_before_publish = [&](const std::string& key) {
     if (key != "k0" || !spill_held) return;
-    written.set_value();
+    set_written();
     publish_allowed.wait();
   };
   auto c = MustOpen(o);
