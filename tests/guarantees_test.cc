@@ -295,12 +295,19 @@ TEST(GuaranteesTest, ReplicationMessagesAreRefusedFromClients) {
   raw.Send(wire::Opcode::kInvalidate, wire::EncodeInvalidate(key, 1ull << 60, 1ull << 60), 2);
   EXPECT_EQ(raw.WaitReply(2), StatusCode::kPermissionDenied);
   // Claiming to be a node without the peer secret (or as an unknown node) is refused.
-  raw.Send(wire::Opcode::kPeerHello, wire::EncodePeerHello("n0", "guess"), 3);
+  raw.Send(wire::Opcode::kPeerHello,
+           wire::EncodePeerHello("n0", "guess", HashRing::kPlacementVersion), 3);
   EXPECT_EQ(raw.WaitReply(3), StatusCode::kPermissionDenied);
   RawConnection raw2(client->cluster().nodes[1].port);
-  raw2.Send(wire::Opcode::kPeerHello, wire::EncodePeerHello("n9", "nodes-only"), 4);
+  raw2.Send(wire::Opcode::kPeerHello,
+            wire::EncodePeerHello("n9", "nodes-only", HashRing::kPlacementVersion), 4);
   EXPECT_EQ(raw2.WaitReply(4), StatusCode::kPermissionDenied);
-  EXPECT_GE(StatsCounter(*client, 1, "auth_failures"), 2u);
+  // A node of another placement version is refused however well it proves itself: it would
+  // hand off, replicate and repair by another ring (issue 37).
+  RawConnection raw4(client->cluster().nodes[1].port);
+  raw4.Send(wire::Opcode::kPeerHello, wire::EncodePeerHello("n2", "nodes-only", 1), 5);
+  EXPECT_EQ(raw4.WaitReply(5), StatusCode::kNotSupported);
+  EXPECT_GE(StatsCounter(*client, 1, "auth_failures"), 3u);
   // Reply-shaped messages on a client connection are dropped and the node keeps serving (a
   // smoke check only: no peer call is pending here, so this cannot show that a forged reply to
   // a pending INVALIDATE is ignored; that rests on OnPeerReply's connection checks).

@@ -71,9 +71,64 @@ TEST_F(EtcdCliTest, RingShowsMembersSharesAndStates) {
             std::string::npos)
       << ring.out;
   EXPECT_NE(ring.out.find("127.0.0.1:7000"), std::string::npos) << ring.out;
-  EXPECT_NE(ring.out.find("25."), std::string::npos) << ring.out;  // n0: about a quarter
-  EXPECT_NE(ring.out.find("74."), std::string::npos) << ring.out;  // n1: weight 3
+  // n0 about a quarter, n1 (weight 3) about three quarters: placement version 2 gives these.
+  EXPECT_NE(ring.out.find("1.00   24.44%  serving"), std::string::npos) << ring.out;
+  EXPECT_NE(ring.out.find("3.00   75.56%  serving"), std::string::npos) << ring.out;
+  EXPECT_NE(ring.out.find("largest 1.008 (n1), smallest 0.977 (n0)"), std::string::npos)
+      << ring.out;
   EXPECT_NE(ring.out.find("0.00%  draining, handoff running"), std::string::npos) << ring.out;
+}
+
+// Issue 37: the ids README uses balance, and the tool says how far from even the ring is.
+TEST(StaticCliTest, RingOfSixteenShortIdsIsBalancedAndSaysSo) {
+  testing::TempDir dir;
+  const std::string file = dir.Sub("cluster.yaml");
+  {
+    std::ofstream f(file);
+    f << "nodes:\n";
+    for (int i = 0; i < 16; ++i) {
+      f << "  - {id: n" << i << ", address: 127.0.0.1:" << 7000 + i << "}\n";
+    }
+  }
+  auto ring = Gkv(file, "ring");
+  ASSERT_EQ(ring.code, 0) << ring.out;
+  int rows = 0;
+  for (size_t at = ring.out.find("127.0.0.1:"); at != std::string::npos;
+       at = ring.out.find("127.0.0.1:", at + 1)) {
+    const size_t pct = ring.out.find('%', at);
+    ASSERT_NE(pct, std::string::npos) << ring.out;
+    const size_t start = ring.out.rfind(' ', pct) + 1;
+    const double share = std::stod(ring.out.substr(start, pct - start));
+    EXPECT_GT(share, 6.25 * 0.85) << ring.out;
+    EXPECT_LT(share, 6.25 * 1.15) << ring.out;
+    ++rows;
+  }
+  EXPECT_EQ(rows, 16) << ring.out;
+  const size_t balance = ring.out.find("share / weight share: largest ");
+  ASSERT_NE(balance, std::string::npos) << ring.out;
+  const double largest = std::stod(ring.out.substr(balance + 30));
+  EXPECT_GT(largest, 1.0);
+  EXPECT_LT(largest, 1.15) << ring.out;
+  const size_t smallest = ring.out.find("smallest ", balance);
+  ASSERT_NE(smallest, std::string::npos) << ring.out;
+  const double low = std::stod(ring.out.substr(smallest + 9));
+  EXPECT_LT(low, 1.0);
+  EXPECT_GT(low, 0.85) << ring.out;
+  EXPECT_NE(ring.out.find("placement version 2"), std::string::npos) << ring.out;
+}
+
+// A member of another placement version is shown, and shown out of the ring.
+TEST_F(EtcdCliTest, RingShowsAMemberOfAnotherPlacementOutsideTheRing) {
+  MemberRecord old = Record("old", 7009, 1);
+  old.placement = 1;
+  auto o = MemberRegistration::Register(config_, old);
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  auto ring = Gkv(cluster_file_, "ring");
+  EXPECT_EQ(ring.code, 0) << ring.out;
+  EXPECT_NE(ring.out.find("1 members, 0 in the ring"), std::string::npos) << ring.out;
+  EXPECT_NE(ring.out.find("placement version 1 (this build: 2): not in the ring"),
+            std::string::npos)
+      << ring.out;
 }
 
 TEST_F(EtcdCliTest, DrainAsksTheNodeToLeave) {

@@ -173,6 +173,36 @@ TEST(MemberRecordTest, DefaultsAndRefusals) {
   }
 }
 
+// Records carry the placement version; one without it was written by placement version 1.
+TEST(MemberRecordTest, PlacementVersionRoundTripsAndDefaultsToOne) {
+  MemberRecord r = Record("n7", 7007);
+  EXPECT_EQ(r.placement, HashRing::kPlacementVersion);
+  auto back = DecodeMemberRecord(EncodeMemberRecord(r));
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(back->placement, HashRing::kPlacementVersion);
+  auto old = DecodeMemberRecord(R"({"id":"a","address":"h:1"})");
+  ASSERT_TRUE(old.ok()) << old.status().ToString();
+  EXPECT_EQ(old->placement, 1u);
+  for (const char* bad : {R"({"id":"a","address":"h:1","placement":0})",
+                          R"({"id":"a","address":"h:1","placement":-2})",
+                          R"({"id":"a","address":"h:1","placement":"2"})",
+                          R"({"id":"a","address":"h:1","placement":4294967296})",
+                          R"({"id":"a","address":"h:1","weight":1001})",
+                          R"({"id":"a","address":"h:1","weight":1e308})"}) {
+    EXPECT_FALSE(DecodeMemberRecord(bad).ok()) << bad;
+  }
+}
+
+// A member that places keys differently is never part of the ring: two placements would
+// split the key space.
+TEST(MembershipViewTest, RingLeavesOutMembersOfAnotherPlacement) {
+  MembershipView view;
+  view.members = {Record("a", 1), Record("b", 2), Record("c", 3)};
+  view.members[1].placement = 1;
+  EXPECT_EQ(Ids(view.RingNodes()), (std::vector<std::string>{"a", "c"}));
+  EXPECT_NE(view.Find("b"), nullptr);
+}
+
 TEST(MembershipViewTest, RingLeavesOutDrainingAndDrainRequested) {
   MembershipView view;
   view.members = {Record("a", 1), Record("b", 2), Record("c", 3), Record("d", 4)};
@@ -303,6 +333,26 @@ TEST_F(MembershipTest, SecondRegistrationOfAnIdIsRefused) {
   ASSERT_NE(read.Find("n1"), nullptr);
   EXPECT_EQ(read.Find("n1")->node.port, 7001);
   // Another id is fine.
+  EXPECT_NE(MustRegister(Record("n2", 7002)), nullptr);
+}
+
+// Issue 37: a node does not join a ring whose placement version differs from its own, and
+// says why; watchers leave such a member out of their ring.
+TEST_F(MembershipTest, RegistrationIsRefusedBesideAMemberOfAnotherPlacement) {
+  MemberRecord old = Record("old", 7001);
+  old.placement = 1;  // as an older build's record reads
+  auto first = MustRegister(old);
+  ASSERT_NE(first, nullptr);
+  auto second = MemberRegistration::Register(config_, Record("n2", 7002));
+  ASSERT_FALSE(second.ok());
+  EXPECT_EQ(second.status().code(), StatusCode::kNotSupported) << second.status().ToString();
+  EXPECT_NE(second.status().message().find("placement version 1"), std::string::npos)
+      << second.status().ToString();
+  MembershipView read = MustRead();
+  EXPECT_EQ(MemberIds(read), (std::vector<std::string>{"old"}));
+  EXPECT_TRUE(read.RingNodes().empty());
+  // Once it is gone, the node joins.
+  ASSERT_TRUE(first->Deregister().ok());
   EXPECT_NE(MustRegister(Record("n2", 7002)), nullptr);
 }
 

@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include "gkv/bytes.h"
 #include "gkv/random.h"
 #include "gkv/transport/protocol.h"
 #include "test_util.h"
@@ -241,6 +242,28 @@ TEST(ProtocolTest, ReplicationEncodingsRoundTrip) {
   ASSERT_TRUE(DecodeLoadReport(EncodeLoadReport(12345), &rate).ok());
   EXPECT_EQ(rate, 12345u);
   EXPECT_FALSE(DecodeLoadReport("1234567", &rate).ok());
+}
+
+// PEER_HELLO carries the placement version; a hello from a build before it decodes as 1.
+TEST(ProtocolTest, PeerHelloCarriesThePlacementVersion) {
+  std::string id, secret;
+  uint32_t placement = 0;
+  ASSERT_TRUE(DecodePeerHello(EncodePeerHello("n3", "s", 2), &id, &secret, &placement).ok());
+  EXPECT_EQ(id, "n3");
+  EXPECT_EQ(secret, "s");
+  EXPECT_EQ(placement, 2u);
+  std::string old;
+  ByteWriter(&old).String("n4");
+  ByteWriter(&old).String("t");
+  ASSERT_TRUE(DecodePeerHello(old, &id, &secret, &placement).ok());
+  EXPECT_EQ(id, "n4");
+  EXPECT_EQ(placement, 1u);
+  const std::string hello = EncodePeerHello("n3", "s", 2);
+  for (size_t cut = 1; cut < 4; ++cut) {  // a torn version field (4 bytes short: the old form)
+    EXPECT_FALSE(
+        DecodePeerHello(hello.substr(0, hello.size() - cut), &id, &secret, &placement).ok());
+  }
+  EXPECT_FALSE(DecodePeerHello(hello + "x", &id, &secret, &placement).ok());
 }
 
 // Random bytes and random mutations of valid messages never crash a decoder.

@@ -56,6 +56,25 @@ uint64_t Num(const std::string& j, std::initializer_list<const char*> path) {
   return std::strtoull(j.c_str() + at, nullptr, 10);
 }
 
+// After a ring table: the largest and smallest share relative to the node's weight share, so
+// an operator sees imbalance at a glance (1.00 is exact; 1,024 points per unit of weight give
+// a few percent either way).
+void PrintBalance(const std::vector<gkv::NodeInfo>& nodes, const std::vector<double>& shares) {
+  if (nodes.empty() || shares.size() != nodes.size()) return;
+  double total_weight = 0;
+  for (const auto& n : nodes) total_weight += n.weight;
+  size_t most = 0, least = 0;
+  std::vector<double> ratio(nodes.size());
+  for (size_t i = 0; i < nodes.size(); ++i) {
+    ratio[i] = shares[i] / (nodes[i].weight / total_weight);
+    if (ratio[i] > ratio[most]) most = i;
+    if (ratio[i] < ratio[least]) least = i;
+  }
+  std::printf("share / weight share: largest %.3f (%s), smallest %.3f (%s); placement version %u\n",
+              ratio[most], nodes[most].id.c_str(), ratio[least], nodes[least].id.c_str(),
+              gkv::HashRing::kPlacementVersion);
+}
+
 // `gkv ring` with membership in etcd: every registered member, the ring's share of each.
 int PrintEtcdRing(const gkv::EtcdConfig& etcd) {
   auto view = gkv::ReadMembership(etcd);
@@ -72,9 +91,14 @@ int PrintEtcdRing(const gkv::EtcdConfig& etcd) {
     for (size_t i = 0; i < ring_nodes.size(); ++i) {
       if (ring_nodes[i].id == m.node.id) share = shares[i];
     }
-    std::string state = m.draining                               ? "draining"
-                        : view->drain_requested.count(m.node.id) ? "drain requested"
-                                                                 : "serving";
+    std::string state =
+        m.placement != gkv::HashRing::kPlacementVersion
+            ? "placement version " + std::to_string(m.placement) +
+                  " (this build: " + std::to_string(gkv::HashRing::kPlacementVersion) +
+                  "): not in the ring"
+        : m.draining                             ? "draining"
+        : view->drain_requested.count(m.node.id) ? "drain requested"
+                                                 : "serving";
     if (view->handoffs_running.count(m.node.id)) state += ", handoff running";
     std::printf("%-10s %-24s %8.2f %7.2f%%  %s\n", m.node.id.c_str(), m.node.address().c_str(),
                 m.node.weight, share * 100, state.c_str());
@@ -87,6 +111,7 @@ int PrintEtcdRing(const gkv::EtcdConfig& etcd) {
   for (const auto& id : view->handoffs_running) {
     if (!view->Find(id)) std::printf("%-10s handoff running, not registered\n", id.c_str());
   }
+  PrintBalance(ring_nodes, shares);
   return kOk;
 }
 
@@ -175,6 +200,7 @@ int main(int argc, char** argv) {
       std::printf("%-10s %-24s %8.2f %7.2f%%\n", n.id.c_str(), n.address().c_str(), n.weight,
                   shares[i] * 100);
     }
+    PrintBalance(cluster->nodes, shares);
     return kOk;
   }
   auto client = gkv::Client::Open(options);

@@ -135,8 +135,9 @@ Result<ClusterConfig> ParseClusterYaml(std::string_view text) {
       GKV_RETURN_IF_ERROR(ParseAddress(n["address"].as<std::string>(), &info.host, &info.port)
                               .WithContext("node '" + info.id + "'"));
       if (n["weight"]) info.weight = n["weight"].as<double>();
-      if (!(info.weight > 0) || !std::isfinite(info.weight)) {
-        return Status::InvalidArgument("node '" + info.id + "' needs a positive weight");
+      if (!(info.weight > 0) || !(info.weight <= kMaxNodeWeight)) {
+        return Status::InvalidArgument("node '" + info.id + "' needs a weight in (0, " +
+                                       std::to_string(static_cast<int>(kMaxNodeWeight)) + "]");
       }
       if (!ids.insert(info.id).second) {
         return Status::InvalidArgument("node id '" + info.id + "' appears twice");
@@ -186,13 +187,15 @@ Result<ClusterConfig> LoadClusterFile(const std::string& path) {
 HashRing::HashRing(const std::vector<NodeInfo>& nodes, int vnodes_per_weight)
     : node_count_(static_cast<int>(nodes.size())) {
   for (int i = 0; i < node_count_; ++i) {
-    const int vnodes =
-        std::max(1, static_cast<int>(std::lround(nodes[i].weight * vnodes_per_weight)));
+    // Weights are checked where they enter (cluster file, member records); the clamp keeps a
+    // ring built from anything else finite.
+    const double weight = nodes[i].weight > 0 ? std::min(nodes[i].weight, kMaxNodeWeight) : 0.0;
+    const int vnodes = std::max(1, static_cast<int>(std::lround(weight * vnodes_per_weight)));
     // Positions derive from the node id, not its index or address, so membership changes and
     // address moves leave the other nodes' points where they were.
-    const std::string& id = nodes[i].id;
+    const uint64_t id_hash = HashKey(nodes[i].id);
     for (int v = 0; v < vnodes; ++v) {
-      points_.push_back({HashBytes(id.data(), id.size(), static_cast<uint64_t>(v)), i});
+      points_.push_back({RingPointPosition(id_hash, static_cast<uint64_t>(v)), i});
     }
   }
   std::sort(points_.begin(), points_.end());

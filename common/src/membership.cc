@@ -49,6 +49,13 @@ Status CheckNodeId(std::string_view id) {
   return Status::OK();
 }
 
+std::string ForeignPlacementMessage(const MemberRecord& m) {
+  return "member '" + LogKey(m.node.id) + "' places keys by placement version " +
+         std::to_string(m.placement) + ", this build by version " +
+         std::to_string(HashRing::kPlacementVersion) +
+         ": nodes of two placements would split the key space (README, 'Upgrading')";
+}
+
 bool SameNode(const NodeInfo& a, const NodeInfo& b) {
   return a.id == b.id && a.host == b.host && a.port == b.port && a.weight == b.weight;
 }
@@ -59,7 +66,7 @@ bool SameRing(const std::vector<NodeInfo>& a, const std::vector<NodeInfo>& b) {
 
 bool SameRecord(const MemberRecord& a, const MemberRecord& b) {
   return SameNode(a.node, b.node) && a.gpu_bytes == b.gpu_bytes && a.host_bytes == b.host_bytes &&
-         a.disk_bytes == b.disk_bytes && a.draining == b.draining;
+         a.disk_bytes == b.disk_bytes && a.draining == b.draining && a.placement == b.placement;
 }
 
 // Whether two views differ in anything a callback should hear of (not the revision or epoch).
@@ -108,6 +115,9 @@ void CheckArrivingRecord(std::string_view key, std::string_view value) {
   } else if (record->node.id != id) {
     GKV_LOG_WARN("membership: ignoring members/{}: it holds the record of '{}'", LogKey(id),
                  LogKey(record->node.id));
+  } else if (record->placement != HashRing::kPlacementVersion) {
+    GKV_LOG_WARN("membership: leaving '{}' out of the ring: {}", LogKey(id),
+                 ForeignPlacementMessage(*record));
   }
 }
 
@@ -139,7 +149,8 @@ std::string EncodeMemberRecord(const MemberRecord& record) {
             {"gpu_bytes", record.gpu_bytes},
             {"host_bytes", record.host_bytes},
             {"disk_bytes", record.disk_bytes},
-            {"draining", record.draining}};
+            {"draining", record.draining},
+            {"placement", record.placement}};
   return j.dump();
 }
 
@@ -163,9 +174,10 @@ Result<MemberRecord> DecodeMemberRecord(std::string_view text) {
       if (!w->is_number()) return Status::Corruption("member record: 'weight' is not a number");
       record.node.weight = w->get<double>();
     }
-    if (!(record.node.weight > 0) || !std::isfinite(record.node.weight)) {
-      return Status::Corruption("member record of '" + record.node.id +
-                                "': weight must be positive");
+    if (!(record.node.weight > 0) || !(record.node.weight <= kMaxNodeWeight)) {
+      return Status::Corruption("member record of '" + LogKey(record.node.id) +
+                                "': weight must be in (0, " +
+                                std::to_string(static_cast<int>(kMaxNodeWeight)) + "]");
     }
     for (auto [name, field] :
          {std::pair{"gpu_bytes", &record.gpu_bytes}, std::pair{"host_bytes", &record.host_bytes},
@@ -182,6 +194,13 @@ Result<MemberRecord> DecodeMemberRecord(std::string_view text) {
       if (!d->is_boolean()) return Status::Corruption("member record: 'draining' is not a bool");
       record.draining = d->get<bool>();
     }
+    record.placement = 1;  // written before records said it
+    if (auto p = j.find("placement"); p != j.end()) {
+      if (!p->is_number_unsigned() || p->get<uint64_t>() == 0 || p->get<uint64_t>() > UINT32_MAX) {
+        return Status::Corruption("member record: 'placement' is not a positive integer");
+      }
+      record.placement = static_cast<uint32_t>(p->get<uint64_t>());
+    }
     return record;
   } catch (const json::exception& e) {
     return Status::Corruption(std::string("member record: ") + e.what());
@@ -192,6 +211,7 @@ std::vector<NodeInfo> MembershipView::RingNodes() const {
   std::vector<NodeInfo> nodes;
   for (const auto& m : members) {
     if (m.draining || drain_requested.count(m.node.id)) continue;
+    if (m.placement != HashRing::kPlacementVersion) continue;
     nodes.push_back(m.node);
   }
   return nodes;
@@ -573,6 +593,16 @@ Result<std::unique_ptr<MemberRegistration>> MemberRegistration::Register(
   }
   auto impl = std::make_unique<Impl>(etcd, record);
   {
+    // A ring of two placements splits the key space: refuse to join one. (Two nodes of
+    // different versions registering at the same instant can both pass; every watcher leaves
+    // the foreign one out of its ring, RingNodes.)
+    int64_t revision = 0;
+    GKV_ASSIGN_OR_RETURN(KeyMap keys, ReadPrefix(impl->client, etcd.prefix(), &revision));
+    for (const MemberRecord& m : BuildView(keys, revision, 0).members) {
+      if (m.node.id != record.node.id && m.placement != HashRing::kPlacementVersion) {
+        return Status::NotSupported("not joining: " + ForeignPlacementMessage(m));
+      }
+    }
     std::lock_guard<std::mutex> lock(impl->mu);
     GKV_RETURN_IF_ERROR(impl->RegisterLocked());
   }

@@ -333,13 +333,19 @@ class Client:
 
     @property
     def nodes(self) -> list[str]:
-        """The node ids of the cluster file, in order."""
+        """The ids of every node this client knows of: a static cluster's nodes in file order;
+        under etcd the members in the order the client learnt of them (a node that left stays
+        listed, so its index in ``stats()`` and ``ping()`` keeps its meaning)."""
         return self._core().nodes()
 
     def node_for(self, key: str) -> str:
-        """The id of the node that owns ``key``."""
+        """The id of the node that owns ``key`` in the client's ring. Raises ``Unavailable``
+        when the ring has no members (under etcd, every node left)."""
         c = self._core()
-        return c.nodes()[c.node_for(key)]
+        index = c.node_for(key)
+        if index < 0:
+            raise Unavailable("the ring has no members")
+        return c.nodes()[index]
 
     # --- operations ---
 

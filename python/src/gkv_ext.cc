@@ -458,9 +458,11 @@ class PyClient {
     return **r;
   }
 
+  // Every node the client knows of, by the index Ping, NodeStats and NodeFor use (under etcd
+  // the members as the client learnt of them; the cluster file lists none).
   std::vector<std::string> Nodes() {
     std::vector<std::string> ids;
-    for (const auto& n : Use()->cluster().nodes) ids.push_back(n.id);
+    for (const auto& n : Use()->Nodes()) ids.push_back(n.id);
     return ids;
   }
 
@@ -474,11 +476,9 @@ class PyClient {
   }
 
   std::string NodeId(int node) {
-    auto c = Use();
-    if (node < 0 || node >= static_cast<int>(c->cluster().nodes.size())) {
-      return std::to_string(node);
-    }
-    return c->cluster().nodes[node].id;
+    const std::vector<NodeInfo> nodes = Use()->Nodes();
+    if (node < 0 || node >= static_cast<int>(nodes.size())) return std::to_string(node);
+    return nodes[node].id;
   }
 
   std::vector<uint64_t> RunMultiPut(const std::vector<PutItem>& items, BufferMemory memory,

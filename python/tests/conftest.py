@@ -51,25 +51,83 @@ def _die_with_pytest() -> None:
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
+class Etcd:
+    """A single-member etcd on free 127.0.0.1 ports ($GKV_ETCD_BIN, else etcd from PATH), in
+    `directory`, stopped by process id. One that does not answer within 10 s raises."""
+
+    def __init__(self, directory: Path) -> None:
+        binary = os.environ.get("GKV_ETCD_BIN") or shutil.which("etcd")
+        if not binary:
+            raise RuntimeError("no etcd binary: install etcd-server (scripts/deps.sh)")
+        client, peer = _free_port(_TAKEN), _free_port(_TAKEN)
+        self.endpoint = f"http://127.0.0.1:{client}"
+        peer_url = f"http://127.0.0.1:{peer}"
+        self.log_path = directory / "etcd.log"
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [binary, "--name=gkv-pytest", f"--data-dir={directory / 'etcd-data'}",
+             f"--listen-client-urls={self.endpoint}", f"--advertise-client-urls={self.endpoint}",
+             f"--listen-peer-urls={peer_url}", f"--initial-advertise-peer-urls={peer_url}",
+             f"--initial-cluster=gkv-pytest={peer_url}", "--initial-cluster-state=new",
+             "--heartbeat-interval=50", "--election-timeout=500"],
+            stdout=log, stderr=log, preexec_fn=_die_with_pytest)
+        log.close()
+        deadline = time.monotonic() + 10
+        import urllib.request
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"etcd exited ({self.proc.returncode}):\n{self.log()}")
+            try:
+                with urllib.request.urlopen(self.endpoint + "/health", timeout=0.5) as r:
+                    if b'"true"' in r.read():
+                        return
+            except OSError:
+                pass
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"etcd did not answer within 10 s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
 class Cluster:
-    """n gkv-server nodes; cluster_file is the YAML to open clients with."""
+    """n gkv-server nodes; cluster_file is the YAML to open clients with. With etcd=True the
+    members come from an etcd of the cluster's own (``membership: etcd``), as in production."""
 
     def __init__(self, n: int, host_mem: str = "256MiB", disk: str | None = "1GiB",
-                 secret: str | None = None, extra: list[str] | None = None) -> None:
+                 secret: str | None = None, extra: list[str] | None = None,
+                 etcd: bool = False) -> None:
         if not os.access(SERVER, os.X_OK):
             raise RuntimeError(f"no gkv-server at {SERVER}: build first (scripts/build.sh)")
         self.dir = Path(tempfile.mkdtemp(prefix="gkv-pytest-"))
         self.ports = [_free_port(_TAKEN) for _ in range(n)]
         self.cluster_file = str(self.dir / "cluster.yaml")
-        with open(self.cluster_file, "w") as f:
-            f.write("nodes:\n")
-            for i, p in enumerate(self.ports):
-                f.write(f"  - {{id: n{i}, address: 127.0.0.1:{p}}}\n")
-            if secret:
-                f.write(f'secret: "{secret}"\n')
+        self.etcd = None
         self.host_mem, self.disk, self.extra = host_mem, disk, extra or []
         self.procs: list[subprocess.Popen | None] = [None] * n
         try:
+            if etcd:
+                self.etcd = Etcd(self.dir)
+            with open(self.cluster_file, "w") as f:
+                if self.etcd:
+                    f.write("membership: etcd\n"
+                            f"etcd: {{endpoints: [{self.etcd.endpoint}], lease_ttl_s: 2}}\n")
+                else:
+                    f.write("nodes:\n")
+                    for i, p in enumerate(self.ports):
+                        f.write(f"  - {{id: n{i}, address: 127.0.0.1:{p}}}\n")
+                if secret:
+                    f.write(f'secret: "{secret}"\n')
             for i in range(n):
                 self.start(i)
             for i in range(n):
@@ -82,6 +140,8 @@ class Cluster:
         args = [SERVER, "--cluster", self.cluster_file, "--node", f"n{i}",
                 "--host-mem", self.host_mem, "--threads", "2",
                 "--io-threads", "2"]
+        if self.etcd:
+            args += ["--listen", f"127.0.0.1:{self.ports[i]}"]
         if self.disk:
             args += ["--disk", str(self.dir / f"disk{i}"), "--disk-capacity", self.disk]
         args += self.extra
@@ -124,6 +184,8 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        if self.etcd:
+            self.etcd.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 

@@ -255,6 +255,29 @@ def test_stats_is_a_dict_per_node(client):
     assert client.ping() == {"n0": "ok", "n1": "ok", "n2": "ok"}
 
 
+def test_nodes_node_for_ping_and_stats_under_etcd(own_cluster):
+    """Under etcd membership the cluster file lists no nodes: the node list, routing, ping and
+    stats come from the members the client learnt of (issue 38 (e))."""
+    c = own_cluster(3, etcd=True)
+    with gkv.Client(c.cluster_file, timeout=5.0) as cl:
+        deadline = time.monotonic() + 10
+        while set(cl.nodes) != {"n0", "n1", "n2"} and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sorted(cl.nodes) == ["n0", "n1", "n2"]
+        owners = {cl.node_for(f"etcd/{k}") for k in range(300)}
+        assert owners == {"n0", "n1", "n2"}
+        key = "etcd/0"
+        owner = cl.node_for(key)
+        before = cl.stats()[owner]["ops"]["put"]
+        cl.put(key, b"on its owner")
+        s = cl.stats()
+        assert set(s) == {"n0", "n1", "n2"}
+        assert all(s[n]["node"] == n for n in s)
+        assert s[owner]["ops"]["put"] == before + 1
+        assert cl.get(key) == b"on its owner"
+        assert cl.ping() == {"n0": "ok", "n1": "ok", "n2": "ok"}
+
+
 def test_async_forms_return_futures(client):
     a = np.arange(100, dtype=np.float32)
     f = client.put_async("async/a", a)

@@ -18,7 +18,8 @@ Result<ConnId> Server::Impl::PeerConn(int node) {
   transport->Send(
       conn, w::kAmRequest,
       w::EncodeMessage({w::Opcode::kPeerHello, 0, 0},
-                       w::EncodePeerHello(self.id, options.cluster.effective_peer_secret())),
+                       w::EncodePeerHello(self.id, options.cluster.effective_peer_secret(),
+                                          HashRing::kPlacementVersion)),
       nullptr, 0, MemoryKind::kHost, [](Status) {});
   return conn;
 }
@@ -57,7 +58,16 @@ void Server::Impl::OnPeerReply(std::unique_ptr<Incoming> msg) {
   if (!w::DecodeMessage(msg->header().data(), msg->header().size(), &h, &body).ok()) return;
   // Only on a connection this node opened to a peer, and only for a call made on it: a client
   // (or any other connection) can never answer a pending INVALIDATE or REPLICA_PUT.
-  if (peer_of_conn.count(msg->conn()) == 0) return;
+  auto from = peer_of_conn.find(msg->conn());
+  if (from == peer_of_conn.end()) return;
+  if (h.request_id == 0) {  // PEER_HELLO's answer: only a refusal is worth a word
+    w::ReplyStatus rs;
+    if (w::DecodeStatusPrefix(body, &rs).ok() && !rs.ToStatus().ok()) {
+      GKV_LOG_ERROR("peer {} refused this node's PEER_HELLO: {}",
+                    LogKey(options.cluster.nodes[from->second].id), rs.ToStatus().ToString());
+    }
+    return;
+  }
   auto it = peer_calls.find(h.request_id);
   if (it == peer_calls.end() || it->second.conn != msg->conn()) return;
   auto cb = std::move(it->second.done);

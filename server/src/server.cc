@@ -481,10 +481,29 @@ bool Server::Impl::PeerOnly(const Req& r) {
 
 void Server::Impl::AuthenticatePeer(const Req& r, std::string_view body) {
   std::string node_id, proof;
-  Status s = w::DecodePeerHello(body, &node_id, &proof);
+  uint32_t placement = 0;
+  Status s = w::DecodePeerHello(body, &node_id, &proof, &placement);
   const int node = s.ok() ? options.cluster.FindNode(node_id) : -1;
   const std::string& want = options.cluster.effective_peer_secret();
-  if (s.ok() && node >= 0 && node != self_index && (want.empty() || SecretEquals(proof, want))) {
+  const bool proven =
+      s.ok() && node >= 0 && node != self_index && (want.empty() || SecretEquals(proof, want));
+  if (proven && placement != HashRing::kPlacementVersion) {
+    // A node that places keys differently would hand off, replicate and repair by another
+    // ring: refused, loudly, on both sides (its calls fail as the connection closes).
+    counters.auth_failures.fetch_add(1, std::memory_order_relaxed);
+    GKV_LOG_ERROR(
+        "refused peer {}: it places keys by placement version {}, this node by version {}; "
+        "nodes of two placements split the key space: upgrade every node together (README, "
+        "'Upgrading')",
+        LogKey(node_id), placement, HashRing::kPlacementVersion);
+    const ConnId conn = r.conn;
+    Status refused = Status::NotSupported("this node places keys by placement version " +
+                                          std::to_string(HashRing::kPlacementVersion) +
+                                          ", yours by " + std::to_string(placement));
+    return Reply(r, refused, w::EncodeStatusReply(refused), nullptr, 0, MemoryKind::kHost,
+                 [this, conn] { CloseConnection(conn, /*force=*/false); });
+  }
+  if (proven) {
     peer_node_of_conn[r.conn] = node;
     W().authenticated[r.conn] = true;  // a node of the cluster may also use the client protocol
     TellConnWorker(r.conn, /*peer=*/true);

@@ -83,7 +83,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
           case Opcode::kPeerHello: {
             // Decoded before any authentication: the most exposed decoder.
             std::string secret;
-            (void)DecodePeerHello(body, &key, &secret);
+            uint32_t placement = 0;
+            (void)DecodePeerHello(body, &key, &secret, &placement);
             break;
           }
           default:

@@ -184,18 +184,24 @@ Status DecodeHello(std::string_view body, std::string* secret) {
   return Status::OK();
 }
 
-std::string EncodePeerHello(std::string_view node_id, std::string_view peer_secret) {
+std::string EncodePeerHello(std::string_view node_id, std::string_view peer_secret,
+                            uint32_t placement) {
   std::string out;
   ByteWriter w(&out);
   w.String(node_id);
   w.String(peer_secret);
+  w.U32(placement);
   return out;
 }
 
-Status DecodePeerHello(std::string_view body, std::string* node_id, std::string* peer_secret) {
+Status DecodePeerHello(std::string_view body, std::string* node_id, std::string* peer_secret,
+                       uint32_t* placement) {
   ByteReader r(body);
-  if (!r.String(node_id, kMaxMessageText) || !r.String(peer_secret, kMaxMessageText) ||
-      r.remaining() != 0) {
+  if (!r.String(node_id, kMaxMessageText) || !r.String(peer_secret, kMaxMessageText)) {
+    return Malformed("peer hello");
+  }
+  *placement = 1;  // a hello from before placement versions
+  if (r.remaining() != 0 && (!r.U32(placement) || r.remaining() != 0)) {
     return Malformed("peer hello");
   }
   return Status::OK();

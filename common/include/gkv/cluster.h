@@ -7,9 +7,12 @@
 //   secret: ...        # optional shared secret (or secret_env: NAME to read it from the env)
 //   peer_secret: ...   # optional, nodes only: what nodes present to each other (peer_secret_env)
 //
-// HashRing: xxHash3 positions, `vnodes_per_weight * weight` virtual nodes per node, so a node's
-// share of the key space follows its weight (set it from the node's memory). A key belongs to
-// the first virtual node clockwise from HashKey(key). Removing a node moves only its own keys.
+// HashRing: `vnodes_per_weight * weight` virtual points per node, so a node's share of the key
+// space follows its weight (set it from the node's memory). Point v of a node sits at
+// RingPointPosition(HashKey(id), v) (gkv/hash.h): positions depend only on the id, whatever
+// its form or length, so membership changes and address moves leave the other nodes' points
+// where they were. A key belongs to the first point clockwise from HashKey(key). Removing a
+// node moves only its own keys.
 // Thread-safety: immutable after construction; share freely.
 #pragma once
 
@@ -67,9 +70,19 @@ Result<ClusterConfig> LoadClusterFile(const std::string& path);
 // "host:port" (IPv4 or a name; "[v6]:port" for IPv6).
 Status ParseAddress(std::string_view address, std::string* host, uint16_t* port);
 
+// A node's weight is in (0, kMaxNodeWeight]: the ring holds weight * 1024 points per node, so
+// an unbounded weight (a typo, a hostile member record) would exhaust memory.
+inline constexpr double kMaxNodeWeight = 1000.0;
+
 class HashRing {
  public:
   static constexpr int kDefaultVnodesPerWeight = 1024;
+  // Which construction places keys on nodes (point positions, points per weight, key hash).
+  // Processes that place keys differently would split the key space two ways, so nodes
+  // publish it (member records, PEER_HELLO) and refuse to join a ring of another version
+  // (README, "Upgrading"). Version 1 (before December 2026) seeded XXH3 with the point index;
+  // version 2 derives points with RingPointPosition. Bump it with any change that moves keys.
+  static constexpr uint32_t kPlacementVersion = 2;
 
   explicit HashRing(const std::vector<NodeInfo>& nodes,
                     int vnodes_per_weight = kDefaultVnodesPerWeight);

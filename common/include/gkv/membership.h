@@ -44,6 +44,9 @@ struct MemberRecord {
   uint64_t host_bytes = 0;
   uint64_t disk_bytes = 0;
   bool draining = false;  // set by the node once it starts handing everything off
+  // How the node places keys (HashRing::kPlacementVersion); a record without the field was
+  // written by a build of placement version 1.
+  uint32_t placement = HashRing::kPlacementVersion;
 };
 
 std::string EncodeMemberRecord(const MemberRecord& record);
@@ -60,7 +63,9 @@ struct MembershipView {
   // (no scan of theirs runs): another node catching up need not wait for them.
   std::set<std::string> catching_up;
 
-  // The members that own keys: not draining and not asked to drain, sorted by id.
+  // The members that own keys: not draining, not asked to drain, and placing keys as this
+  // build does (a member of another placement version is left out: rings of two placements
+  // would split the key space), sorted by id.
   std::vector<NodeInfo> RingNodes() const;
   const MemberRecord* Find(std::string_view id) const;
 };
@@ -97,7 +102,8 @@ class MemberRegistration {
   // (every third of the TTL) and registers again, under a new lease, if it expired while etcd was
   // unreachable. Fails with Unavailable when etcd cannot be reached, InvalidArgument when
   // another live node holds the same id (also a node of this id that crashed less than a TTL
-  // ago: its lease still holds the record).
+  // ago: its lease still holds the record), NotSupported when a registered member places keys
+  // by another placement version (HashRing::kPlacementVersion: an upgrade restarts every node).
   static Result<std::unique_ptr<MemberRegistration>> Register(const EtcdConfig& etcd,
                                                               const MemberRecord& record);
   // Stops the keepalive (the record then expires with the lease); as prompt as the watcher's.

@@ -138,9 +138,13 @@ Status DecodeKeyRequest(std::string_view body, std::string* key);
 // Hello: the cluster secret.
 std::string EncodeHello(std::string_view secret);
 Status DecodeHello(std::string_view body, std::string* secret);
-// Peer hello: the calling node's id and the peer secret (empty when the cluster has none).
-std::string EncodePeerHello(std::string_view node_id, std::string_view peer_secret);
-Status DecodePeerHello(std::string_view body, std::string* node_id, std::string* peer_secret);
+// Peer hello: the calling node's id, the peer secret (empty when the cluster has none) and the
+// caller's placement version (HashRing::kPlacementVersion; a hello without it, from a build
+// before placement versions, decodes as version 1).
+std::string EncodePeerHello(std::string_view node_id, std::string_view peer_secret,
+                            uint32_t placement);
+Status DecodePeerHello(std::string_view body, std::string* node_id, std::string* peer_secret,
+                       uint32_t* placement);
 
 // MultiGet: the body is empty; the payload is this block. With `versions` (same length as
 // keys; the request then has kFlagVersionedKeys) each key is followed by its u64 version.
