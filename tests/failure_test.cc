@@ -115,6 +115,18 @@ TEST(FailureTest, ReplicatedKeysStayReadableWhenTheirPrimaryDies) {
   auto many = c.MultiGet({k});
   ASSERT_TRUE(many[0].ok()) << many[0].status().ToString();
   EXPECT_EQ(many[0]->view(), "replicated");
+  // Stat (an existence check) fails over as Get does (issue 38 (d)): it was Unavailable.
+  auto info = c.Stat(k);
+  ASSERT_TRUE(info.ok()) << info.status().ToString();
+  EXPECT_EQ(info->size, 10u);
+  EXPECT_EQ(info->version, got->info().version);
+  // A key neither live owner holds is a miss, not a failure.
+  std::string absent;
+  for (int i = 0; absent.empty(); ++i) {
+    const std::string candidate = "absent-" + std::to_string(i);
+    if (HashRing(c.cluster().nodes).NodesFor(candidate, 1)[0] == 0) absent = candidate;
+  }
+  EXPECT_EQ(c.Stat(absent).status().code(), StatusCode::kNotFound);
   // A write is acknowledged only by the primary (reads go there first): with it down, puts and
   // deletes fail, though the live replica may have taken them (a read may then see them).
   auto put = c.Put(k, "newer", 5);

@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "cluster_harness.h"
+#include "gkv/hybrid_clock.h"
 #include "gkv/random.h"
 #include "gkv/transport/protocol.h"
 #include "gkv/transport/ucx_transport.h"
@@ -321,6 +322,30 @@ TEST(GuaranteesTest, ReplicationMessagesAreRefusedFromClients) {
   auto got = client->Get(key);
   ASSERT_TRUE(got.ok());
   EXPECT_EQ(got->view(), "v1");
+}
+
+// Issue 38 item 11: a HANDOFF_PUT's version is capped as a client's is, so a peer (or whoever
+// holds the peer secret) cannot make a key un-overwritable with a version of UINT64_MAX.
+TEST(GuaranteesTest, AHandoffVersionFarAheadOfTheClockIsRefused) {
+  Cluster cluster(2);
+  auto client = cluster.NewClient();
+  ASSERT_TRUE(client);
+  const std::string key = KeyOn(*client, 1), other = key + "-other";
+  RawConnection raw(client->cluster().nodes[1].port);
+  raw.Send(wire::Opcode::kPeerHello,
+           wire::EncodePeerHello("n0", "", HashRing::kPlacementVersion), 1);
+  ASSERT_EQ(raw.WaitReply(1), StatusCode::kOk);
+  raw.Send(wire::Opcode::kHandoffPut, wire::EncodeHandoffPut({key, {}, 6}, UINT64_MAX), 2,
+           "forged");
+  EXPECT_EQ(raw.WaitReply(2), StatusCode::kInvalidArgument);
+  // A version at the clock is taken.
+  raw.Send(wire::Opcode::kHandoffPut, wire::EncodeHandoffPut({other, {}, 6}, WallClockVersion()),
+           3, "handed");
+  EXPECT_EQ(raw.WaitReply(3), StatusCode::kOk);
+  ASSERT_TRUE(client->Put(key, "v2", 2).ok());
+  auto got = client->Get(key);
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  EXPECT_EQ(got->view(), "v2");
 }
 
 // Issue 12 item 12: while the primary waits for replicas to confirm an INVALIDATE, "OK" replies

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <fstream>
 #include <string>
+#include <thread>
 
 #include "etcd_harness.h"
 #include "gkv/membership.h"
@@ -153,6 +154,50 @@ TEST_F(EtcdCliTest, DrainAsksTheNodeToLeave) {
   auto missing = Gkv(cluster_file_, "drain n9");
   EXPECT_EQ(missing.code, 1) << missing.out;
   EXPECT_NE(missing.out.find("no member 'n9'"), std::string::npos) << missing.out;
+}
+
+// Issue 38 item 6: a drain request lives on the node's lease (it cannot outlive the node and
+// drain the next process of its id), and `gkv undrain` withdraws one not yet begun.
+TEST_F(EtcdCliTest, ADrainRequestGoesWithItsNodeAndUndrainWithdrawsIt) {
+  auto n0 = MemberRegistration::Register(config_, Record("n0", 7000, 1));
+  ASSERT_TRUE(n0.ok()) << n0.status().ToString();
+  {
+    // A node asked to drain that stops without deregistering (a crash): the request goes
+    // with its lease.
+    auto n1 = MemberRegistration::Register(config_, Record("n1", 7001, 1));
+    ASSERT_TRUE(n1.ok()) << n1.status().ToString();
+    ASSERT_EQ(Gkv(cluster_file_, "drain n1").code, 0);
+    ASSERT_EQ(ReadMembership(config_)->drain_requested.count("n1"), 1u);
+  }  // the keepalive stops here, as at a crash: the lease expires within its TTL (5 s)
+  auto view = ReadMembership(config_);
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (view.ok() && view->Find("n1") && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    view = ReadMembership(config_);
+  }
+  ASSERT_TRUE(view.ok());
+  ASSERT_EQ(view->Find("n1"), nullptr) << "n1's lease never expired";
+  EXPECT_EQ(view->drain_requested.count("n1"), 0u);
+
+  ASSERT_EQ(Gkv(cluster_file_, "drain n0").code, 0);
+  auto undrain = Gkv(cluster_file_, "undrain n0");
+  EXPECT_EQ(undrain.code, 0) << undrain.out;
+  EXPECT_NE(undrain.out.find("withdrew the drain request of n0"), std::string::npos)
+      << undrain.out;
+  view = ReadMembership(config_);
+  ASSERT_TRUE(view.ok());
+  EXPECT_EQ(view->drain_requested.count("n0"), 0u);
+  EXPECT_EQ(view->RingNodes().size(), 1u);
+  auto none = Gkv(cluster_file_, "undrain n0");
+  EXPECT_EQ(none.code, 1) << none.out;
+  EXPECT_NE(none.out.find("no drain of 'n0' is requested"), std::string::npos) << none.out;
+  // One already handing off is not stopped halfway.
+  MemberRecord draining = Record("n0", 7000, 1);
+  draining.draining = true;
+  ASSERT_TRUE((*n0)->Update(draining).ok());
+  auto late = Gkv(cluster_file_, "undrain n0");
+  EXPECT_EQ(late.code, 4) << late.out;
+  EXPECT_NE(late.out.find("handing its keys off already"), std::string::npos) << late.out;
 }
 
 TEST_F(EtcdCliTest, DeadEtcdIsReportedQuickly) {

@@ -216,10 +216,14 @@ struct TieredCache::Impl {
   // (WallClockVersion), above every version this node handed out or installed before. So
   // versions of different nodes compare in the order the writes happened (to within the clocks'
   // skew), which is what a handoff between nodes needs ("versions decide").
-  // The persisted mark still guards a restart whose clock went backwards: a block of 2^42
-  // (about 70 minutes of clock) per extension; the fast path leaves the last 2^30 to the slow
-  // path.
-  static constexpr uint64_t kVersionBlock = uint64_t{1} << 42;
+  // The persisted mark still guards a restart whose clock went backwards: a block of 2^32
+  // (about 4.2 s of clock) per extension; the fast path leaves the last 2^30 (about 1 s) to the
+  // slow path, so a node whose versions follow the clock writes the mark (one synced write)
+  // about every 3 s. A restart starts at the mark, so its versions are at most one block ahead
+  // of the clock: with 2^42 blocks (70 minutes) they ran an hour ahead of every other node's,
+  // clients stamping with them were refused, and a handed-off older copy with such a version
+  // beat newer writes (issue 38 (b)).
+  static constexpr uint64_t kVersionBlock = uint64_t{1} << 32;
   static constexpr uint64_t kVersionMargin = uint64_t{1} << 30;
 
   // Takes a version from the clock (no disk I/O; the caller checks the mark).

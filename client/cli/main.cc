@@ -3,7 +3,9 @@
 //   gkv --cluster FILE get KEY [--output F]
 //   gkv --cluster FILE del KEY | stat KEY | stats [--json] | ring | ping
 //   gkv --cluster FILE drain NODE      (membership: etcd) the node hands its keys off and leaves
-// With `membership: etcd`, `ring` and `drain` read and write etcd only (no node is contacted).
+//   gkv --cluster FILE undrain NODE    (membership: etcd) withdraws a drain not yet begun
+// With `membership: etcd`, `ring`, `drain` and `undrain` read and write etcd only (no node is
+// contacted).
 // Exit codes: 0 success, 1 not found, 2 usage, 3 the cluster could not be reached, 4 any other
 // error. Errors are one line on stderr.
 #include <CLI/CLI.hpp>
@@ -103,8 +105,8 @@ int PrintEtcdRing(const gkv::EtcdConfig& etcd) {
     std::printf("%-10s %-24s %8.2f %7.2f%%  %s\n", m.node.id.c_str(), m.node.address().c_str(),
                 m.node.weight, share * 100, state.c_str());
   }
-  // Keys of ids that are not registered (drain/<id> has no lease: a node that crashed while
-  // draining leaves it behind).
+  // Keys of ids that are not registered (a drain key written by a build whose drain keys had
+  // no lease outlives its node: `gkv undrain` removes it).
   for (const auto& id : view->drain_requested) {
     if (!view->Find(id)) std::printf("%-10s drain requested, not registered\n", id.c_str());
   }
@@ -130,6 +132,13 @@ int Drain(const gkv::EtcdConfig& etcd, const std::string& node) {
       "asked %s (%s) to drain: it leaves the ring, hands its keys off to the others and exits; "
       "`gkv ring` shows its progress\n",
       node.c_str(), member ? member->node.address().c_str() : "?");
+  return kOk;
+}
+
+int Undrain(const gkv::EtcdConfig& etcd, const std::string& node) {
+  gkv::Status s = gkv::CancelDrain(etcd, node);
+  if (!s.ok()) return ExitFor(s, "undrain " + node);
+  std::printf("withdrew the drain request of %s\n", node.c_str());
   return kOk;
 }
 
@@ -169,6 +178,9 @@ int main(int argc, char** argv) {
   auto* drain = app.add_subcommand(
       "drain", "membership: etcd: have a node hand its keys off, leave the ring and exit");
   drain->add_option("node", drain_node, "node id")->required();
+  auto* undrain = app.add_subcommand(
+      "undrain", "membership: etcd: withdraw a drain request the node has not begun");
+  undrain->add_option("node", drain_node, "node id")->required();
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -180,16 +192,17 @@ int main(int argc, char** argv) {
   gkv::ClientOptions options;
   options.cluster_file = cluster_file;
   options.default_timeout = std::chrono::milliseconds(timeout_ms);
-  if (*ring || *drain) {
+  if (*ring || *drain || *undrain) {
     auto cluster = gkv::LoadClusterFile(cluster_file);
     if (!cluster.ok()) return ExitFor(cluster.status(), "cluster file");
     const bool in_etcd = cluster->membership == gkv::ClusterConfig::Membership::kEtcd;
-    if (*drain) {
+    if (*drain || *undrain) {
       if (!in_etcd) {
-        std::fprintf(stderr, "gkv: drain needs 'membership: etcd' in the cluster file\n");
+        std::fprintf(stderr, "gkv: %s needs 'membership: etcd' in the cluster file\n",
+                     *drain ? "drain" : "undrain");
         return kUsage;
       }
-      return Drain(cluster->etcd, drain_node);
+      return *drain ? Drain(cluster->etcd, drain_node) : Undrain(cluster->etcd, drain_node);
     }
     if (in_etcd) return PrintEtcdRing(cluster->etcd);
     gkv::HashRing r(cluster->nodes);

@@ -111,6 +111,13 @@ Result<std::unique_ptr<Client>> Client::Open(const ClientOptions& options) {
 const ClusterConfig& Client::cluster() const { return impl_->cluster; }
 int Client::NodeFor(std::string_view key) const { return impl_->Route()->ring->Owner(key); }
 
+std::vector<int> Client::RingMembers() const {
+  const RingPtr ring = impl_->Route()->ring;
+  std::vector<int> members;
+  for (size_t p = 0; p < ring->size(); ++p) members.push_back(ring->slot(p));
+  return members;
+}
+
 std::vector<NodeInfo> Client::Nodes() const {
   std::lock_guard<std::mutex> lock(impl_->nodes_mu);
   return impl_->nodes;
@@ -326,20 +333,24 @@ Status Client::DeleteOnce(std::string_view key, std::chrono::milliseconds timeou
 Result<ValueInfo> Client::Stat(std::string_view key, std::chrono::milliseconds timeout) {
   Impl* I = impl_.get();
   const auto deadline = I->DeadlineFrom(timeout);
+  auto left_now = [&] { return TimeLeft(deadline); };
   for (;;) {
     auto route = I->Route();
-    const auto left =
-        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-    auto r =
-        StatOnce(key, route->ring->Owner(key), 0, std::max(left, std::chrono::milliseconds(1)));
+    auto r = StatOnce(key, route->ring->Owner(key), 0, left_now());
+    // A failed owner is failed over as a get is (OnGetAnswer): the key's next owners are
+    // asked in order, and the first answer that is not itself a node failure stands.
+    if (!r.ok() && Impl::NodeFailure(r.status()) && I->options.replicas > 1) {
+      const std::vector<int> owners = route->ring->Owners(key, I->options.replicas);
+      for (size_t i = 1; i < owners.size() && Clock::now() < deadline; ++i) {
+        auto next = StatOnce(key, owners[i], 0, left_now());
+        if (!next.ok() && Impl::NodeFailure(next.status())) continue;
+        r = std::move(next);
+        break;
+      }
+    }
     // Keys may be moving: a miss is asked of the previous owners too, and then of the owner
     // once more (the key may have moved between the questions: see GetFrom).
     if (!r.ok() && r.status().code() == StatusCode::kNotFound && route->Moving()) {
-      auto left_now = [&] {
-        return std::max(
-            std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()),
-            std::chrono::milliseconds(1));
-      };
       const int owner = route->ring->Owner(key);
       std::vector<int> others;  // the key's other owners, then its previous owners
       for (int n : route->ring->Owners(key, I->options.replicas)) {
@@ -405,21 +416,27 @@ std::vector<Result<Value>> Client::MultiGet(const std::vector<std::string>& keys
     results[i] = std::move(v);
   };
   I->RunBatchRead(batch);
-  // Keys whose node failed: one by one through Get, which tries the other replicas. So are keys
-  // a node refused as misrouted, and misses while keys may be moving (Get also asks the
-  // previous owners).
+  // Keys whose node failed go through Get, which tries the other replicas. So do keys a node
+  // refused as misrouted, and misses while keys may be moving (Get also asks the previous
+  // owners). All at once, within what is left of the batch's deadline (issue 38 item 9: one
+  // after another, each with a fresh timeout, a 4,096-row batch took 4,096 round trips, or
+  // timeouts).
   const bool moving = I->Route()->Moving();
+  std::vector<std::pair<size_t, std::future<Result<Value>>>> again_rows;
+  GetOptions rest = o;
+  rest.timeout = TimeLeft(batch->deadline);
   for (size_t i = 0; i < keys.size(); ++i) {
     if (results[i].ok()) continue;
     const StatusCode code = results[i].status().code();
     const bool again = code == StatusCode::kWrongNode || (moving && code == StatusCode::kNotFound);
     if (!again && !Impl::NodeFailure(results[i].status())) continue;
     if (again || I->options.replicas > 1) {
-      results[i] = Get(keys[i], o);
+      if (Clock::now() < batch->deadline) again_rows.emplace_back(i, GetAsync(keys[i], rest));
     } else if (o.fail_open) {
       results[i] = Status::NotFound("node unavailable (fail-open)");
     }
   }
+  for (auto& [i, row] : again_rows) results[i] = row.get();
   return results;
 }
 
@@ -632,7 +649,8 @@ std::vector<Status> Client::MultiGetInto(const std::vector<std::string>& keys, v
     }
   }
   // Keys whose node failed: one by one through GetInto, which tries the other replicas (and
-  // keys refused as misrouted, and misses while keys may be moving: see MultiGet).
+  // keys refused as misrouted, and misses while keys may be moving: see MultiGet), within what
+  // is left of the batch's deadline.
   GetOptions one = o;
   one.accept = check;
   const bool moving = I->Route()->Moving();
@@ -642,6 +660,8 @@ std::vector<Status> Client::MultiGetInto(const std::vector<std::string>& keys, v
     const bool again = code == StatusCode::kWrongNode || (moving && code == StatusCode::kNotFound);
     if (!again && !Impl::NodeFailure(results[i])) continue;
     if (again || I->options.replicas > 1) {
+      if (Clock::now() >= batch->deadline) continue;  // keeps the failure it had
+      one.timeout = TimeLeft(batch->deadline);
       results[i] =
           GetInto(keys[i], static_cast<std::byte*>(dst) + i * row_stride, row_bytes, one).status();
     } else if (o.fail_open) {

@@ -48,6 +48,12 @@ inline std::string_view TierNameOf(uint8_t tier) {
   return tier < 3 ? kNames[tier] : "unknown";
 }
 
+// What is left until `deadline` as a call's timeout: at least 1 ms (0 means the default).
+inline std::chrono::milliseconds TimeLeft(Clock::time_point deadline) {
+  return std::max(std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()),
+                  std::chrono::milliseconds(1));
+}
+
 inline ValueInfo ToInfo(const w::ObjectMeta& m) {
   return ValueInfo{m.size, m.version, m.tensor, std::string(TierNameOf(m.tier)), m.on_disk};
 }

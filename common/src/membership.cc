@@ -100,7 +100,14 @@ MembershipView BuildView(const KeyMap& keys, uint64_t revision, uint64_t epoch) 
       if (value == kCatchUpMark) view.catching_up.insert(id);
     }
   }
-  // Keys come sorted, so members are sorted by id already.
+  // Keys come sorted, so members are sorted by id already. A member of another placement
+  // version is out of the ring; its handoff mark says nothing about this ring's keys (and
+  // would keep clients asking previous owners, and catching-up nodes waiting, for nothing).
+  for (const MemberRecord& m : view.members) {
+    if (m.placement == HashRing::kPlacementVersion) continue;
+    view.handoffs_running.erase(m.node.id);
+    view.catching_up.erase(m.node.id);
+  }
   return view;
 }
 
@@ -676,11 +683,40 @@ Status RequestDrain(const EtcdConfig& etcd, std::string_view node_id) {
   etcd::EtcdClient client(etcd.endpoints);
   const std::string prefix = etcd.prefix();
   const std::string id(node_id);
-  // Only for a registered member, checked in the same transaction as the write.
+  const std::string member_key = prefix + std::string(kMembersDir) + id;
+  // On the member's own lease, checked in the same transaction as the write: the request goes
+  // with the node (a node that dies mid-drain leaves no key that would drain the next process
+  // of its id at its start).
+  GKV_ASSIGN_OR_RETURN(auto member, client.Range(member_key));
+  if (member.kvs.empty()) return Status::NotFound("no member '" + LogKey(id) + "' is registered");
+  const int64_t lease = member.kvs[0].lease;
   GKV_ASSIGN_OR_RETURN(auto txn,
-                       client.Txn({etcd::KeyExists(prefix + std::string(kMembersDir) + id)},
-                                  {etcd::PutOp(prefix + std::string(kDrainDir) + id, "")}));
-  if (!txn.succeeded) return Status::NotFound("no member '" + id + "' is registered");
+                       client.Txn({etcd::KeyOnLease(member_key, lease)},
+                                  {etcd::PutOp(prefix + std::string(kDrainDir) + id, "", lease)}));
+  if (!txn.succeeded) {
+    return Status::NotFound("member '" + LogKey(id) + "' left or registered again meanwhile");
+  }
+  return Status::OK();
+}
+
+Status CancelDrain(const EtcdConfig& etcd, std::string_view node_id) {
+  GKV_RETURN_IF_ERROR(CheckEtcdConfig(etcd));
+  GKV_RETURN_IF_ERROR(CheckNodeId(node_id));
+  etcd::EtcdClient client(etcd.endpoints);
+  const std::string prefix = etcd.prefix();
+  const std::string id(node_id);
+  const std::string drain_key = prefix + std::string(kDrainDir) + id;
+  GKV_ASSIGN_OR_RETURN(auto member, client.Range(prefix + std::string(kMembersDir) + id));
+  if (!member.kvs.empty()) {
+    auto record = DecodeMemberRecord(member.kvs[0].value);
+    if (record.ok() && record->draining) {
+      return Status::Aborted("member '" + LogKey(id) +
+                             "' is handing its keys off already: it leaves once done (start it "
+                             "again to have it rejoin)");
+    }
+  }
+  GKV_ASSIGN_OR_RETURN(auto txn, client.Txn({etcd::KeyExists(drain_key)}, {etcd::DeleteOp(drain_key)}));
+  if (!txn.succeeded) return Status::NotFound("no drain of '" + LogKey(id) + "' is requested");
   return Status::OK();
 }
 

@@ -333,10 +333,16 @@ class Client:
 
     @property
     def nodes(self) -> list[str]:
-        """The ids of every node this client knows of: a static cluster's nodes in file order;
-        under etcd the members in the order the client learnt of them (a node that left stays
-        listed, so its index in ``stats()`` and ``ping()`` keeps its meaning)."""
-        return self._core().nodes()
+        """The ids of the nodes in the ring the client routes by now: a static cluster's nodes
+        in file order; under etcd the members that own keys, sorted by id (a node that left,
+        or is draining, is not listed)."""
+        c = self._core()
+        known = c.nodes()
+        return [known[i] for i in c.ring_members()]
+
+    def _members(self, c) -> list[tuple[int, str]]:
+        known = c.nodes()
+        return [(i, known[i]) for i in c.ring_members()]
 
     def node_for(self, key: str) -> str:
         """The id of the node that owns ``key`` in the client's ring. Raises ``Unavailable``
@@ -465,15 +471,15 @@ class Client:
         return StatInfo(size, version, dtype, tuple(shape), tier, on_disk)
 
     def stats(self, *, timeout: float | None = None) -> dict[str, dict]:
-        """Every node's statistics (docs/STATS.md), keyed by node id."""
+        """The statistics (docs/STATS.md) of every node in ``nodes``, keyed by node id."""
         c = self._core()
-        return {nid: json.loads(c.node_stats(i, _ms(timeout))) for i, nid in enumerate(c.nodes())}
+        return {nid: json.loads(c.node_stats(i, _ms(timeout))) for i, nid in self._members(c)}
 
     def ping(self, *, timeout: float | None = None) -> dict[str, str]:
-        """Pings every node; maps each node id to "ok" or its error."""
+        """Pings every node in ``nodes``; maps each node id to "ok" or its error."""
         c = self._core()
         result = {}
-        for i, nid in enumerate(c.nodes()):
+        for i, nid in self._members(c):
             try:
                 c.ping(i, _ms(timeout))
                 result[nid] = "ok"

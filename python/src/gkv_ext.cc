@@ -467,6 +467,7 @@ class PyClient {
   }
 
   int NodeFor(const std::string& key) { return Use()->NodeFor(key); }
+  std::vector<int> RingMembers() { return Use()->RingMembers(); }
 
  private:
   std::shared_ptr<Client> Use() {
@@ -583,5 +584,6 @@ NB_MODULE(_gkv, m) {
       .def("node_stats", &PyClient::NodeStats, nb::arg("node"), nb::arg("timeout_ms"))
       .def("ping", &PyClient::Ping, nb::arg("node"), nb::arg("timeout_ms"))
       .def("nodes", &PyClient::Nodes)
-      .def("node_for", &PyClient::NodeFor, nb::arg("key"));
+      .def("node_for", &PyClient::NodeFor, nb::arg("key"))
+      .def("ring_members", &PyClient::RingMembers);
 }

@@ -276,6 +276,18 @@ def test_nodes_node_for_ping_and_stats_under_etcd(own_cluster):
         assert s[owner]["ops"]["put"] == before + 1
         assert cl.get(key) == b"on its owner"
         assert cl.ping() == {"n0": "ok", "n1": "ok", "n2": "ok"}
+        # A node that leaves (SIGTERM hands its keys off, exits 0) leaves the list, and stats
+        # and ping go on over the others.
+        c.kill(2, signal.SIGTERM)
+        assert c.procs[2].returncode == 0, c.log(2)
+        deadline = time.monotonic() + 10
+        while cl.nodes != ["n0", "n1"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert cl.nodes == ["n0", "n1"]
+        assert set(cl.stats()) == {"n0", "n1"}
+        assert cl.ping() == {"n0": "ok", "n1": "ok"}
+        assert {cl.node_for(f"etcd/{k}") for k in range(300)} == {"n0", "n1"}
+        assert cl.get(key) == b"on its owner"
 
 
 def test_async_forms_return_futures(client):

@@ -44,7 +44,7 @@ int main(int argc, char** argv) {
   int64_t promotion_window_ms = 10000;
   double weight = 1.0;
   std::string handoff_rate = "256MiB";
-  int64_t leave_timeout_ms = 60000;
+  int64_t leave_timeout_ms = 20000;
   app.add_option("--cluster", cluster_file, "cluster file (YAML)")->required();
   app.add_option("--node", node_id, "this node's id in the cluster file")->required();
   app.add_option("--gpu-mem", gpu_mem, "GPU tier size per device, e.g. 8GiB (0: off)");
@@ -125,11 +125,14 @@ int main(int argc, char** argv) {
                  "HOST:PORT to listen on (default: the node's address in the cluster file; under "
                  "etcd required, port 0 picks a free one)");
   app.add_option("--weight", weight, "share of the key space relative to other nodes (etcd)")
-      ->check(CLI::PositiveNumber);
+      ->check(CLI::PositiveNumber)
+      ->check(CLI::Range(0.0, gkv::kMaxNodeWeight));
   app.add_option("--handoff-rate", handoff_rate,
                  "bytes per second a ring change may move off this node (0: unbounded)");
   app.add_option("--leave-timeout-ms", leave_timeout_ms,
-                 "etcd: how long a stop may spend handing keys off before it leaves anyway");
+                 "etcd: how long a stop may spend handing keys off before it leaves anyway "
+                 "(default 20 s: with the write-back after it, within an orchestrator's usual "
+                 "30 s grace period before SIGKILL)");
   app.add_option("--hot-replicas", hot_replicas, "copies of a hot key (next nodes on the ring)")
       ->check(CLI::Range(1, 16));
   app.add_option("--replica-share", replica_share,

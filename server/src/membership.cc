@@ -118,7 +118,11 @@ Status Server::Impl::RegisterSelf(uint16_t port) {
       registration = std::move(*reg);
       return Status::OK();
     }
-    if (reg.status().code() != StatusCode::kInvalidArgument || Clock::now() > give_up) {
+    // InvalidArgument: this id's previous record; NotSupported: a member of another placement
+    // version, e.g. an old build stopped for an upgrade whose lease has yet to expire.
+    const StatusCode code = reg.status().code();
+    if ((code != StatusCode::kInvalidArgument && code != StatusCode::kNotSupported) ||
+        Clock::now() > give_up) {
       return reg.status().WithContext("registering node " + self.id + " in etcd");
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
@@ -147,8 +151,13 @@ void Server::Impl::ApplyMembership(MembershipView v) {
   if (!same) {
     std::string list;
     for (const NodeInfo& n : members) list += (list.empty() ? "" : ",") + n.id;
-    auto next =
-        std::make_shared<RingView>(view.epoch, members, slots, options.cluster.nodes.size());
+    // Every ring this node routes by has an epoch of its own: writes admitted under the ring
+    // before are told apart by it (RingMovedSince) and looked at again. A view's epoch can
+    // repeat the ring's: Leave() drops this node from the view it already applied, before
+    // etcd has the draining record; that ring takes the next number (etcd's revision for the
+    // record is at least that, and its view then leaves the ring as it is).
+    const uint64_t epoch = ring && view.epoch <= ring->epoch() ? ring->epoch() + 1 : view.epoch;
+    auto next = std::make_shared<RingView>(epoch, members, slots, options.cluster.nodes.size());
     RingPtr before = ring;
     // The new epoch first, before the handoff scan can list keys: a put another I/O worker
     // publishes after that listing reads it (both take the cache's locks) and has its key
@@ -198,6 +207,13 @@ void Server::Impl::Leave(std::chrono::milliseconds timeout) {
   // Idle means: the scan for the ring without this node ran to its end with nothing left.
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
   while (!HandoffIdle() || CurrentRing()->contains(self_index)) {
+    // Every member is leaving (a whole cluster stopped at once, as for an upgrade): no node is
+    // left to take the keys, and sends to the others only fail until the timeout. The keys stay
+    // on this node's disk (the stop writes memory back), for its next start.
+    if (CurrentRing()->empty()) {
+      GKV_LOG_INFO("node {}: every member is leaving; keeping the keys on disk", self.id);
+      break;
+    }
     if (Clock::now() > give_up) {
       GKV_LOG_WARN("node {}: handoff did not finish within {} ms; leaving anyway", self.id,
                    timeout.count());

@@ -63,8 +63,16 @@ void Server::Impl::OnPeerReply(std::unique_ptr<Incoming> msg) {
   if (h.request_id == 0) {  // PEER_HELLO's answer: only a refusal is worth a word
     w::ReplyStatus rs;
     if (w::DecodeStatusPrefix(body, &rs).ok() && !rs.ToStatus().ok()) {
-      GKV_LOG_ERROR("peer {} refused this node's PEER_HELLO: {}",
-                    LogKey(options.cluster.nodes[from->second].id), rs.ToStatus().ToString());
+      // Not dialled again for a while (its calls fail fast meanwhile), so the refusal is
+      // logged once a period rather than on every call.
+      const int node = from->second;
+      peer_down_until[node] = Clock::now() + kPeerRefusedFor;
+      GKV_LOG_ERROR("peer {} refused this node's PEER_HELLO: {}{}",
+                    LogKey(options.cluster.nodes[node].id), rs.ToStatus().ToString(),
+                    rs.code == StatusCode::kPermissionDenied
+                        ? " (a wrong peer secret, or a build of another placement version: "
+                          "README, 'Upgrading')"
+                        : "");
     }
     return;
   }

@@ -686,7 +686,10 @@ Result<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
     if (options.listen_host.empty()) {
       return Status::InvalidArgument("under etcd a node needs a listen address (--listen)");
     }
-    if (!(options.weight > 0)) return Status::InvalidArgument("weight must be positive");
+    if (!(options.weight > 0) || !(options.weight <= kMaxNodeWeight)) {
+      return Status::InvalidArgument("weight must be in (0, " +
+                                     std::to_string(static_cast<int>(kMaxNodeWeight)) + "]");
+    }
     impl->self =
         NodeInfo{options.node_id, options.listen_host, options.listen_port, options.weight};
     GKV_RETURN_IF_ERROR(impl->StartMembership());

@@ -100,8 +100,9 @@ struct ServerOptions {
   double weight = 1.0;
   uint64_t handoff_bytes_per_s = 256ull << 20;
   // Stop() under etcd first leaves the ring: every key is handed off (up to this long), then
-  // the registration goes.
-  std::chrono::milliseconds leave_timeout{60000};
+  // the registration goes. 20 s leaves the stop's write-back room within the 30 s an
+  // orchestrator usually grants between SIGTERM and SIGKILL.
+  std::chrono::milliseconds leave_timeout{20000};
 };
 
 // A quarter of the machine's cores, between 1 and 16: the rest is left to the executors, the

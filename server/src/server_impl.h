@@ -309,6 +309,9 @@ struct Server::Impl {
   // and it is not chosen for new copies.
   std::vector<Clock::time_point> peer_down_until;
   static constexpr auto kPeerDownFor = std::chrono::milliseconds(250);
+  // A peer that refused this node's PEER_HELLO (secret, placement version): not dialled again,
+  // nor the refusal logged again, for this long.
+  static constexpr auto kPeerRefusedFor = std::chrono::seconds(5);
   std::unordered_set<ConnId> answered_conns;  // peer connections a reply came on
   std::unordered_map<ConnId, int> peer_of_conn;
   std::unordered_map<uint64_t, PeerCall> peer_calls;

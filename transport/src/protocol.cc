@@ -201,9 +201,8 @@ Status DecodePeerHello(std::string_view body, std::string* node_id, std::string*
     return Malformed("peer hello");
   }
   *placement = 1;  // a hello from before placement versions
-  if (r.remaining() != 0 && (!r.U32(placement) || r.remaining() != 0)) {
-    return Malformed("peer hello");
-  }
+  // Bytes after the placement are left for fields later builds may add.
+  if (r.remaining() != 0 && !r.U32(placement)) return Malformed("peer hello");
   return Status::OK();
 }
 

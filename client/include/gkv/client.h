@@ -203,6 +203,9 @@ class Client {
   // cluster's nodes in file order; under etcd the members in the order this client learnt of
   // them (an index is never reused; a node that left stays listed).
   std::vector<NodeInfo> Nodes() const;
+  // Indices into Nodes() of the members of the ring this client routes by now: a static
+  // cluster's every node; under etcd the members that own keys (sorted by id).
+  std::vector<int> RingMembers() const;
   // Index into Nodes() of the node that owns `key`; -1 when the ring has no members.
   int NodeFor(std::string_view key) const;
   // The epoch of the ring this client routes by (0 for a static cluster; gkv/membership.h).

@@ -6,8 +6,9 @@
 // Keys under the cluster's prefix ("/gkv/<cluster>/"):
 //   members/<id>   a MemberRecord (JSON), attached to the node's lease: it goes when the node
 //                  stops keeping the lease alive (a crash: after the lease TTL).
-//   drain/<id>     written by `gkv drain <id>` (no lease): the node leaves the ring, hands its keys
-//                  off, removes its record and this key, and exits.
+//   drain/<id>     written by `gkv drain <id>` on the node's lease: the node leaves the ring,
+//                  hands its keys off, removes its record and this key, and exits. `gkv undrain
+//                  <id>` deletes it before the node has begun.
 //   handoff/<id>   present (on the node's lease) while node <id> is handing keys off; clients
 //                  ask a key's previous owner after a miss while any is present.
 //
@@ -125,8 +126,13 @@ class MemberRegistration {
   std::unique_ptr<Impl> impl_;
 };
 
-// `gkv drain <id>`: writes drain/<id> (idempotent). NotFound when no such member is registered.
+// `gkv drain <id>`: writes drain/<id> on the member's lease (idempotent), so the request goes
+// with the node. NotFound when no such member is registered.
 Status RequestDrain(const EtcdConfig& etcd, std::string_view node_id);
+// `gkv undrain <id>`: deletes drain/<id> (also one left by a build whose drain keys had no
+// lease). NotFound when there is none; Aborted when the node is handing off already (a drain
+// that started runs to its end).
+Status CancelDrain(const EtcdConfig& etcd, std::string_view node_id);
 // `gkv ring`: one reading of the prefix (no watch).
 Result<MembershipView> ReadMembership(const EtcdConfig& etcd);
 

@@ -140,7 +140,7 @@ std::string EncodeHello(std::string_view secret);
 Status DecodeHello(std::string_view body, std::string* secret);
 // Peer hello: the calling node's id, the peer secret (empty when the cluster has none) and the
 // caller's placement version (HashRing::kPlacementVersion; a hello without it, from a build
-// before placement versions, decodes as version 1).
+// before placement versions, decodes as version 1; bytes after it are left for later fields).
 std::string EncodePeerHello(std::string_view node_id, std::string_view peer_secret,
                             uint32_t placement);
 Status DecodePeerHello(std::string_view body, std::string* node_id, std::string* peer_secret,
