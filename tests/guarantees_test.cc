@@ -332,15 +332,15 @@ TEST(GuaranteesTest, AHandoffVersionFarAheadOfTheClockIsRefused) {
   ASSERT_TRUE(client);
   const std::string key = KeyOn(*client, 1), other = key + "-other";
   RawConnection raw(client->cluster().nodes[1].port);
-  raw.Send(wire::Opcode::kPeerHello,
-           wire::EncodePeerHello("n0", "", HashRing::kPlacementVersion), 1);
+  raw.Send(wire::Opcode::kPeerHello, wire::EncodePeerHello("n0", "", HashRing::kPlacementVersion),
+           1);
   ASSERT_EQ(raw.WaitReply(1), StatusCode::kOk);
   raw.Send(wire::Opcode::kHandoffPut, wire::EncodeHandoffPut({key, {}, 6}, UINT64_MAX), 2,
            "forged");
   EXPECT_EQ(raw.WaitReply(2), StatusCode::kInvalidArgument);
   // A version at the clock is taken.
-  raw.Send(wire::Opcode::kHandoffPut, wire::EncodeHandoffPut({other, {}, 6}, WallClockVersion()),
-           3, "handed");
+  raw.Send(wire::Opcode::kHandoffPut, wire::EncodeHandoffPut({other, {}, 6}, WallClockVersion()), 3,
+           "handed");
   EXPECT_EQ(raw.WaitReply(3), StatusCode::kOk);
   ASSERT_TRUE(client->Put(key, "v2", 2).ok());
   auto got = client->Get(key);

@@ -182,8 +182,7 @@ TEST_F(EtcdCliTest, ADrainRequestGoesWithItsNodeAndUndrainWithdrawsIt) {
   ASSERT_EQ(Gkv(cluster_file_, "drain n0").code, 0);
   auto undrain = Gkv(cluster_file_, "undrain n0");
   EXPECT_EQ(undrain.code, 0) << undrain.out;
-  EXPECT_NE(undrain.out.find("withdrew the drain request of n0"), std::string::npos)
-      << undrain.out;
+  EXPECT_NE(undrain.out.find("withdrew the drain request of n0"), std::string::npos) << undrain.out;
   view = ReadMembership(config_);
   ASSERT_TRUE(view.ok());
   EXPECT_EQ(view->drain_requested.count("n0"), 0u);

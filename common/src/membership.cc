@@ -715,7 +715,8 @@ Status CancelDrain(const EtcdConfig& etcd, std::string_view node_id) {
                              "again to have it rejoin)");
     }
   }
-  GKV_ASSIGN_OR_RETURN(auto txn, client.Txn({etcd::KeyExists(drain_key)}, {etcd::DeleteOp(drain_key)}));
+  GKV_ASSIGN_OR_RETURN(auto txn,
+                       client.Txn({etcd::KeyExists(drain_key)}, {etcd::DeleteOp(drain_key)}));
   if (!txn.succeeded) return Status::NotFound("no drain of '" + LogKey(id) + "' is requested");
   return Status::OK();
 }
