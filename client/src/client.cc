@@ -337,9 +337,10 @@ Result<ValueInfo> Client::Stat(std::string_view key, std::chrono::milliseconds t
   for (;;) {
     auto route = I->Route();
     auto r = StatOnce(key, route->ring->Owner(key), 0, left_now());
+    const bool owner_failed = !r.ok() && Impl::NodeFailure(r.status());
     // A failed owner is failed over as a get is (OnGetAnswer): the key's next owners are
     // asked in order, and the first answer that is not itself a node failure stands.
-    if (!r.ok() && Impl::NodeFailure(r.status()) && I->options.replicas > 1) {
+    if (owner_failed && I->options.replicas > 1) {
       const std::vector<int> owners = route->ring->Owners(key, I->options.replicas);
       for (size_t i = 1; i < owners.size() && Clock::now() < deadline; ++i) {
         auto next = StatOnce(key, owners[i], 0, left_now());
@@ -363,7 +364,9 @@ Result<ValueInfo> Client::Stat(std::string_view key, std::chrono::milliseconds t
             StatOnce(key, others[i], i >= first_previous ? w::kFlagPreviousOwner : 0, left_now());
         if (p.ok()) return p;
       }
-      r = StatOnce(key, owner, w::kFlagLastResort, left_now());
+      // The owner once more, unless it just failed (asked again, it would turn a miss into
+      // its failure and spend what is left of the deadline).
+      if (!owner_failed) r = StatOnce(key, owner, w::kFlagLastResort, left_now());
     }
     if (r.ok() || !Impl::Misrouted(r.status()) ||
         Clock::now() + Impl::kWrongNodeRetry >= deadline) {
@@ -418,20 +421,19 @@ std::vector<Result<Value>> Client::MultiGet(const std::vector<std::string>& keys
   I->RunBatchRead(batch);
   // Keys whose node failed go through Get, which tries the other replicas. So do keys a node
   // refused as misrouted, and misses while keys may be moving (Get also asks the previous
-  // owners). All at once, within what is left of the batch's deadline (issue 38 item 9: one
-  // after another, each with a fresh timeout, a 4,096-row batch took 4,096 round trips, or
-  // timeouts).
+  // owners). All at once, each with the call's timeout: one after another, a 4,096-row batch
+  // took 4,096 round trips (issue 38 item 9), and a hung node's rows come back only when the
+  // batch's deadline has passed, so the batch's own deadline would leave them no time to try
+  // the replicas. The call can so take up to twice its timeout (not yet one batch per node).
   const bool moving = I->Route()->Moving();
   std::vector<std::pair<size_t, std::future<Result<Value>>>> again_rows;
-  GetOptions rest = o;
-  rest.timeout = TimeLeft(batch->deadline);
   for (size_t i = 0; i < keys.size(); ++i) {
     if (results[i].ok()) continue;
     const StatusCode code = results[i].status().code();
     const bool again = code == StatusCode::kWrongNode || (moving && code == StatusCode::kNotFound);
     if (!again && !Impl::NodeFailure(results[i].status())) continue;
     if (again || I->options.replicas > 1) {
-      if (Clock::now() < batch->deadline) again_rows.emplace_back(i, GetAsync(keys[i], rest));
+      again_rows.emplace_back(i, GetAsync(keys[i], o));
     } else if (o.fail_open) {
       results[i] = Status::NotFound("node unavailable (fail-open)");
     }
@@ -649,8 +651,8 @@ std::vector<Status> Client::MultiGetInto(const std::vector<std::string>& keys, v
     }
   }
   // Keys whose node failed: one by one through GetInto, which tries the other replicas (and
-  // keys refused as misrouted, and misses while keys may be moving: see MultiGet), within what
-  // is left of the batch's deadline.
+  // keys refused as misrouted, and misses while keys may be moving: see MultiGet). Still one
+  // after another, each with the call's timeout (issue 38 item 9 is open here).
   GetOptions one = o;
   one.accept = check;
   const bool moving = I->Route()->Moving();
@@ -660,8 +662,6 @@ std::vector<Status> Client::MultiGetInto(const std::vector<std::string>& keys, v
     const bool again = code == StatusCode::kWrongNode || (moving && code == StatusCode::kNotFound);
     if (!again && !Impl::NodeFailure(results[i])) continue;
     if (again || I->options.replicas > 1) {
-      if (Clock::now() >= batch->deadline) continue;  // keeps the failure it had
-      one.timeout = TimeLeft(batch->deadline);
       results[i] =
           GetInto(keys[i], static_cast<std::byte*>(dst) + i * row_stride, row_bytes, one).status();
     } else if (o.fail_open) {

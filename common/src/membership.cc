@@ -718,6 +718,15 @@ Status CancelDrain(const EtcdConfig& etcd, std::string_view node_id) {
   GKV_ASSIGN_OR_RETURN(auto txn,
                        client.Txn({etcd::KeyExists(drain_key)}, {etcd::DeleteOp(drain_key)}));
   if (!txn.succeeded) return Status::NotFound("no drain of '" + LogKey(id) + "' is requested");
+  // The node may have seen the request between the look above and the delete: then its drain
+  // runs to its end all the same.
+  GKV_ASSIGN_OR_RETURN(auto after, client.Range(prefix + std::string(kMembersDir) + id));
+  if (!after.kvs.empty()) {
+    auto record = DecodeMemberRecord(after.kvs[0].value);
+    if (record.ok() && record->draining) {
+      return Status::Aborted("member '" + LogKey(id) + "' had begun handing its keys off");
+    }
+  }
   return Status::OK();
 }
 

@@ -336,13 +336,12 @@ class Client:
         """The ids of the nodes in the ring the client routes by now: a static cluster's nodes
         in file order; under etcd the members that own keys, sorted by id (a node that left,
         or is draining, is not listed)."""
-        c = self._core()
-        known = c.nodes()
-        return [known[i] for i in c.ring_members()]
+        return [nid for _, nid in self._members(self._core())]
 
     def _members(self, c) -> list[tuple[int, str]]:
+        members = c.ring_members()  # first: the node table only grows, so each index is in it
         known = c.nodes()
-        return [(i, known[i]) for i in c.ring_members()]
+        return [(i, known[i]) for i in members]
 
     def node_for(self, key: str) -> str:
         """The id of the node that owns ``key`` in the client's ring. Raises ``Unavailable``

@@ -167,6 +167,14 @@ Status Server::Impl::CheckClientVersion(uint64_t version) const {
       " s ahead of node " + self.id + "'s clock (more than an hour: check the client's clock)");
 }
 
+Status Server::Impl::CheckHandoffVersion(uint64_t version) const {
+  const uint64_t clock = cache->VersionClock();
+  if (version <= clock || version - clock <= kMaxHandoffClockLead) return Status::OK();
+  return Status::InvalidArgument("the handed-off version is " +
+                                 std::to_string((version - clock) / 1024 / 1000000) +
+                                 " s ahead of node " + self.id + "'s clock (more than a day)");
+}
+
 Status Server::Impl::CheckValueSize(uint64_t size) const {
   if (size <= options.max_value_size) return Status::OK();
   return Status::InvalidArgument("value of " + FormatSize(size) +

@@ -267,9 +267,14 @@ void Server::Impl::HandleHandoffPut(const Req& r, std::string_view body,
   if (s.ok() && put.size != msg->payload_size()) s = Status::ProtocolError("handoff size mismatch");
   if (s.ok()) s = CheckValueSize(put.size);
   if (s.ok() && version == 0) s = Status::ProtocolError("handoff without a version");
-  // Capped as a client's version is (issue 38 item 11): a version of UINT64_MAX would make the
-  // key un-overwritable here.
-  if (s.ok()) s = CheckClientVersion(version);
+  // Capped (issue 38 item 11): a version of UINT64_MAX would make the key un-overwritable here.
+  if (s.ok()) {
+    s = CheckHandoffVersion(version);
+    if (!s.ok()) {
+      GKV_LOG_WARN("refused a handoff from {}: {}",
+                   LogKey(options.cluster.nodes[peer_node_of_conn[r.conn]].id), s.ToString());
+    }
+  }
   if (!s.ok()) return ReplyStatus(r, s);
   const bool durable = (r.h.flags & w::kFlagDurable) != 0;
   ReadPayloadThen(r, std::move(msg),

@@ -132,6 +132,13 @@ Status Server::Impl::RegisterSelf(uint16_t port) {
 void Server::Impl::ApplyMembership(MembershipView v) {
   const bool was_member = ring && ring->contains(self_index);
   view = std::move(v);
+  if (leaving.load(std::memory_order_acquire)) {
+    for (const MemberRecord& m : view.members) {
+      if (m.node.id != self.id && (m.draining || view.drain_requested.count(m.node.id))) {
+        others_leaving_seen.store(true, std::memory_order_release);
+      }
+    }
+  }
   std::vector<NodeInfo> members;
   std::vector<int> slots;
   for (const NodeInfo& n : view.RingNodes()) {
@@ -209,8 +216,11 @@ void Server::Impl::Leave(std::chrono::milliseconds timeout) {
   while (!HandoffIdle() || CurrentRing()->contains(self_index)) {
     // Every member is leaving (a whole cluster stopped at once, as for an upgrade): no node is
     // left to take the keys, and sends to the others only fail until the timeout. The keys stay
-    // on this node's disk (the stop writes memory back), for its next start.
-    if (CurrentRing()->empty()) {
+    // on this node's disk (the stop writes memory back), for its next start. Not when the ring
+    // is empty only because the other members are between a stop and a start (a rolling
+    // restart: they take the keys when they return), nor without a disk to keep them on.
+    if (CurrentRing()->empty() && others_leaving_seen.load(std::memory_order_acquire) &&
+        cache->tier_enabled(Tier::kDisk)) {
       GKV_LOG_INFO("node {}: every member is leaving; keeping the keys on disk", self.id);
       break;
     }

@@ -62,17 +62,19 @@ void Server::Impl::OnPeerReply(std::unique_ptr<Incoming> msg) {
   if (from == peer_of_conn.end()) return;
   if (h.request_id == 0) {  // PEER_HELLO's answer: only a refusal is worth a word
     w::ReplyStatus rs;
-    if (w::DecodeStatusPrefix(body, &rs).ok() && !rs.ToStatus().ok()) {
-      // Not dialled again for a while (its calls fail fast meanwhile), so the refusal is
-      // logged once a period rather than on every call.
-      const int node = from->second;
+    if (!w::DecodeStatusPrefix(body, &rs).ok() || rs.code == StatusCode::kOk) return;
+    const int node = from->second;
+    if (rs.code == StatusCode::kNotSupported) {
+      // Another placement version: not dialled again for a while (its calls fail fast
+      // meanwhile), so the refusal is logged once a period rather than on every call.
       peer_down_until[node] = Clock::now() + kPeerRefusedFor;
-      GKV_LOG_ERROR("peer {} refused this node's PEER_HELLO: {}{}",
-                    LogKey(options.cluster.nodes[node].id), rs.ToStatus().ToString(),
-                    rs.code == StatusCode::kPermissionDenied
-                        ? " (a wrong peer secret, or a build of another placement version: "
-                          "README, 'Upgrading')"
-                        : "");
+      GKV_LOG_ERROR("peer {} refused this node's PEER_HELLO: {}",
+                    LogKey(options.cluster.nodes[node].id), rs.ToStatus().ToString());
+    } else {
+      // Often passing: a peer whose watch has not applied this node's record yet does not know
+      // its id. (A build before placement versions refuses this build's hello this way too.)
+      GKV_LOG_DEBUG("peer {} refused this node's PEER_HELLO: {}",
+                    LogKey(options.cluster.nodes[node].id), rs.ToStatus().ToString());
     }
     return;
   }

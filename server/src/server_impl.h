@@ -309,7 +309,7 @@ struct Server::Impl {
   // and it is not chosen for new copies.
   std::vector<Clock::time_point> peer_down_until;
   static constexpr auto kPeerDownFor = std::chrono::milliseconds(250);
-  // A peer that refused this node's PEER_HELLO (secret, placement version): not dialled again,
+  // A peer that refused this node's PEER_HELLO for its placement version: not dialled again,
   // nor the refusal logged again, for this long.
   static constexpr auto kPeerRefusedFor = std::chrono::seconds(5);
   std::unordered_set<ConnId> answered_conns;  // peer connections a reply came on
@@ -355,6 +355,10 @@ struct Server::Impl {
   MemberRecord self_record;
   MembershipView view;               // I/O thread: the last one applied
   std::atomic<bool> leaving{false};  // the ring this node applies leaves it out
+  // While leaving: a view showed another member leaving too (draining or asked to), so an
+  // empty ring means the whole cluster is stopping, not a member between its stop and its
+  // return (ApplyMembership sets it; Leave reads it).
+  std::atomic<bool> others_leaving_seen{false};
   std::atomic<bool> drained{false};  // left the cluster after a drain request: main exits
   std::mutex leave_mu;               // one Leave at a time
   bool left_cluster = false;         // guarded by leave_mu
@@ -723,6 +727,13 @@ struct Server::Impl {
   // would otherwise push every version of the key (and this node's clock) there.
   Status CheckClientVersion(uint64_t version) const;
   static constexpr uint64_t kMaxClientClockLead = uint64_t{3600} * 1000000 * 1024;  // 1 hour
+  // A handed-off version (HANDOFF_PUT, from a peer) is taken unless it is more than a day ahead
+  // of this node's clock: looser than a client's, since a sender's versions may legitimately
+  // run ahead (versions it adopted from clients up to an hour ahead of its own clock, skew, the
+  // first start after an upgrade from 70-minute version blocks), and a refused handoff is sent
+  // again every second; bounded, so no version near UINT64_MAX makes a key un-overwritable.
+  Status CheckHandoffVersion(uint64_t version) const;
+  static constexpr uint64_t kMaxHandoffClockLead = 24 * kMaxClientClockLead;  // 1 day
 
   // Executor thread: copy from staging if any, commit (write-through when durable), reply.
   void CommitAndReply(const std::shared_ptr<PutOp>& op);
