@@ -5,9 +5,12 @@
 //   - stale: a value older than the newest write acknowledged before the read began;
 //   - corrupt: bytes no writer ever wrote.
 // Each must stay 0. Times (lease expiry to rerouting, handoff rate, p99) are printed.
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -65,6 +68,14 @@ class ElasticCluster {
   // until etcd lists it.
   void Start(const std::string& id, std::vector<std::string> extra = {},
              const std::string& disk_of = "") {
+    pid_t pid = Spawn(id, std::move(extra), disk_of);
+    ASSERT_GT(pid, 0);
+    ASSERT_TRUE(WaitMember(id, true, milliseconds(15000))) << "node " << id << " did not register";
+  }
+
+  // Starts node `id` and returns its pid (-1: the fork failed), not waiting for anything.
+  pid_t Spawn(const std::string& id, std::vector<std::string> extra = {},
+              const std::string& disk_of = "") {
     const uint16_t port = FreePort();
     std::vector<std::string> args = {GKV_SERVER_BIN,
                                      "--cluster",
@@ -89,10 +100,9 @@ class ElasticCluster {
                                      "20000"};
     args.insert(args.end(), extra.begin(), extra.end());
     pid_t pid = SpawnLogged(std::move(args), log(id));
-    ASSERT_GT(pid, 0);
     pids_[id] = pid;
     ports_[id] = port;
-    ASSERT_TRUE(WaitMember(id, true, milliseconds(15000))) << "node " << id << " did not register";
+    return pid;
   }
 
   // Sends `sig`, without waiting.
@@ -427,6 +437,8 @@ TEST(ElasticTest, ScaleOutFromThreeToFourNodesLosesNothing) {
       during.second);
   PrintHandoffLines(cluster, {"n0", "n1", "n2", "n3"});
   checker.ExpectNoAnomalies();
+  EXPECT_EQ(checker.read_errors_.load(), 0u) << checker.Report();
+  EXPECT_EQ(checker.write_errors_.load(), 0u) << checker.Report();
   auto c = cluster.OpenClient();
   ASSERT_NE(c, nullptr);
   // n3 holds every key it owns, and owns its weight's share of the key space (within the
@@ -468,6 +480,10 @@ TEST(ElasticTest, DrainingOneOfFourNodesHandsEverythingOff) {
               drain_s);
   PrintHandoffLines(cluster, {"n1"});
   checker.ExpectNoAnomalies();
+  // A key that answered wrong_node, a timeout or unavailable after the move is an error, not
+  // a pass (issue 38 item 9).
+  EXPECT_EQ(checker.read_errors_.load(), 0u) << checker.Report();
+  EXPECT_EQ(checker.write_errors_.load(), 0u) << checker.Report();
 }
 
 // SIGTERM under etcd while writers and readers run (issue 38 item 9): the node hands every
@@ -511,13 +527,45 @@ TEST(ElasticTest, SigtermUnderWriteLoadHandsEverythingOffAndLosesNothing) {
   EXPECT_NE(last.find("this node left"), std::string::npos) << last;
 }
 
+// Issue 38 item 12: a start that fails after the node has begun joining (here its metrics port
+// is taken) exits 1 with the reason as its last line, and leaves no record in etcd. Under etcd
+// it ended in std::terminate (the handoff thread was left running), registered.
+TEST(ElasticTest, AStartThatFailsExitsOneAndLeavesNoRecord) {
+  ElasticCluster cluster;
+  cluster.Start("n0");
+  const uint16_t taken = FreePort();
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(taken);
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  ASSERT_EQ(listen(fd, 4), 0);
+  ASSERT_GT(cluster.Spawn("n1", {"--metrics-port", std::to_string(taken)}), 0);
+  EXPECT_EQ(cluster.Wait("n1", milliseconds(20000)), 1);
+  close(fd);
+  std::ifstream f(cluster.log("n1"));
+  std::string line, last;
+  while (std::getline(f, line)) {
+    EXPECT_EQ(line.find("terminate"), std::string::npos) << line;
+    if (!line.empty()) last = line;
+  }
+  EXPECT_EQ(last.rfind("gkv-server: ", 0), 0u) << last;
+  EXPECT_NE(last.find("cannot listen for metrics"), std::string::npos) << last;
+  auto view = ReadMembership(cluster.etcd_config());
+  ASSERT_TRUE(view.ok()) << view.status().ToString();
+  EXPECT_EQ(view->Find("n1"), nullptr);
+  EXPECT_NE(view->Find("n0"), nullptr);
+}
+
 // Deletes issued while keys are moving (the handoff is slowed to last seconds): each is
 // acknowledged, and no read finds the value again, neither while the keys move (a miss is asked
 // of the previous owner, which must have deleted its copy) nor after (the handoff must not
 // bring a deleted key back).
 TEST(ElasticTest, DeletesDuringAHandoffStayDeleted) {
   ElasticCluster cluster;
-  const std::vector<std::string> slow = {"--handoff-rate", "256KiB"};
+  const std::vector<std::string> slow = {"--handoff-rate", "128KiB"};
   cluster.Start("n0", slow);
   cluster.Start("n1", slow);
   auto c = cluster.OpenClient();
@@ -533,7 +581,18 @@ TEST(ElasticTest, DeletesDuringAHandoffStayDeleted) {
     std::this_thread::sleep_for(milliseconds(5));
   }
   ASSERT_NE(c->RingEpoch(), epoch) << "the client never saw n2 join";
-  // About a third of the keys (~550 KB) move to n2 at 256 KiB/s: the deletes land mid-move.
+  // About a third of the keys (~550 KB) move to n2 at 128 KiB/s: the deletes land mid-move.
+  // A handoff is running when the first and when the last delete goes out (issue 38 item 9:
+  // the test asserts the condition it exists for).
+  auto handoff_running = [&] {
+    auto v = ReadMembership(cluster.etcd_config());
+    return v.ok() && !v->handoffs_running.empty();
+  };
+  const auto marked_until = Clock::now() + std::chrono::seconds(5);
+  while (!handoff_running() && Clock::now() < marked_until) {
+    std::this_thread::sleep_for(milliseconds(5));
+  }
+  EXPECT_TRUE(handoff_running()) << "no handoff was running when the deletes began";
   int failed_deletes = 0, found_during = 0, found_after = 0;
   for (int k = 0; k < kCount; ++k) {
     Status s = c->Delete(key(k));
@@ -541,6 +600,7 @@ TEST(ElasticTest, DeletesDuringAHandoffStayDeleted) {
       if (failed_deletes++ == 0) ADD_FAILURE() << "delete of " << key(k) << ": " << s.ToString();
     }
   }
+  EXPECT_TRUE(handoff_running()) << "the handoff ended before the last delete";
   for (int k = 0; k < kCount; ++k) found_during += c->Get(key(k)).ok() ? 1 : 0;
   ASSERT_TRUE(cluster.WaitHandoffsDone(milliseconds(30000)));
   for (int k = 0; k < kCount; ++k) found_after += c->Get(key(k)).ok() ? 1 : 0;

@@ -830,17 +830,32 @@ Result<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
   // The worker thread ticks from inside Create: its timers and peer calls start only now that
   // `transport` is set.
   impl->ticking.store(true, std::memory_order_release);
+  // A start that fails from here on undoes what it started, in reverse: the watcher first (no
+  // callback posts to the transport after its destructor), the handoff thread (a joinable
+  // thread must not be destroyed), the transport (its thread calls into impl).
+  auto fail = [&impl](Status s) {
+    impl->ticking.store(false, std::memory_order_release);
+    impl->watcher.reset();
+    impl->StopHandoffThread();
+    if (impl->metrics_http) {
+      impl->metrics_http->stop();
+      if (impl->metrics_thread.joinable()) impl->metrics_thread.join();
+    }
+    impl->transport->Stop();
+    return s;
+  };
+  // Before registering, so that a node that cannot serve its metrics never joins the ring
+  // (under etcd this failure ended in std::terminate: the handoff thread was left running).
+  if (options.metrics_port) {
+    if (Status ms = impl->StartMetrics(); !ms.ok()) return fail(ms);
+  }
   if (elastic) {
     impl->StartHandoffThread();
     // Changes seen while the transport was starting: the view as it is now.
     MembershipView now = impl->watcher->Current();
     impl->transport->Post([raw, now] { raw->ApplyMembership(now); });
     Status rs = impl->RegisterSelf(impl->transport->listen_port());
-    if (!rs.ok()) {
-      impl->StopHandoffThread();
-      impl->transport->Stop();
-      return rs;
-    }
+    if (!rs.ok()) return fail(rs);
     if (impl->catching_up.load()) {
       GKV_LOG_INFO(
           "node {}: {} keys recovered from disk are held back until the cluster's "
@@ -850,13 +865,6 @@ Result<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
     impl->SyncHandoffMark();  // on while catching up (or a scan started before registering)
     // From now on the cluster routes to this run, and clients see its mark.
     impl->transport->Post([raw] { raw->joined_at.store(Clock::now()); });
-  }
-  if (options.metrics_port) {
-    Status ms = impl->StartMetrics();
-    if (!ms.ok()) {
-      impl->transport->Stop();  // its thread calls into impl, which is about to go
-      return ms;
-    }
   }
   const Impl& I = *impl;
   auto tier = [&](Tier t) {
