@@ -116,6 +116,13 @@ class EtcdProcess {
     if (pid_ > 0) Stop();
     return Start();
   }
+  // Kills etcd and starts it again on the same ports with no data: its revision starts over
+  // (as after a rebuild from nothing, or from an older snapshot).
+  ::testing::AssertionResult RestartEmpty() {
+    if (pid_ > 0) Kill();
+    std::filesystem::remove_all(dir_.Sub("data"));
+    return Start();
+  }
 
   bool running() const { return pid_ > 0; }
   std::string endpoint() const { return "http://127.0.0.1:" + std::to_string(client_port_); }

@@ -571,6 +571,33 @@ TEST_F(MembershipTest, WatcherReadsAgainAfterCompaction) {
   ASSERT_TRUE(log.WaitFor([](const MembershipView& v) { return Has(v, "n2"); }));
 }
 
+// Issue 38 item 12: etcd comes back with its revision below the one the watcher saw (rebuilt
+// from nothing here; from an older snapshot alike). A watch from the last revision seen would
+// show nothing until etcd caught up with it; the watcher notices when its watch is
+// established, reads the prefix again and watches on from there, its epochs still growing.
+TEST_F(MembershipTest, WatcherReadsAgainWhenEtcdsRevisionWentBack) {
+  for (int i = 0; i < 10; ++i) {  // revisions the rebuilt etcd will not reach in this test
+    auto r = MustRegister(Record("early" + std::to_string(i), 7100 + i));
+    ASSERT_NE(r, nullptr);
+    ASSERT_TRUE(r->Deregister().ok());
+  }
+  ViewLog log;
+  auto watcher = MustWatch(log);
+  ASSERT_NE(watcher, nullptr);
+  ASSERT_TRUE(WaitUntil([&] { return watcher->connected(); }));
+  const MembershipView before = watcher->Current();
+  ASSERT_TRUE(etcd_.RestartEmpty());
+  auto n2 = MustRegister(Record("n2", 7002));
+  ASSERT_NE(n2, nullptr);
+  ASSERT_LT(MustRead().revision, before.revision) << "etcd's revision did not go back";
+  auto seen = log.WaitFor([](const MembershipView& v) { return Has(v, "n2"); });
+  ASSERT_TRUE(seen) << "the watcher stayed blind after etcd's revision went back";
+  EXPECT_GT(seen->epoch, before.epoch);
+  ASSERT_TRUE(n2->Deregister().ok());
+  EXPECT_TRUE(log.WaitFor([](const MembershipView& v) { return !Has(v, "n2"); }))
+      << "the watcher does not watch on after reading again";
+}
+
 TEST_F(MembershipTest, RegistersAgainAfterItsLeaseExpiredInAPartition) {
   testing::TcpProxy link(etcd_.client_port());
   EtcdConfig via_link = config_;

@@ -425,7 +425,10 @@ Status WatchStream::Run(std::string_view key, std::string_view range_end, int64_
         }
       }
       got_message = true;
-      handler(message);
+      if (!handler(message)) {
+        stream_status = Status::Aborted("etcd watch: ended by its reader");
+        return false;
+      }
       if (message.canceled) {
         stream_status = message.compact_revision > 0
                             ? Status::Aborted("etcd watch: start revision compacted")

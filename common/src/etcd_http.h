@@ -120,15 +120,17 @@ struct WatchMessage {
 // A watch of [key, range_end) from `start_revision`, over one streaming HTTP request.
 class WatchStream {
  public:
-  using Handler = std::function<void(const WatchMessage&)>;
+  // Returns whether the stream goes on (false ends it: Run returns Aborted).
+  using Handler = std::function<bool(const WatchMessage&)>;
   WatchStream(std::vector<std::string> endpoints, Timeouts connect_timeouts,
               std::chrono::milliseconds idle_timeout);
   ~WatchStream();
 
   // Blocks until the stream ends: Cancel(), a broken connection, an error from etcd, a
-  // cancelled watch (compaction), or `idle_timeout` without any message. Calls `handler` on
-  // this thread for each message. Returns Aborted after Cancel(), else why the stream ended
-  // (Unavailable for a connection that never got established or broke).
+  // cancelled watch (compaction), `idle_timeout` without any message, or `handler` returning
+  // false. Calls `handler` on this thread for each message. Returns Aborted after Cancel() or a
+  // handler's false, else why the stream ended (Unavailable for a connection that never got
+  // established or broke).
   Status Run(std::string_view key, std::string_view range_end, int64_t start_revision,
              const Handler& handler);
   // Ends a Run() in progress, or the next one, promptly. Thread-safe; idempotent.

@@ -250,8 +250,10 @@ struct MembershipWatcher::Impl {
   void Run();
   // Applies one message's events (in revision order), publishing the view of each revision.
   void Apply(const std::vector<etcd::WatchEvent>& events);
-  // Re-reads the whole prefix (after a compaction) and publishes it.
-  Status Resync();
+  // Re-reads the whole prefix (after a compaction, or an etcd whose revision went back) and
+  // publishes it. `rewound`: etcd's revision is below the last one seen (etcd rebuilt from a
+  // snapshot or from nothing): the watch goes on from the revision read, not the one before.
+  Status Resync(bool rewound = false);
   // Makes `next` the current view; calls back when its content differs from the last one.
   void Publish(MembershipView next);
   // Sleeps `delay` unless the watcher stops meanwhile.
@@ -326,7 +328,8 @@ void MembershipWatcher::Impl::Apply(const std::vector<etcd::WatchEvent>& events)
     MembershipView next = BuildView(keys, static_cast<uint64_t>(revision), current.epoch);
     std::vector<NodeInfo> next_ring = next.RingNodes();
     if (!SameRing(ring, next_ring)) {
-      next.epoch = static_cast<uint64_t>(revision);
+      // The revision; after etcd's revision went back, on from this process's last epoch.
+      next.epoch = std::max(static_cast<uint64_t>(revision), current.epoch + 1);
       ring = std::move(next_ring);
     }
     current = next;
@@ -334,7 +337,7 @@ void MembershipWatcher::Impl::Apply(const std::vector<etcd::WatchEvent>& events)
   }
 }
 
-Status MembershipWatcher::Impl::Resync() {
+Status MembershipWatcher::Impl::Resync(bool rewound) {
   int64_t revision = 0;
   auto fresh = ReadPrefix(client, prefix, &revision);
   if (!fresh.ok()) return fresh.status();
@@ -345,10 +348,13 @@ Status MembershipWatcher::Impl::Resync() {
   }
   keys = std::move(*fresh);
   for (const auto& [key, value] : keys) CheckArrivingRecord(key, value);
-  last_revision = std::max(last_revision, revision);
+  last_revision = rewound ? revision : std::max(last_revision, revision);
   MembershipView next = BuildView(keys, static_cast<uint64_t>(last_revision), current.epoch);
-  // The changes in between are lost to compaction: they count as one, at this read.
-  if (!SameRing(current.RingNodes(), next.RingNodes())) next.epoch = next.revision;
+  // The changes in between are lost to compaction (or to the rebuild): they count as one, at
+  // this read. Epochs never go back: after a rebuild this process numbers on from its last.
+  if (!SameRing(current.RingNodes(), next.RingNodes())) {
+    next.epoch = std::max(next.revision, current.epoch + 1);
+  }
   Publish(std::move(next));
   return Status::OK();
 }
@@ -357,6 +363,7 @@ void MembershipWatcher::Impl::Run() {
   const std::string range_end = etcd::PrefixEnd(prefix);
   bool outage_logged = false;  // "unreachable" logged; "reachable again" not yet
   bool need_resync = false;
+  bool rewound = false;        // with need_resync: etcd's revision went back
   size_t failed_attempts = 0;  // watches in a row that were never established
   std::chrono::milliseconds retry_delay = kMinRetryDelay;
   auto stop_requested = [&] {
@@ -377,7 +384,7 @@ void MembershipWatcher::Impl::Run() {
   };
   while (!stop_requested()) {
     if (need_resync) {
-      Status read = Resync();
+      Status read = Resync(rewound);
       if (!read.ok()) {
         note_outage(read);
         Pause(retry_delay);
@@ -385,11 +392,22 @@ void MembershipWatcher::Impl::Run() {
         continue;
       }
       need_resync = false;
+      rewound = false;
     }
     bool established = false;
     bool compacted = false;
     Status ended =
         stream.Run(prefix, range_end, last_revision + 1, [&](const etcd::WatchMessage& m) {
+          if (m.created && m.header_revision > 0 && m.header_revision < last_revision) {
+            // etcd's revision went back (rebuilt from a snapshot, or from nothing): a watch
+            // from the last revision seen would show nothing until etcd caught up with it.
+            GKV_LOG_WARN(
+                "membership: etcd is at revision {}, below the {} seen before (rebuilt?); "
+                "reading the membership again",
+                m.header_revision, last_revision);
+            rewound = true;
+            return false;
+          }
           if (m.created) {
             established = true;
             connected.store(true);
@@ -402,9 +420,14 @@ void MembershipWatcher::Impl::Run() {
           }
           if (m.compact_revision > 0) compacted = true;
           if (!m.events.empty()) Apply(m.events);
+          return true;
         });
     connected.store(false);
     if (stop_requested()) break;
+    if (rewound) {
+      need_resync = true;
+      continue;
+    }
     if (compacted) {
       GKV_LOG_INFO("membership: revision {} was compacted; reading the membership again",
                    last_revision + 1);
