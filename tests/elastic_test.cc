@@ -582,8 +582,9 @@ TEST(ElasticTest, DeletesDuringAHandoffStayDeleted) {
   }
   ASSERT_NE(c->RingEpoch(), epoch) << "the client never saw n2 join";
   // About a third of the keys (~550 KB) move to n2 at 128 KiB/s: the deletes land mid-move.
-  // A handoff is running when the first and when the last delete goes out (issue 38 item 9:
-  // the test asserts the condition it exists for).
+  // A handoff is running when the first delete goes out and still at the middle one (issue 38
+  // item 9: the test asserts the condition it exists for; not at the last, since the deletes
+  // themselves shorten the scan, which skips deleted keys).
   auto handoff_running = [&] {
     auto v = ReadMembership(cluster.etcd_config());
     return v.ok() && !v->handoffs_running.empty();
@@ -595,12 +596,14 @@ TEST(ElasticTest, DeletesDuringAHandoffStayDeleted) {
   EXPECT_TRUE(handoff_running()) << "no handoff was running when the deletes began";
   int failed_deletes = 0, found_during = 0, found_after = 0;
   for (int k = 0; k < kCount; ++k) {
+    if (k == kCount / 2) {
+      EXPECT_TRUE(handoff_running()) << "the handoff ended before half the deletes";
+    }
     Status s = c->Delete(key(k));
     if (!s.ok()) {
       if (failed_deletes++ == 0) ADD_FAILURE() << "delete of " << key(k) << ": " << s.ToString();
     }
   }
-  EXPECT_TRUE(handoff_running()) << "the handoff ended before the last delete";
   for (int k = 0; k < kCount; ++k) found_during += c->Get(key(k)).ok() ? 1 : 0;
   ASSERT_TRUE(cluster.WaitHandoffsDone(milliseconds(30000)));
   for (int k = 0; k < kCount; ++k) found_after += c->Get(key(k)).ok() ? 1 : 0;

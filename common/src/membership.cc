@@ -250,10 +250,11 @@ struct MembershipWatcher::Impl {
   void Run();
   // Applies one message's events (in revision order), publishing the view of each revision.
   void Apply(const std::vector<etcd::WatchEvent>& events);
-  // Re-reads the whole prefix (after a compaction, or an etcd whose revision went back) and
-  // publishes it. `rewound`: etcd's revision is below the last one seen (etcd rebuilt from a
-  // snapshot or from nothing): the watch goes on from the revision read, not the one before.
-  Status Resync(bool rewound = false);
+  // Re-reads the whole prefix (after a compaction, or a watch that reported a revision below the
+  // last one seen) and publishes it. When the read's revision (linearizable: the cluster's, not
+  // one member's) is below the last one seen, etcd was rebuilt (from a snapshot or from
+  // nothing): the watch goes on from the revision read, and `*rewound` says so.
+  Status Resync(bool* rewound = nullptr);
   // Makes `next` the current view; calls back when its content differs from the last one.
   void Publish(MembershipView next);
   // Sleeps `delay` unless the watcher stops meanwhile.
@@ -337,10 +338,17 @@ void MembershipWatcher::Impl::Apply(const std::vector<etcd::WatchEvent>& events)
   }
 }
 
-Status MembershipWatcher::Impl::Resync(bool rewound) {
+Status MembershipWatcher::Impl::Resync(bool* rewound) {
   int64_t revision = 0;
   auto fresh = ReadPrefix(client, prefix, &revision);
   if (!fresh.ok()) return fresh.status();
+  if (rewound) *rewound = revision < last_revision;
+  if (revision < last_revision) {
+    GKV_LOG_WARN(
+        "membership: etcd is at revision {}, below the {} seen before (rebuilt?); watching on "
+        "from there",
+        revision, last_revision);
+  }
   MembershipView current;
   {
     std::lock_guard<std::mutex> lock(mu);
@@ -348,7 +356,7 @@ Status MembershipWatcher::Impl::Resync(bool rewound) {
   }
   keys = std::move(*fresh);
   for (const auto& [key, value] : keys) CheckArrivingRecord(key, value);
-  last_revision = rewound ? revision : std::max(last_revision, revision);
+  last_revision = revision;  // linearizable: at least every revision seen, unless rebuilt
   MembershipView next = BuildView(keys, static_cast<uint64_t>(last_revision), current.epoch);
   // The changes in between are lost to compaction (or to the rebuild): they count as one, at
   // this read. Epochs never go back: after a rebuild this process numbers on from its last.
@@ -363,8 +371,11 @@ void MembershipWatcher::Impl::Run() {
   const std::string range_end = etcd::PrefixEnd(prefix);
   bool outage_logged = false;  // "unreachable" logged; "reachable again" not yet
   bool need_resync = false;
-  bool rewound = false;        // with need_resync: etcd's revision went back
-  size_t failed_attempts = 0;  // watches in a row that were never established
+  // A watch's first message carried a revision below the last one seen: etcd rebuilt, or only
+  // a member behind the others (a follower catching up); Resync tells them apart.
+  bool behind = false;
+  bool trust_next_watch = false;  // Resync found etcd current: a member behind catches up
+  size_t failed_attempts = 0;     // watches in a row that were never established
   std::chrono::milliseconds retry_delay = kMinRetryDelay;
   auto stop_requested = [&] {
     std::lock_guard<std::mutex> lock(stop_mu);
@@ -384,30 +395,32 @@ void MembershipWatcher::Impl::Run() {
   };
   while (!stop_requested()) {
     if (need_resync) {
-      Status read = Resync(rewound);
+      bool rewound = false;
+      Status read = Resync(&rewound);
       if (!read.ok()) {
         note_outage(read);
         Pause(retry_delay);
         retry_delay = std::min<std::chrono::milliseconds>(retry_delay * 2, kMaxRetryDelay);
         continue;
       }
+      // Only a member behind the others: its watch is held until it catches up, as etcd does.
+      trust_next_watch = behind && !rewound;
       need_resync = false;
-      rewound = false;
+      behind = false;
     }
     bool established = false;
     bool compacted = false;
     Status ended =
         stream.Run(prefix, range_end, last_revision + 1, [&](const etcd::WatchMessage& m) {
-          if (m.created && m.header_revision > 0 && m.header_revision < last_revision) {
-            // etcd's revision went back (rebuilt from a snapshot, or from nothing): a watch
-            // from the last revision seen would show nothing until etcd caught up with it.
-            GKV_LOG_WARN(
-                "membership: etcd is at revision {}, below the {} seen before (rebuilt?); "
-                "reading the membership again",
-                m.header_revision, last_revision);
-            rewound = true;
+          if (m.created && m.header_revision > 0 && m.header_revision < last_revision &&
+              !trust_next_watch) {
+            // etcd's revision may have gone back (rebuilt from a snapshot, or from nothing):
+            // a watch from the last revision seen would show nothing until etcd caught up with
+            // it. Resync reads the cluster's revision to tell a rebuild from a member behind.
+            behind = true;
             return false;
           }
+          if (m.created) trust_next_watch = false;
           if (m.created) {
             established = true;
             connected.store(true);
@@ -424,7 +437,7 @@ void MembershipWatcher::Impl::Run() {
         });
     connected.store(false);
     if (stop_requested()) break;
-    if (rewound) {
+    if (behind) {
       need_resync = true;
       continue;
     }

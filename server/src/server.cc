@@ -663,6 +663,12 @@ Status Server::Impl::StartMetrics() {
                                std::to_string(options.metrics_port));
   }
   metrics_thread = std::thread([this] { metrics_http->listen_after_bind(); });
+  // httplib's stop() does nothing until the loop runs: a stop right after this start (a failed
+  // registration) would leave the thread to join forever.
+  const auto until = Clock::now() + std::chrono::seconds(5);
+  while (!metrics_http->is_running() && Clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
   return Status::OK();
 }
 
@@ -842,6 +848,8 @@ Result<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
       if (impl->metrics_thread.joinable()) impl->metrics_thread.join();
     }
     impl->transport->Stop();
+    // A drain request seen before registering (a previous run's) may have started this.
+    if (impl->drain_thread.joinable()) impl->drain_thread.join();
     return s;
   };
   // Before registering, so that a node that cannot serve its metrics never joins the ring
