@@ -122,7 +122,7 @@ TEST(GuaranteesTest, SigtermUnderLoadExitsZero) {
     spec.host_mem = "64MiB";
     Cluster cluster(3, spec);
     std::atomic<bool> stop{false};
-    std::atomic<uint64_t> ops{0};
+    std::atomic<uint64_t> ops{0}, acked_on_node1{0};
     struct Written {
       size_t size = 0;         // of the last acknowledged put
       bool unsettled = false;  // a put after it failed: its outcome is unknown
@@ -143,6 +143,7 @@ TEST(GuaranteesTest, SigtermUnderLoadExitsZero) {
             const std::string own = key + "/" + std::to_string(t);
             if (c->Put(own, buf.data(), size).ok()) {
               written[t][own] = {size, false};
+              if (c->NodeFor(own) == 1) acked_on_node1++;
             } else {
               written[t][own].unsettled = true;
             }
@@ -157,7 +158,13 @@ TEST(GuaranteesTest, SigtermUnderLoadExitsZero) {
         }
       });
     }
+    // The load runs a while, and until node 1 holds acknowledged writes (a slow build, ASan,
+    // gets fewer done in the same time).
     std::this_thread::sleep_for(std::chrono::milliseconds(800));
+    const auto loaded_by = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (acked_on_node1.load() < 10 && std::chrono::steady_clock::now() < loaded_by) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
     const int rc = cluster.StopNode(1, SIGTERM);
     stop = true;
     for (auto& w : workers) w.join();
