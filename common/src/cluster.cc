@@ -135,7 +135,7 @@ Result<ClusterConfig> ParseClusterYaml(std::string_view text) {
       GKV_RETURN_IF_ERROR(ParseAddress(n["address"].as<std::string>(), &info.host, &info.port)
                               .WithContext("node '" + info.id + "'"));
       if (n["weight"]) info.weight = n["weight"].as<double>();
-      if (!(info.weight > 0) || !(info.weight <= kMaxNodeWeight)) {
+      if (!IsValidNodeWeight(info.weight)) {
         return Status::InvalidArgument("node '" + info.id + "' needs a weight in (0, " +
                                        std::to_string(static_cast<int>(kMaxNodeWeight)) + "]");
       }

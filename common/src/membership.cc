@@ -181,7 +181,7 @@ Result<MemberRecord> DecodeMemberRecord(std::string_view text) {
       if (!w->is_number()) return Status::Corruption("member record: 'weight' is not a number");
       record.node.weight = w->get<double>();
     }
-    if (!(record.node.weight > 0) || !(record.node.weight <= kMaxNodeWeight)) {
+    if (!IsValidNodeWeight(record.node.weight)) {
       return Status::Corruption("member record of '" + LogKey(record.node.id) +
                                 "': weight must be in (0, " +
                                 std::to_string(static_cast<int>(kMaxNodeWeight)) + "]");
@@ -254,7 +254,7 @@ struct MembershipWatcher::Impl {
   // last one seen) and publishes it. When the read's revision (linearizable: the cluster's, not
   // one member's) is below the last one seen, etcd was rebuilt (from a snapshot or from
   // nothing): the watch goes on from the revision read, and `*rewound` says so.
-  Status Resync(bool* rewound = nullptr);
+  Status Resync(bool* rewound);
   // Makes `next` the current view; calls back when its content differs from the last one.
   void Publish(MembershipView next);
   // Sleeps `delay` unless the watcher stops meanwhile.
@@ -342,8 +342,8 @@ Status MembershipWatcher::Impl::Resync(bool* rewound) {
   int64_t revision = 0;
   auto fresh = ReadPrefix(client, prefix, &revision);
   if (!fresh.ok()) return fresh.status();
-  if (rewound) *rewound = revision < last_revision;
-  if (revision < last_revision) {
+  *rewound = revision < last_revision;
+  if (*rewound) {
     GKV_LOG_WARN(
         "membership: etcd is at revision {}, below the {} seen before (rebuilt?); watching on "
         "from there",
@@ -420,8 +420,8 @@ void MembershipWatcher::Impl::Run() {
             behind = true;
             return false;
           }
-          if (m.created) trust_next_watch = false;
           if (m.created) {
+            trust_next_watch = false;
             established = true;
             connected.store(true);
             if (outage_logged) {
@@ -735,6 +735,18 @@ Status RequestDrain(const EtcdConfig& etcd, std::string_view node_id) {
   return Status::OK();
 }
 
+namespace {
+
+// Whether `member_key` holds the record of a member that has begun handing its keys off.
+Result<bool> MemberDraining(etcd::EtcdClient& client, const std::string& member_key) {
+  GKV_ASSIGN_OR_RETURN(auto member, client.Range(member_key));
+  if (member.kvs.empty()) return false;
+  auto record = DecodeMemberRecord(member.kvs[0].value);
+  return record.ok() && record->draining;
+}
+
+}  // namespace
+
 Status CancelDrain(const EtcdConfig& etcd, std::string_view node_id) {
   GKV_RETURN_IF_ERROR(CheckEtcdConfig(etcd));
   GKV_RETURN_IF_ERROR(CheckNodeId(node_id));
@@ -742,26 +754,21 @@ Status CancelDrain(const EtcdConfig& etcd, std::string_view node_id) {
   const std::string prefix = etcd.prefix();
   const std::string id(node_id);
   const std::string drain_key = prefix + std::string(kDrainDir) + id;
-  GKV_ASSIGN_OR_RETURN(auto member, client.Range(prefix + std::string(kMembersDir) + id));
-  if (!member.kvs.empty()) {
-    auto record = DecodeMemberRecord(member.kvs[0].value);
-    if (record.ok() && record->draining) {
-      return Status::Aborted("member '" + LogKey(id) +
-                             "' is handing its keys off already: it leaves once done (start it "
-                             "again to have it rejoin)");
-    }
+  const std::string member_key = prefix + std::string(kMembersDir) + id;
+  GKV_ASSIGN_OR_RETURN(bool draining, MemberDraining(client, member_key));
+  if (draining) {
+    return Status::Aborted("member '" + LogKey(id) +
+                           "' is handing its keys off already: it leaves once done (start it "
+                           "again to have it rejoin)");
   }
   GKV_ASSIGN_OR_RETURN(auto txn,
                        client.Txn({etcd::KeyExists(drain_key)}, {etcd::DeleteOp(drain_key)}));
   if (!txn.succeeded) return Status::NotFound("no drain of '" + LogKey(id) + "' is requested");
   // The node may have seen the request between the look above and the delete: then its drain
   // runs to its end all the same.
-  GKV_ASSIGN_OR_RETURN(auto after, client.Range(prefix + std::string(kMembersDir) + id));
-  if (!after.kvs.empty()) {
-    auto record = DecodeMemberRecord(after.kvs[0].value);
-    if (record.ok() && record->draining) {
-      return Status::Aborted("member '" + LogKey(id) + "' had begun handing its keys off");
-    }
+  GKV_ASSIGN_OR_RETURN(draining, MemberDraining(client, member_key));
+  if (draining) {
+    return Status::Aborted("member '" + LogKey(id) + "' had begun handing its keys off");
   }
   return Status::OK();
 }

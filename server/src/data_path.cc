@@ -159,20 +159,13 @@ void Server::Impl::SlowPut(std::shared_ptr<PutOp> op) {
   });
 }
 
-Status Server::Impl::CheckClientVersion(uint64_t version) const {
+Status Server::Impl::CheckVersionLead(uint64_t version, uint64_t max_lead, std::string_view what,
+                                      std::string_view limit) const {
   const uint64_t clock = cache->VersionClock();
-  if (version <= clock || version - clock <= kMaxClientClockLead) return Status::OK();
+  if (version <= clock || version - clock <= max_lead) return Status::OK();
   return Status::InvalidArgument(
-      "the client's version is " + std::to_string((version - clock) / 1024 / 1000000) +
-      " s ahead of node " + self.id + "'s clock (more than an hour: check the client's clock)");
-}
-
-Status Server::Impl::CheckHandoffVersion(uint64_t version) const {
-  const uint64_t clock = cache->VersionClock();
-  if (version <= clock || version - clock <= kMaxHandoffClockLead) return Status::OK();
-  return Status::InvalidArgument("the handed-off version is " +
-                                 std::to_string((version - clock) / 1024 / 1000000) +
-                                 " s ahead of node " + self.id + "'s clock (more than a day)");
+      std::string(what) + " is " + std::to_string((version - clock) / 1024 / 1000000) +
+      " s ahead of node " + self.id + "'s clock (" + std::string(limit) + ")");
 }
 
 Status Server::Impl::CheckValueSize(uint64_t size) const {

@@ -692,7 +692,7 @@ Result<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
     if (options.listen_host.empty()) {
       return Status::InvalidArgument("under etcd a node needs a listen address (--listen)");
     }
-    if (!(options.weight > 0) || !(options.weight <= kMaxNodeWeight)) {
+    if (!IsValidNodeWeight(options.weight)) {
       return Status::InvalidArgument("weight must be in (0, " +
                                      std::to_string(static_cast<int>(kMaxNodeWeight)) + "]");
     }

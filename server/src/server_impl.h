@@ -725,15 +725,25 @@ struct Server::Impl {
   // A client-assigned version (kFlagClientVersion) is taken unless it is more than
   // kMaxClientClockLead ahead of this node's clock: one client with a clock far in the future
   // would otherwise push every version of the key (and this node's clock) there.
-  Status CheckClientVersion(uint64_t version) const;
+  Status CheckClientVersion(uint64_t version) const {
+    return CheckVersionLead(version, kMaxClientClockLead, "the client's version",
+                            "more than an hour: check the client's clock");
+  }
   static constexpr uint64_t kMaxClientClockLead = uint64_t{3600} * 1000000 * 1024;  // 1 hour
   // A handed-off version (HANDOFF_PUT, from a peer) is taken unless it is more than a day ahead
   // of this node's clock: looser than a client's, since a sender's versions may legitimately
   // run ahead (versions it adopted from clients up to an hour ahead of its own clock, skew, the
   // first start after an upgrade from 70-minute version blocks), and a refused handoff is sent
   // again every second; bounded, so no version near UINT64_MAX makes a key un-overwritable.
-  Status CheckHandoffVersion(uint64_t version) const;
+  Status CheckHandoffVersion(uint64_t version) const {
+    return CheckVersionLead(version, kMaxHandoffClockLead, "the handed-off version",
+                            "more than a day");
+  }
   static constexpr uint64_t kMaxHandoffClockLead = 24 * kMaxClientClockLead;  // 1 day
+  // InvalidArgument naming `what` when `version` is more than `max_lead` ahead of this node's
+  // version clock (`limit` says the bound in words).
+  Status CheckVersionLead(uint64_t version, uint64_t max_lead, std::string_view what,
+                          std::string_view limit) const;
 
   // Executor thread: copy from staging if any, commit (write-through when durable), reply.
   void CommitAndReply(const std::shared_ptr<PutOp>& op);

@@ -73,6 +73,8 @@ Status ParseAddress(std::string_view address, std::string* host, uint16_t* port)
 // A node's weight is in (0, kMaxNodeWeight]: the ring holds weight * 1024 points per node, so
 // an unbounded weight (a typo, a hostile member record) would exhaust memory.
 inline constexpr double kMaxNodeWeight = 1000.0;
+// Whether `weight` is in (0, kMaxNodeWeight] (false for NaN).
+inline bool IsValidNodeWeight(double weight) { return weight > 0 && weight <= kMaxNodeWeight; }
 
 class HashRing {
  public:
