@@ -607,16 +607,49 @@ TEST_F(MembershipTest, RegistersAgainAfterItsLeaseExpiredInAPartition) {
   auto reg = std::move(*registered);
   ASSERT_TRUE(reg->SetHandoffRunning(true).ok());
   const int64_t old_lease = reg->lease_id();
+  // n2 has no mark: registered again, it gets a catch-up mark with its record.
+  auto second = MemberRegistration::Register(via_link, Record("n2", 7002));
+  ASSERT_TRUE(second.ok()) << second.status().ToString();
+  auto reg2 = std::move(*second);
+  const auto registered_at = Clock::now();
+  MemberRegistration::Hold hold = reg->hold();
+  EXPECT_EQ(hold.generation, 1u);
+  EXPECT_GT(hold.until, registered_at);
+  EXPECT_LE(hold.until, registered_at + std::chrono::seconds(config_.lease_ttl_s));
 
   link.Cut();  // etcd, still up, lets the lease expire
-  ASSERT_TRUE(WaitUntil([&] { return !Has(MustRead(), "n1"); }, 4s)) << "the lease did not expire";
+  // The hold runs out before etcd can drop the record (the node fences itself first).
+  Clock::time_point gone{};
+  ASSERT_TRUE(WaitUntil(
+      [&] {
+        if (Has(MustRead(), "n1")) return false;
+        gone = Clock::now();
+        return true;
+      },
+      4s))
+      << "the lease did not expire";
+  hold = reg->hold();
+  EXPECT_EQ(hold.generation, 1u);
+  EXPECT_LT(hold.until, gone) << "the hold outlived the lease";
+  std::printf("hold ran out %.0f ms before etcd dropped the record (TTL %d s)\n",
+              std::chrono::duration<double, std::milli>(gone - hold.until).count(),
+              config_.lease_ttl_s);
   EXPECT_TRUE(MustRead().handoffs_running.empty());
   link.Restore();
   ASSERT_TRUE(WaitUntil([&] {
     MembershipView v = MustRead();
     // The new lease is published just after the record is written: wait for both.
-    return Has(v, "n1") && v.handoffs_running.count("n1") && reg->lease_id() != old_lease;
+    return Has(v, "n1") && v.handoffs_running.count("n1") && reg->lease_id() != old_lease &&
+           v.catching_up.count("n2") && reg2->hold().generation == 2;
   })) << "not registered again on a new lease";
+  MembershipView v = MustRead();
+  EXPECT_EQ(v.catching_up.count("n1"), 0u) << "a scan's mark stays a scan's mark";
+  hold = reg->hold();
+  EXPECT_EQ(hold.generation, 2u);
+  EXPECT_GT(hold.until, Clock::now());
+  // Deregistered: the node holds nothing.
+  ASSERT_TRUE(reg->Deregister().ok());
+  EXPECT_LE(reg->hold().until, Clock::now());
 }
 
 TEST_F(MembershipTest, RegistrationSurvivesAnEtcdRestart) {

@@ -35,6 +35,8 @@ constexpr auto kMinRetryDelay = 100ms;
 constexpr auto kMaxRetryDelay = 2s;
 // The shortest keepalive period, whatever the TTL.
 constexpr auto kMinKeepAlivePeriod = 100ms;
+// The keepalive's next try after a failed one (unless the period is shorter).
+constexpr auto kKeepAliveRetry = 200ms;
 
 Status CheckEtcdConfig(const EtcdConfig& etcd) {
   if (etcd.endpoints.empty()) return Status::InvalidArgument("etcd: no endpoints configured");
@@ -525,8 +527,12 @@ struct MemberRegistration::Impl {
   // REQUIRES: mu held. Writes the record (and handoff/<id> while running) on `lease`, taking
   // members/<id> only when it is ours already or free.
   Status WriteRecordLocked();
-  // REQUIRES: mu held. Grants a new lease and writes the record on it.
-  Status RegisterLocked();
+  // REQUIRES: mu held. Grants a new lease and writes the record on it. `again`: the previous
+  // lease was lost (the record goes with a catch-up mark, see Hold).
+  Status RegisterLocked(bool again);
+  // REQUIRES: mu held. Publishes the hold of the lease etcd renewed (or granted) with `ttl_s`
+  // in answer to a request sent at `sent`.
+  void PublishHoldLocked(std::chrono::steady_clock::time_point sent, int64_t ttl_s);
   // REQUIRES: mu held. For a write that failed: registers again when the lease is gone.
   Status RecoverLocked(Status failed);
   void KeepAliveLoop();
@@ -545,8 +551,20 @@ struct MemberRegistration::Impl {
   bool deregistered = false;                // guarded by mu
   bool stopping = false;                    // guarded by mu
   std::atomic<int64_t> published_lease{0};  // lease, for lease_id() without the lock
+  uint32_t generation = 0;                  // guarded by mu: registrations so far
+  // Hold, packed so that a reader never pairs one registration's generation with another's
+  // time: steady-clock milliseconds << 16 | generation & 0xffff.
+  std::atomic<uint64_t> hold{0};
   std::thread keepalive;
 };
+
+void MemberRegistration::Impl::PublishHoldLocked(std::chrono::steady_clock::time_point sent,
+                                                  int64_t ttl_s) {
+  const auto until = sent + std::chrono::seconds(ttl_s) - LeaseMargin(ttl_s);
+  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(until.time_since_epoch());
+  hold.store((static_cast<uint64_t>(std::max<int64_t>(0, ms.count())) << 16) | (generation & 0xffff),
+             std::memory_order_release);
+}
 
 Status MemberRegistration::Impl::WriteRecordLocked() {
   std::vector<etcd::TxnOp> writes = {etcd::PutOp(member_key, EncodeMemberRecord(record), lease)};
@@ -573,18 +591,25 @@ Status MemberRegistration::Impl::WriteRecordLocked() {
       "until its lease expires (" + std::to_string(etcd.lease_ttl_s) + " s)");
 }
 
-Status MemberRegistration::Impl::RegisterLocked() {
+Status MemberRegistration::Impl::RegisterLocked(bool again) {
+  const auto sent = std::chrono::steady_clock::now();
   GKV_ASSIGN_OR_RETURN(auto granted, client.LeaseGrant(etcd.lease_ttl_s));
   const int64_t old_lease = lease;
+  const bool old_running = handoff_running, old_catch_up = catch_up_only;
   lease = granted.id;
   lease_ttl_s = granted.ttl_s;
+  if (again && !handoff_running) handoff_running = catch_up_only = true;
   Status s = WriteRecordLocked();
   if (!s.ok()) {
     (void)client.LeaseRevoke(granted.id);  // best effort: it expires anyway
     lease = old_lease;
+    handoff_running = old_running;
+    catch_up_only = old_catch_up;
     return s;
   }
   published_lease.store(lease);
+  ++generation;
+  PublishHoldLocked(sent, granted.ttl_s);
   return Status::OK();
 }
 
@@ -592,7 +617,7 @@ Status MemberRegistration::Impl::RecoverLocked(Status failed) {
   // A put on a lease etcd no longer has fails with "requested lease not found".
   if (!failed.IsNotFound()) return failed;
   GKV_LOG_WARN("membership: lease {} of '{}' is gone; registering again", lease, record.node.id);
-  return RegisterLocked();
+  return RegisterLocked(/*again=*/true);
 }
 
 void MemberRegistration::Impl::KeepAliveLoop() {
@@ -601,17 +626,22 @@ void MemberRegistration::Impl::KeepAliveLoop() {
   while (!stopping && !deregistered) {
     const auto period = std::max<std::chrono::milliseconds>(
         kMinKeepAlivePeriod, std::chrono::milliseconds(lease_ttl_s * 1000 / 3));
-    cv.wait_for(lock, period, [&] { return stopping || deregistered; });
+    // After a failure, sooner: the hold runs out meanwhile (the node fences itself), and every
+    // moment etcd is back but not yet told is a moment the node refuses for nothing.
+    cv.wait_for(lock, trouble_logged ? std::min(period, kKeepAliveRetry) : period,
+                [&] { return stopping || deregistered; });
     if (stopping || deregistered) break;
     Status s;
+    const auto sent = std::chrono::steady_clock::now();
     auto ttl = client.LeaseKeepAlive(lease);
     if (ttl.ok() && *ttl > 0) {
       s = Status::OK();
+      PublishHoldLocked(sent, *ttl);
     } else if (ttl.ok() || ttl.status().IsNotFound()) {
       // Expired (etcd was unreachable for longer than the TTL, or lost its data).
       GKV_LOG_WARN("membership: lease {} of '{}' expired; registering again", lease,
                    record.node.id);
-      s = RegisterLocked();
+      s = RegisterLocked(/*again=*/true);
     } else {
       s = ttl.status();
     }
@@ -647,7 +677,7 @@ Result<std::unique_ptr<MemberRegistration>> MemberRegistration::Register(
       }
     }
     std::lock_guard<std::mutex> lock(impl->mu);
-    GKV_RETURN_IF_ERROR(impl->RegisterLocked());
+    GKV_RETURN_IF_ERROR(impl->RegisterLocked(/*again=*/false));
   }
   GKV_LOG_INFO("membership: registered '{}' at {} (lease {}, TTL {} s)", record.node.id,
                EncodeAddress(record.node), impl->lease, impl->lease_ttl_s);
@@ -703,6 +733,7 @@ Status MemberRegistration::Deregister() {
   Status revoked = impl_->client.LeaseRevoke(impl_->lease);
   if (!revoked.ok() && !revoked.IsNotFound()) return revoked;
   impl_->deregistered = true;
+  impl_->hold.store(impl_->generation & 0xffff, std::memory_order_release);  // holds nothing
   GKV_LOG_INFO("membership: deregistered '{}'", impl_->record.node.id);
   lock.unlock();
   impl_->cv.notify_all();
@@ -710,6 +741,18 @@ Status MemberRegistration::Deregister() {
 }
 
 int64_t MemberRegistration::lease_id() const { return impl_->published_lease.load(); }
+
+MemberRegistration::Hold MemberRegistration::hold() const {
+  const uint64_t packed = impl_->hold.load(std::memory_order_acquire);
+  Hold h;
+  h.generation = static_cast<uint32_t>(packed & 0xffff);
+  h.until = std::chrono::steady_clock::time_point(std::chrono::milliseconds(packed >> 16));
+  return h;
+}
+
+std::chrono::milliseconds MemberRegistration::LeaseMargin(int64_t ttl_s) {
+  return std::max<std::chrono::milliseconds>(200ms, std::chrono::milliseconds(ttl_s * 200));
+}
 
 // ---------------------------------------------------------------------------------------------
 

@@ -308,8 +308,9 @@ bool Server::Impl::ServeHere(std::unique_ptr<Incoming>& msg) {
     auto auth = ws.authenticated.find(r.conn);
     if (auth == ws.authenticated.end() || !auth->second) return false;
   }
-  // Catching up: keys may be held back (worker 0 keeps that set).
-  if (stopping.load(std::memory_order_acquire) || catching_up.load(std::memory_order_relaxed)) {
+  // Catching up: keys may be held back (worker 0 keeps that set). Fenced: worker 0 refuses.
+  if (stopping.load(std::memory_order_acquire) || catching_up.load(std::memory_order_relaxed) ||
+      Fenced(r.start)) {
     return false;
   }
   // The ring changed and its copy is on its way here: worker 0 routes meanwhile.

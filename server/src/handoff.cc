@@ -48,7 +48,7 @@ void Server::Impl::StartHandoffThread() {
       RingPtr now, before;
       uint64_t gen;
       bool full;  // false: only the keys in `only`
-      std::unordered_set<std::string> only;
+      std::unordered_map<std::string, int> only;  // key -> the node that handed it here
       {
         std::unique_lock<std::mutex> lock(H.mu);
         H.cv.wait(lock, [&] { return H.stop || H.pending || !H.recheck.empty(); });
@@ -71,14 +71,19 @@ void Server::Impl::StartHandoffThread() {
       uint64_t keys_out = 0, bytes_out = 0, failed = 0, deleted = 0;
       for (const KeyListing& k : cache->ListKeys()) {
         if (superseded()) break;
-        if (!full && only.count(k.key) == 0) continue;
+        const auto again = only.find(k.key);
+        if (!full && again == only.end()) continue;
         const std::vector<int> p_new = now->Owners(k.key, replicas);
         const std::vector<int> p_old =
             before ? before->Owners(k.key, replicas) : std::vector<int>{};
         const bool mine = Has(p_new, self_index);
         std::vector<int> targets;
+        // A key another owner just handed here is not sent back to it: it holds that version
+        // (two owners whose previous rings differ would each see the other as new to the key
+        // and pass every newer write back and forth for as long as writes come).
+        const int handed_by = again == only.end() ? -1 : again->second;
         for (int n : p_new) {
-          if (n != self_index && !Has(p_old, n)) targets.push_back(n);
+          if (n != self_index && !Has(p_old, n) && !(mine && n == handed_by)) targets.push_back(n);
         }
         if (mine) {
           if (targets.empty()) continue;
@@ -146,7 +151,7 @@ void Server::Impl::StartHandoffThread() {
           if (full) {
             H.pending = true;
           } else {
-            H.recheck.insert(only.begin(), only.end());
+            for (const auto& [key, from] : only) NoteRecheckLocked(key, from);
           }
         }
       }
@@ -194,7 +199,13 @@ bool Server::Impl::HandoffIdle() const {
   return !handoff->pending && handoff->recheck.empty() && !handoff->scanning;
 }
 
-void Server::Impl::NoteCommitted(const std::vector<std::string>& keys, uint64_t admitted_epoch) {
+void Server::Impl::NoteRecheckLocked(const std::string& key, int handed_by) {
+  auto [at, added] = handoff->recheck.emplace(key, handed_by);
+  if (!added && at->second != handed_by) at->second = -1;  // two senders: send to both
+}
+
+void Server::Impl::NoteCommitted(const std::vector<std::string>& keys, uint64_t admitted_epoch,
+                                 int handed_by) {
   if (catching_up.load(std::memory_order_relaxed)) {
     for (const std::string& key : keys) Confirm(key);
   }
@@ -210,7 +221,10 @@ void Server::Impl::NoteCommitted(const std::vector<std::string>& keys, uint64_t 
       bool moved = !Owns(*H.now, key);
       if (!moved && H.before)
         moved = H.now->Owners(key, replicas) != H.before->Owners(key, replicas);
-      if (moved) added |= handoff->recheck.insert(key).second;
+      if (!moved) continue;
+      const size_t before_size = handoff->recheck.size();
+      NoteRecheckLocked(key, handed_by);
+      added |= handoff->recheck.size() != before_size;
     }
   }
   if (!added) return;
@@ -277,8 +291,9 @@ void Server::Impl::HandleHandoffPut(const Req& r, std::string_view body,
   }
   if (!s.ok()) return ReplyStatus(r, s);
   const bool durable = (r.h.flags & w::kFlagDurable) != 0;
+  const int sender = peer_node_of_conn[r.conn];
   ReadPayloadThen(r, std::move(msg),
-                  [this, r, put, version, durable, expect, expected](
+                  [this, r, put, version, durable, expect, expected, sender](
                       Status rs, std::shared_ptr<PayloadBuffer> buf) {
                     Status st = rs;
                     bool changed = false;
@@ -310,7 +325,7 @@ void Server::Impl::HandleHandoffPut(const Req& r, std::string_view body,
                       counters.handoff_keys_in.fetch_add(1, std::memory_order_relaxed);
                       counters.handoff_bytes_in.fetch_add(put.size, std::memory_order_relaxed);
                     }
-                    PostReply([this, r, st, changed, expect, key = put.key] {
+                    PostReply([this, r, st, changed, expect, sender, key = put.key] {
                       // Versions compared: whichever this node now holds is the newest.
                       if (st.ok()) Confirm(key);
                       // A repair's push that did not land (the key moved on meanwhile) says so,
@@ -322,7 +337,7 @@ void Server::Impl::HandleHandoffPut(const Req& r, std::string_view body,
                       if (!changed) return ReplyStatus(r, st);
                       // Sent by the sender's ring, never checked against this node's: a key it does
                       // not own here (the sender's ring is behind, or this one moved on) goes on.
-                      NoteCommitted({key}, kNotRouted);
+                      NoteCommitted({key}, kNotRouted, sender);
                       // A new version of the key here: copies of an older one go first.
                       AfterWrite({key}, [this, r, st] { ReplyStatus(r, st); });
                     });

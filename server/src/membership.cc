@@ -116,6 +116,9 @@ Status Server::Impl::RegisterSelf(uint16_t port) {
     if (reg.ok()) {
       std::lock_guard<std::mutex> lock(mark_mu);  // SyncHandoffMark reads it from other threads
       registration = std::move(*reg);
+      // The catch-up Start() began covers this first registration (FenceTick, the later ones).
+      serving_generation.store(1, std::memory_order_release);
+      registered.store(registration.get(), std::memory_order_release);
       return Status::OK();
     }
     // InvalidArgument: this id's previous record; NotSupported: a member of another placement
@@ -238,9 +241,79 @@ void Server::Impl::Leave(std::chrono::milliseconds timeout) {
 }
 
 void Server::Impl::BeginCatchUp() {
-  for (const KeyListing& k : cache->ListKeys()) unconfirmed.insert(k.key);
+  std::vector<KeyListing> keys = cache->ListKeys();
+  std::lock_guard<std::mutex> lock(unconfirmed_mu);
+  for (const KeyListing& k : keys) unconfirmed.insert(k.key);
   recovered_keys = unconfirmed.size();
-  catching_up.store(recovered_keys > 0);
+  catching_up.store(recovered_keys > 0, std::memory_order_release);
+}
+
+Status Server::Impl::FencedStatus(Clock::time_point now) const {
+  const MemberRegistration* reg = registered.load(std::memory_order_acquire);
+  if (reg == nullptr) return Status::WrongNode("node " + self.id + " is not registered yet");
+  const MemberRegistration::Hold h = reg->hold();
+  if (now < h.until) {
+    return Status::WrongNode("node " + self.id +
+                             " registered again after losing its etcd lease; it catches up first");
+  }
+  return Status::WrongNode(fmt::format(
+      "node {} is fenced: its etcd lease may have lapsed (held until {} ms ago); ask the ring "
+      "again",
+      self.id, std::chrono::duration_cast<std::chrono::milliseconds>(now - h.until).count()));
+}
+
+bool Server::Impl::FencedOp(w::Opcode opcode) {
+  switch (opcode) {
+    case w::Opcode::kPut:
+    case w::Opcode::kGet:
+    case w::Opcode::kDelete:
+    case w::Opcode::kStat:
+    case w::Opcode::kMultiGet:
+    case w::Opcode::kMultiPut:
+    case w::Opcode::kPutChunk:
+    case w::Opcode::kReplicaPut:
+    case w::Opcode::kHandoffPut:
+    case w::Opcode::kRepair:
+      return true;
+    default:
+      return false;
+  }
+}
+
+void Server::Impl::FenceTick(Clock::time_point now) {
+  const MemberRegistration* reg = registered.load(std::memory_order_acquire);
+  if (reg == nullptr) return;
+  const MemberRegistration::Hold h = reg->hold();
+  if (h.generation == serving_generation.load(std::memory_order_relaxed) || now >= h.until) {
+    return;
+  }
+  // Registered under a new lease: etcd dropped this node meanwhile, so the cluster may have
+  // given its keys to others and acknowledged newer writes and deletes of them. Every key here
+  // is held back until the handoffs its return starts have compared versions (as after a
+  // restart); the copies held for other nodes may have missed their invalidations: they go.
+  // The registration wrote the catch-up mark with the record, so clients look further.
+  BeginCatchUp();
+  const size_t kept = recovered_keys;
+  size_t copies = 0;
+  for (const auto& [held_key, copy] : held_copies.Snapshot()) {
+    HeldCopy erased;
+    if (held_copies.EraseIf(held_key, [](const HeldCopy&) { return true; }, &erased)) {
+      DropReplicaCopy(held_key, erased);
+      ++copies;
+    }
+  }
+  seen_marks.clear();
+  joined_at.store(now);
+  {
+    std::lock_guard<std::mutex> lock(mark_mu);
+    if (mark == Mark::kOff) mark = Mark::kCatchUp;  // as the registration wrote it
+  }
+  executors->Submit([this] { SyncHandoffMark(); });
+  serving_generation.store(h.generation, std::memory_order_release);
+  GKV_LOG_WARN(
+      "node {}: registered again after its lease lapsed; its {} keys are held back until the "
+      "cluster's handoffs compared their versions, {} copies held for other nodes dropped",
+      self.id, kept, copies);
 }
 
 void Server::Impl::CatchUpTick(Clock::time_point now) {
@@ -267,6 +340,7 @@ void Server::Impl::CatchUpTick(Clock::time_point now) {
   }
   const bool overdue = since > kCatchUpMax;
   if (!overdue && (busy || (!all_seen && since < kCatchUpQuiet))) return;
+  std::lock_guard<std::mutex> lock(unconfirmed_mu);
   if (overdue) {
     GKV_LOG_WARN(
         "node {}: other nodes' handoffs still run {} s after it joined; serving its {} "
@@ -281,7 +355,7 @@ void Server::Impl::CatchUpTick(Clock::time_point now) {
       recovered_keys - unconfirmed.size(), unconfirmed.size());
   unconfirmed.clear();
   seen_marks.clear();
-  catching_up.store(false);
+  catching_up.store(false, std::memory_order_release);
   executors->Submit([this] { SyncHandoffMark(); });
 }
 

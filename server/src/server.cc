@@ -401,6 +401,10 @@ void Server::Impl::OnMessage(std::unique_ptr<Incoming> msg) {
   if (stopping.load(std::memory_order_acquire)) {
     return ReplyStatus(r, Status::Unavailable("node is shutting down"));
   }
+  if (FencedOp(r.h.opcode) && Fenced(r.start)) {
+    counters.fenced_refusals.fetch_add(1, std::memory_order_relaxed);
+    return ReplyStatus(r, FencedStatus(r.start));
+  }
   // A graceful stop waits for the requests taken before it began, not for the refusals of
   // the ones that keep arriving meanwhile (under load those never reach zero).
   in_flight.fetch_add(1, std::memory_order_acq_rel);
@@ -566,6 +570,7 @@ void Server::Impl::OnTick() {
     }
   }
   if (!timers.empty()) RunTimers(now);
+  if (elastic()) FenceTick(now);
   CatchUpTick(now);
   if (replication_on() && now - last_decay >= std::chrono::seconds(1)) {
     last_decay = now;

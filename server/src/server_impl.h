@@ -352,6 +352,31 @@ struct Server::Impl {
   int replicas = 1;  // the cluster's base replication (every write goes to this many owners)
   std::unique_ptr<MembershipWatcher> watcher;
   std::unique_ptr<MemberRegistration> registration;
+  // ---------------- fencing (membership.cc; docs/ARCHITECTURE.md, "Fencing") ----------------
+  // Under etcd a node serves and accepts keys only while etcd cannot have given them to anyone
+  // else: while the lease of its registration holds (MemberRegistration::Hold), and only for
+  // a registration whose catch-up has begun. A node that lost its lease (a stall, a partition
+  // from etcd, an etcd outage longer than the hold) refuses as fenced (wrong_node: clients ask
+  // the ring again) from the moment its hold ran out, before etcd can expire the lease; when
+  // it registers again it catches up as a restarted node does (FenceTick).
+  // `registered`: set once RegisterSelf succeeded (the object lives as long as Impl).
+  std::atomic<const MemberRegistration*> registered{nullptr};
+  // The registration (Hold::generation) whose catch-up has begun: written by worker 0 only.
+  std::atomic<uint32_t> serving_generation{0};
+  // Any thread, lock-free (every client request asks).
+  bool Fenced(Clock::time_point now) const {
+    if (!elastic()) return false;
+    const MemberRegistration* reg = registered.load(std::memory_order_acquire);
+    if (reg == nullptr) return true;
+    const MemberRegistration::Hold h = reg->hold();
+    return now >= h.until || h.generation != serving_generation.load(std::memory_order_acquire);
+  }
+  Status FencedStatus(Clock::time_point now) const;
+  // Whether a request of `opcode` is served or accepted as the key's owner (or copy holder):
+  // refused while fenced. Pings, stats, invalidations and load reports are not.
+  static bool FencedOp(w::Opcode opcode);
+  // OnTick: a registration under a new lease begins catch-up, then serving under it.
+  void FenceTick(Clock::time_point now);
   MemberRecord self_record;
   MembershipView view;               // I/O thread: the last one applied
   std::atomic<bool> leaving{false};  // the ring this node applies leaves it out
@@ -390,7 +415,10 @@ struct Server::Impl {
   // a read of a recovered key that was neither written nor handed off here since answers
   // not_found, except a client's last-resort ask (kFlagLastResort). This node's handoff/<id>
   // mark stays on meanwhile, so clients keep asking the other owners and previous owners.
-  // I/O thread only, except `catching_up` (read by the handoff thread for the mark).
+  // `unconfirmed` under unconfirmed_mu (taken only while catching_up: a catch-up begun by a
+  // new registration finds the other I/O workers mid-request); the rest I/O thread only,
+  // except `catching_up` (read by the handoff thread for the mark).
+  mutable std::mutex unconfirmed_mu;
   std::unordered_set<std::string> unconfirmed;
   size_t recovered_keys = 0;
   std::atomic<bool> catching_up{false};
@@ -405,12 +433,15 @@ struct Server::Impl {
   // Without having seen every other member's scan (watch lag), catch-up waits this long.
   static constexpr auto kCatchUpQuiet = std::chrono::seconds(10);
   static constexpr auto kCatchUpMax = std::chrono::minutes(10);
-  // Start(), before the transport: every key on disk is unconfirmed.
+  // Start(), before the transport: every key on disk is unconfirmed (and again, on worker 0,
+  // when a new registration begins: FenceTick).
   void BeginCatchUp();
   // Whether `key` is unconfirmed (cheap when not catching up); whether a read of it must
   // answer not_found.
   bool Unconfirmed(std::string_view key) const {
-    return catching_up.load(std::memory_order_relaxed) && unconfirmed.count(std::string(key)) > 0;
+    if (!catching_up.load(std::memory_order_acquire)) return false;
+    std::lock_guard<std::mutex> lock(unconfirmed_mu);
+    return unconfirmed.count(std::string(key)) > 0;
   }
   bool HeldBack(const Req& r, std::string_view key) const {
     return (r.h.flags & w::kFlagLastResort) == 0 && Unconfirmed(key);
@@ -424,7 +455,9 @@ struct Server::Impl {
   }
   // A write, delete or handoff of `key` here settled its version.
   void Confirm(const std::string& key) {
-    if (catching_up.load(std::memory_order_relaxed)) unconfirmed.erase(key);
+    if (!catching_up.load(std::memory_order_acquire)) return;
+    std::lock_guard<std::mutex> lock(unconfirmed_mu);
+    unconfirmed.erase(key);
   }
   void CatchUpTick(Clock::time_point now);  // OnTick
   // Not on the I/O thread (it calls etcd): handoff/<id> is present while this node catches up
@@ -447,7 +480,8 @@ struct Server::Impl {
     bool pending = false;     // a scan is due
     // Keys to look at again (a pass over just these is due): a write admitted under the ring
     // before a change committed after the scan may have listed them (NoteCommitted).
-    std::unordered_set<std::string> recheck;
+    // Each with the node that handed it here (-1: written here, or by several senders).
+    std::unordered_map<std::string, int> recheck;
     bool scanning = false;
     bool stop = false;
   };
@@ -461,7 +495,10 @@ struct Server::Impl {
   // `admitted_epoch` (kNotRouted: never checked against this node's ring): when the ring
   // changed since, the keys this node no longer owns or whose owners moved (the scan may have
   // sent an older version) get another pass.
-  void NoteCommitted(const std::vector<std::string>& keys, uint64_t admitted_epoch);
+  // `handed_by`: the node a handoff of the keys came from (it is not sent them back).
+  void NoteCommitted(const std::vector<std::string>& keys, uint64_t admitted_epoch,
+                     int handed_by = -1);
+  void NoteRecheckLocked(const std::string& key, int handed_by);  // REQUIRES: handoff->mu
   // Whether keys admitted under ring `admitted_epoch` may have moved since (NoteCommitted
   // looks at them again).
   // (Any I/O worker: the epoch is read from ring_epoch_now.)

@@ -124,6 +124,7 @@ std::string RenderStatsJson(const std::string& node_id, const CacheStats& st,
   j += "}}";
   j += ",\"membership\":{\"ring_epoch\":" + std::to_string(counters.ring_epoch.load());
   j += ",\"ring_changes\":" + std::to_string(counters.ring_changes.load());
+  j += ",\"fenced_refusals\":" + std::to_string(counters.fenced_refusals.load());
   j += ",\"handoff_keys_out\":" + std::to_string(counters.handoff_keys_out.load());
   j += ",\"handoff_bytes_out\":" + std::to_string(counters.handoff_bytes_out.load());
   j += ",\"handoff_keys_in\":" + std::to_string(counters.handoff_keys_in.load());
@@ -264,6 +265,9 @@ std::string RenderPrometheus(const std::string& node_id, const CacheStats& st,
   sample("gkv_ring_epoch", "", counters.ring_epoch.load());
   family("gkv_ring_changes_total", "counter", "Ring changes this node applied.");
   sample("gkv_ring_changes_total", "", counters.ring_changes.load());
+  family("gkv_fenced_refusals_total", "counter",
+         "Requests refused while this node was fenced (its etcd lease may have lapsed).");
+  sample("gkv_fenced_refusals_total", "", counters.fenced_refusals.load());
   family("gkv_handoff_keys_total", "counter", "Keys handed off by ring changes, by direction.");
   sample("gkv_handoff_keys_total", "direction=\"out\"", counters.handoff_keys_out.load());
   sample("gkv_handoff_keys_total", "direction=\"in\"", counters.handoff_keys_in.load());

@@ -50,6 +50,8 @@ struct ServerCounters {
   // owners and received from old ones; handoff scans running (gauge, 0 or 1); repair copies
   // sent (a key whose owners changed while this node stays one of them).
   std::atomic<uint64_t> ring_epoch{0}, ring_changes{0};
+  // Requests refused while fenced (lease lapsed or a new registration not yet caught up).
+  std::atomic<uint64_t> fenced_refusals{0};
   std::atomic<uint64_t> handoff_keys_out{0}, handoff_bytes_out{0};
   std::atomic<uint64_t> handoff_keys_in{0}, handoff_bytes_in{0};
   std::atomic<uint64_t> handoffs_running{0}, repairs{0};

@@ -122,6 +122,23 @@ class MemberRegistration {
   Status Deregister();
   int64_t lease_id() const;
 
+  // What the node may rely on (its fence, docs/ARCHITECTURE.md "Fencing"): which registration
+  // holds its record (1 for the first, one more for each registration under a new lease after
+  // the old one was lost) and until when, by this process's steady clock, etcd cannot have let
+  // that lease expire. `until` is the send time of the last keepalive etcd answered (or of the
+  // grant) plus the TTL it granted, less LeaseMargin(TTL): etcd starts a lease's TTL when it
+  // handles the request, after the send, so only a clock running slower than etcd's by more
+  // than the margin (a fifth, >= 10^4 times NTP's 500 ppm bound) could make it late. Stays put
+  // while etcd is unreachable; {generation, epoch} after Deregister().
+  // A registration under a new lease writes handoff/<id> as a catch-up mark along with the
+  // record (unless a scan's mark is set): the node missed what the cluster did meanwhile.
+  struct Hold {
+    uint32_t generation = 0;
+    std::chrono::steady_clock::time_point until{};
+  };
+  Hold hold() const;
+  static std::chrono::milliseconds LeaseMargin(int64_t ttl_s);
+
  private:
   struct Impl;
   explicit MemberRegistration(std::unique_ptr<Impl> impl);
