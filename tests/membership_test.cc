@@ -479,6 +479,47 @@ TEST_F(MembershipTest, UpdateAndHandoffKeyCallBackOnlyOnRealChanges) {
   EXPECT_NE(reg->Update(Record("other", 1)).code(), StatusCode::kOk);
 }
 
+std::string Base64(std::string_view in) {
+  static const char* kChars = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+  std::string out;
+  uint32_t acc = 0;
+  int bits = 0;
+  for (unsigned char c : in) {
+    acc = (acc << 8) | c;
+    bits += 8;
+    while (bits >= 6) out.push_back(kChars[(acc >> (bits -= 6)) & 63]);
+  }
+  if (bits > 0) out.push_back(kChars[(acc << (6 - bits)) & 63]);
+  while (out.size() % 4) out.push_back('=');
+  return out;
+}
+
+// Issue 38 item 5: a client opened mid-handoff learns the ring before the change from the
+// scan's mark; a value that is not such a list is a plain scan mark.
+TEST_F(MembershipTest, AScanMarkNamesTheRingBeforeItsChange) {
+  auto reg = MustRegister(Record("n1", 7001));
+  ASSERT_NE(reg, nullptr);
+  ASSERT_TRUE(reg->SetHandoffRunning(true, false, {"n0", "n1"}).ok());
+  MembershipView v = MustRead();
+  EXPECT_EQ(v.previous_members["n1"], (std::vector<std::string>{"n0", "n1"}));
+  EXPECT_EQ(v.catching_up.count("n1"), 0u);
+  ASSERT_TRUE(reg->SetHandoffRunning(true, /*catch_up_only=*/true, {"n0"}).ok());
+  v = MustRead();
+  EXPECT_EQ(v.catching_up.count("n1"), 1u);
+  EXPECT_EQ(v.previous_members.count("n1"), 0u);
+  httplib::Client http(etcd_.endpoint());
+  for (const char* bad : {"{", "{\"previous\": [1, 2]}", "{\"previous\": [\"a/b\"]}", "[]",
+                          "{\"previous\": \"n0\"}"}) {
+    const std::string body = "{\"key\":\"" + Base64(config_.prefix() + "handoff/n9") +
+                             "\",\"value\":\"" + Base64(bad) + "\"}";
+    auto res = http.Post("/v3/kv/put", body, "application/json");
+    ASSERT_TRUE(res && res->status == 200) << (res ? res->body : "no reply");
+    v = MustRead();
+    EXPECT_EQ(v.handoffs_running.count("n9"), 1u) << bad;
+    EXPECT_EQ(v.previous_members.count("n9"), 0u) << bad;
+  }
+}
+
 TEST_F(MembershipTest, RegistersAgainWhenTheLeaseIsGone) {
   auto reg = MustRegister(Record("n1", 7001));
   ASSERT_NE(reg, nullptr);

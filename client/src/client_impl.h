@@ -19,6 +19,7 @@
 #include <optional>
 #include <queue>
 #include <random>
+#include <set>
 #include <span>
 #include <thread>
 #include <unordered_map>
@@ -176,6 +177,15 @@ struct Client::Impl {
     // The rings before `ring`, newest first, kept while keys may be moving: changes in quick
     // succession leave keys on any of them (a handoff superseded by the next change).
     std::vector<RingPtr> previous;
+    // The rings before the changes the running scans hand off for, as their marks name them
+    // (MembershipView::previous_members): a client opened mid-handoff saw no change itself.
+    std::vector<RingPtr> marked;
+    // Under etcd: the table indices (sorted) of nodes this client saw draining that are no
+    // longer registered: they handed every key off before they went, so as previous owners they
+    // are not asked (their failure would fail reads the owner's last-resort ask serves). A node
+    // that vanished otherwise (dead, lease lapsed) is still asked: it may hold the newest copy,
+    // and its failure is then the read's answer.
+    std::vector<int> drained_away;
     bool handoff = false;
     Clock::time_point changed_at{};
     static constexpr auto kSettle = std::chrono::seconds(3);
@@ -189,11 +199,14 @@ struct Client::Impl {
     std::vector<int> PreviousOwners(std::string_view key, int replicas,
                                     std::vector<int> exclude) const {
       std::vector<int> out;
-      for (const RingPtr& r : previous) {
-        for (int n : r->Owners(key, replicas)) {
-          if (std::find(exclude.begin(), exclude.end(), n) != exclude.end()) continue;
-          exclude.push_back(n);
-          out.push_back(n);
+      for (const auto* rings : {&previous, &marked}) {
+        for (const RingPtr& r : *rings) {
+          for (int n : r->Owners(key, replicas)) {
+            if (std::find(exclude.begin(), exclude.end(), n) != exclude.end()) continue;
+            if (std::binary_search(drained_away.begin(), drained_away.end(), n)) continue;
+            exclude.push_back(n);
+            out.push_back(n);
+          }
         }
       }
       return out;
@@ -531,6 +544,12 @@ struct Client::Impl {
     auto it = pending.find(h.request_id);
     if (it == pending.end()) return;  // timed out earlier; dropping releases its payload
     PendingPtr p = it->second;
+    // Only the connection the request went out on answers it: another node (a stale or
+    // hostile one) cannot answer, or fail, a request it never received.
+    if (p->conn != 0 && msg->conn() != p->conn) {
+      GKV_LOG_DEBUG("dropping a reply to request {} from another connection", h.request_id);
+      return;
+    }
     MarkUp(p->node);
     if (p->transfer_deadline > p->deadline) {
       p->deadline = p->transfer_deadline;
@@ -666,6 +685,28 @@ struct Client::Impl {
     return static_cast<int>(nodes.size()) - 1;
   }
 
+  std::set<int> seen_draining;  // I/O thread: nodes last seen draining (Routing::drained_away)
+  // The distinct rings the view's scan marks name as "before" (members still registered; at
+  // most Routing::kMaxPrevious). I/O thread (it may add nodes to the table).
+  std::vector<RingPtr> MarkedRings(const MembershipView& v) {
+    std::vector<RingPtr> out;
+    std::set<std::vector<int>> seen;
+    for (const auto& [marker, ids] : v.previous_members) {
+      std::vector<NodeInfo> members;
+      std::vector<int> slots;
+      for (const std::string& id : ids) {
+        const MemberRecord* m = v.Find(id);
+        if (m == nullptr) continue;  // gone: nobody to ask
+        members.push_back(m->node);
+        slots.push_back(NodeIndex(m->node));
+      }
+      if (members.empty() || !seen.insert(slots).second) continue;
+      out.push_back(std::make_shared<RingView>(0, members, slots, nodes.size()));
+      if (out.size() == Routing::kMaxPrevious) break;
+    }
+    return out;
+  }
+
   void ApplyView(const MembershipView& v) {
     auto cur = Route();
     std::vector<NodeInfo> members = v.RingNodes();
@@ -673,6 +714,21 @@ struct Client::Impl {
     for (const NodeInfo& n : members) slots.push_back(NodeIndex(n));
     auto next = std::make_shared<Routing>(*cur);
     next->handoff = !v.handoffs_running.empty();
+    next->marked = MarkedRings(v);
+    std::set<int> registered;
+    for (const MemberRecord& m : v.members) {
+      const int n = NodeIndex(m.node);
+      registered.insert(n);
+      if (m.draining || v.drain_requested.count(m.node.id)) {
+        seen_draining.insert(n);
+      } else {
+        seen_draining.erase(n);  // back in the ring
+      }
+    }
+    next->drained_away.clear();
+    for (int n : seen_draining) {
+      if (registered.count(n) == 0) next->drained_away.push_back(n);
+    }
     bool same = cur->ring->size() == slots.size();
     for (size_t p = 0; same && p < slots.size(); ++p) same = cur->ring->slot(p) == slots[p];
     if (!same) {
@@ -683,6 +739,11 @@ struct Client::Impl {
       }
       next->ring = std::make_shared<RingView>(v.epoch, members, slots, nodes.size());
       next->changed_at = Clock::now();
+      // Copies were made by the old owners, and nobody withdraws them when a key moves: a
+      // copy could hold v1 after the new owner acknowledged v2. Hints go, and replies to
+      // requests sent before the change bring none.
+      hints.clear();
+      hints_valid_from = next->changed_at;
       std::string list;
       for (const NodeInfo& n : members) list += (list.empty() ? "" : ",") + n.id;
       GKV_LOG_INFO("client: ring epoch {}: {} members [{}]", v.epoch, members.size(), list);
@@ -718,6 +779,7 @@ struct Client::Impl {
     Status failure;             // the first node failure (unavailable, timeout) so far
     int failed_node = -1;       // the node of `failure`
     bool failed_owner = false;  // ... one of the key's owners under the current ring
+    Status refused;             // the first wrong_node so far (that node may hold the key)
     // Attempts made again because an owner failed while every other node missed (kept across
     // attempts).
     int failed_node_retries = 0;
@@ -750,6 +812,7 @@ struct Client::Impl {
     call->failure = Status::OK();
     call->failed_node = -1;
     call->failed_owner = false;
+    call->refused = Status::OK();
     if (call->moving) {
       for (int n :
            route->PreviousOwners(call->key, options.replicas,
@@ -799,9 +862,15 @@ struct Client::Impl {
       c.failed_node = c.nodes[i];
       c.failed_owner = i < c.first_previous;
     }
-    const bool move_on =
-        NodeFailure(r.status()) ||
-        (c.moving && (code == StatusCode::kNotFound || code == StatusCode::kWrongNode));
+    // wrong_node from one owner (its ring differs, or it is fenced: its lease may have lapsed)
+    // asks the next owner at once; after the last, the whole read is asked again shortly. A
+    // miss elsewhere then is no answer: the refusing node may hold the key.
+    if (code == StatusCode::kWrongNode && c.refused.ok()) c.refused = r.status();
+    if (code == StatusCode::kNotFound && !c.moving && !c.refused.ok()) {
+      return RetryOrEndGet(call, c.refused);
+    }
+    const bool move_on = NodeFailure(r.status()) || code == StatusCode::kWrongNode ||
+                         (c.moving && code == StatusCode::kNotFound);
     if (r.ok() && i == 0 && !c.moving && options.replicas > 1) {
       MaybeReadRepair(c.key, c.nodes, r->info().version);
     }
@@ -1056,6 +1125,7 @@ struct Client::Impl {
     std::vector<uint16_t> missed;
   };
   std::unordered_map<std::string, Hint> hints;
+  Clock::time_point hints_valid_from{};  // the last ring change (ApplyView)
   std::mt19937_64 hint_rng{0x9e3779b97f4a7c15ULL};
   // Versions of this client's replicated writes (replicas > 1, kFlagClientVersion): every
   // replica of a write gets the same one, so read repair can tell which replica lags. It
@@ -1084,6 +1154,7 @@ struct Client::Impl {
       if (n >= ring.size()) return;  // a hint from a node with another cluster file
       n = static_cast<uint16_t>(ring.slot(n));
     }
+    if (sent < hints_valid_from) nodes.clear();  // named by a ring before the last change
     auto& slot = seen_version[h % kSeenSlots];
     if (slot.first == h && slot.second > version) return;
     slot = {h, version};
@@ -1393,6 +1464,12 @@ struct Client::Impl {
                 [fan, i, done](Result<uint64_t> r) {
                   fan->results[i] = std::move(r);
                   if (--fan->remaining > 0) return;
+                  // The primary's answer, unless another owner refused as misrouted: its ring
+                  // (or fencing) says the write has not reached the key's owners; the whole
+                  // put goes again (DoPut) rather than being acknowledged on one copy.
+                  for (size_t k = 1; fan->results[0].ok() && k < fan->results.size(); ++k) {
+                    if (Misrouted(fan->results[k].status())) return done(fan->results[k].status());
+                  }
                   done(std::move(fan->results[0]));
                 });
     }

@@ -76,7 +76,31 @@ bool SameContent(const MembershipView& a, const MembershipView& b) {
   return std::equal(a.members.begin(), a.members.end(), b.members.begin(), b.members.end(),
                     SameRecord) &&
          a.drain_requested == b.drain_requested && a.handoffs_running == b.handoffs_running &&
-         a.catching_up == b.catching_up;
+         a.catching_up == b.catching_up && a.previous_members == b.previous_members;
+}
+
+// handoff/<id>'s value: "" (a scan; builds before previous_members), kCatchUpMark, or
+// {"previous": [ids]} (a scan, with the ring before its change).
+std::string EncodeHandoffMark(bool catch_up_only, const std::vector<std::string>& previous) {
+  if (catch_up_only) return std::string(kCatchUpMark);
+  if (previous.empty()) return "";
+  return json{{"previous", previous}}.dump();
+}
+
+std::vector<std::string> DecodePreviousMembers(std::string_view value) {
+  if (!value.starts_with("{")) return {};
+  json j = json::parse(value, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object()) return {};
+  auto it = j.find("previous");
+  if (it == j.end() || !it->is_array() || it->size() > 4096) return {};
+  std::vector<std::string> ids;
+  for (const json& id : *it) {
+    if (!id.is_string()) return {};
+    const std::string& s = id.get_ref<const std::string&>();
+    if (s.empty() || s.size() > 255 || s.find('/') != std::string::npos) return {};
+    ids.push_back(s);
+  }
+  return ids;
 }
 
 // The prefix's keys, relative to the prefix, with their values: the state a view is made of.
@@ -100,6 +124,9 @@ MembershipView BuildView(const KeyMap& keys, uint64_t revision, uint64_t epoch) 
       const std::string id(k.substr(kHandoffDir.size()));
       view.handoffs_running.insert(id);
       if (value == kCatchUpMark) view.catching_up.insert(id);
+      if (auto previous = DecodePreviousMembers(value); !previous.empty()) {
+        view.previous_members[id] = std::move(previous);
+      }
     }
   }
   // Keys come sorted, so members are sorted by id already. A member of another placement
@@ -109,6 +136,7 @@ MembershipView BuildView(const KeyMap& keys, uint64_t revision, uint64_t epoch) 
     if (m.placement == HashRing::kPlacementVersion) continue;
     view.handoffs_running.erase(m.node.id);
     view.catching_up.erase(m.node.id);
+    view.previous_members.erase(m.node.id);
   }
   return view;
 }
@@ -542,16 +570,17 @@ struct MemberRegistration::Impl {
   const std::string member_key, drain_key, handoff_key;
 
   std::mutex mu;
-  std::condition_variable cv;               // wakes the keepalive thread to stop
-  MemberRecord record;                      // guarded by mu
-  int64_t lease = 0;                        // guarded by mu
-  int64_t lease_ttl_s = 0;                  // guarded by mu: as granted
-  bool handoff_running = false;             // guarded by mu
-  bool catch_up_only = false;               // guarded by mu
-  bool deregistered = false;                // guarded by mu
-  bool stopping = false;                    // guarded by mu
-  std::atomic<int64_t> published_lease{0};  // lease, for lease_id() without the lock
-  uint32_t generation = 0;                  // guarded by mu: registrations so far
+  std::condition_variable cv;                 // wakes the keepalive thread to stop
+  MemberRecord record;                        // guarded by mu
+  int64_t lease = 0;                          // guarded by mu
+  int64_t lease_ttl_s = 0;                    // guarded by mu: as granted
+  bool handoff_running = false;               // guarded by mu
+  bool catch_up_only = false;                 // guarded by mu
+  std::vector<std::string> previous_members;  // guarded by mu: the scan mark's (see the view)
+  bool deregistered = false;                  // guarded by mu
+  bool stopping = false;                      // guarded by mu
+  std::atomic<int64_t> published_lease{0};    // lease, for lease_id() without the lock
+  uint32_t generation = 0;                    // guarded by mu: registrations so far
   // Hold, packed so that a reader never pairs one registration's generation with another's
   // time: steady-clock milliseconds << 16 | generation & 0xffff.
   std::atomic<uint64_t> hold{0};
@@ -559,18 +588,19 @@ struct MemberRegistration::Impl {
 };
 
 void MemberRegistration::Impl::PublishHoldLocked(std::chrono::steady_clock::time_point sent,
-                                                  int64_t ttl_s) {
+                                                 int64_t ttl_s) {
   const auto until = sent + std::chrono::seconds(ttl_s) - LeaseMargin(ttl_s);
   const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(until.time_since_epoch());
-  hold.store((static_cast<uint64_t>(std::max<int64_t>(0, ms.count())) << 16) | (generation & 0xffff),
-             std::memory_order_release);
+  hold.store(
+      (static_cast<uint64_t>(std::max<int64_t>(0, ms.count())) << 16) | (generation & 0xffff),
+      std::memory_order_release);
 }
 
 Status MemberRegistration::Impl::WriteRecordLocked() {
   std::vector<etcd::TxnOp> writes = {etcd::PutOp(member_key, EncodeMemberRecord(record), lease)};
   if (handoff_running) {
     writes.push_back(
-        etcd::PutOp(handoff_key, catch_up_only ? std::string(kCatchUpMark) : "", lease));
+        etcd::PutOp(handoff_key, EncodeHandoffMark(catch_up_only, previous_members), lease));
   }
   GKV_ASSIGN_OR_RETURN(auto ours, client.Txn({etcd::KeyOnLease(member_key, lease)}, writes));
   if (ours.succeeded) return Status::OK();
@@ -647,7 +677,7 @@ void MemberRegistration::Impl::KeepAliveLoop() {
     }
     if (!s.ok() && !trouble_logged) {
       GKV_LOG_WARN("membership: cannot keep '{}' registered: {}; retrying every {} ms",
-                   record.node.id, s.ToString(), period.count());
+                   record.node.id, s.ToString(), std::min(period, kKeepAliveRetry).count());
       trouble_logged = true;
     } else if (s.ok() && trouble_logged) {
       GKV_LOG_INFO("membership: etcd reachable again; '{}' is registered (lease {})",
@@ -708,15 +738,18 @@ Status MemberRegistration::Update(const MemberRecord& record) {
   return s.ok() ? s : impl_->RecoverLocked(s);
 }
 
-Status MemberRegistration::SetHandoffRunning(bool running, bool catch_up_only) {
+Status MemberRegistration::SetHandoffRunning(bool running, bool catch_up_only,
+                                             std::vector<std::string> previous_members) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   if (impl_->deregistered) return Status::Aborted("membership: deregistered");
   impl_->handoff_running = running;
   impl_->catch_up_only = running && catch_up_only;
+  impl_->previous_members = std::move(previous_members);
   if (!running) return impl_->client.Delete(impl_->handoff_key).status();
   Status s =
       impl_->client
-          .Put(impl_->handoff_key, catch_up_only ? std::string(kCatchUpMark) : "", impl_->lease)
+          .Put(impl_->handoff_key, EncodeHandoffMark(impl_->catch_up_only, impl_->previous_members),
+               impl_->lease)
           .status();
   return s.ok() ? s : impl_->RecoverLocked(s);
 }

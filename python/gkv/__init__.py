@@ -51,12 +51,12 @@ except Exception:  # noqa: BLE001 (absent or unloadable: the extension's RPATH i
 from . import _gkv
 from ._errors import (Aborted, Busy, Corruption, Error, Internal, InvalidArgument, IOError, NoSpace,
                       NotFound, NotSupported, PermissionDenied, ProtocolError, Timeout,
-                      Unavailable)
+                      Unavailable, WrongNode)
 
 __all__ = [
     "Client", "StatInfo", "DTYPES", "Error", "NotFound", "InvalidArgument", "NoSpace",
     "Unavailable", "Timeout", "IOError", "Corruption", "ProtocolError", "PermissionDenied",
-    "NotSupported", "Aborted", "Internal", "Busy",
+    "NotSupported", "Aborted", "Internal", "Busy", "WrongNode",
 ]
 __version__ = "0.1.0"
 
@@ -206,6 +206,12 @@ _ucx_started = False
 _ucx_inherited = False
 
 
+def _forked_from_ucx() -> bool:
+    """Whether this process was forked from one that had started UCX (no gkv.Client works
+    here: gkv.torch then reads the dataset or loader directly)."""
+    return _ucx_inherited
+
+
 def _after_fork_in_child() -> None:
     # The parent's I/O thread does not exist in the child: its clients' C++ objects are left
     # alone (destroying one would wait for that thread forever).
@@ -266,8 +272,8 @@ class Client:
                         "method (DataLoader(..., multiprocessing_context='forkserver'))")
                 cluster, timeout, replicas, _ = self._args
                 global _ucx_started
-                _ucx_started = True
                 self._core_obj = _gkv._Client(cluster, _ms(timeout), replicas)
+                _ucx_started = True  # only once UCX really started (a failed open did not)
                 self._pid = os.getpid()
                 self._executor = None
             return self._core_obj

@@ -8,7 +8,7 @@ from ._errors import (Aborted as Aborted, Busy as Busy, Corruption as Corruption
                       IOError as IOError, NoSpace as NoSpace, NotFound as NotFound,
                       NotSupported as NotSupported, PermissionDenied as PermissionDenied,
                       ProtocolError as ProtocolError, Timeout as Timeout,
-                      Unavailable as Unavailable)
+                      Unavailable as Unavailable, WrongNode as WrongNode)
 
 __version__: str
 DTYPES: tuple[str, ...]

@@ -5,7 +5,7 @@ from __future__ import annotations
 __all__ = [
     "Error", "NotFound", "InvalidArgument", "NoSpace", "Unavailable", "Timeout", "IOError",
     "Corruption", "ProtocolError", "PermissionDenied", "NotSupported", "Aborted", "Internal",
-    "Busy",
+    "Busy", "WrongNode",
     "from_status",
 ]
 

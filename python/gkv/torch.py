@@ -1,8 +1,11 @@
 """PyTorch training integrations: an embedding-row cache and a caching dataset wrapper.
 
 Importable only where torch is. Both classes are thread-safe and work in DataLoader worker
-processes: the gkv.Client they hold reopens its own connections in each process (after a fork,
-or when unpickled in a spawned worker), so every worker talks to the cluster on its own.
+processes. Workers started by 'spawn' or 'forkserver' unpickle the gkv.Client, which opens its
+own connections there, so every worker talks to the cluster on its own. Workers started by
+'fork' (DataLoader's default on Linux) cannot use UCX when the parent had a client open: there
+every sample comes from the wrapped dataset (or loader), with one RuntimeWarning per process
+naming the fix (``multiprocessing_context="forkserver"``), never an exception.
 """
 
 from __future__ import annotations
@@ -10,18 +13,41 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import json
+import os
 import threading
+import warnings
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
-from . import Client, InvalidArgument, NotFound, Timeout, Unavailable, _ids_array
+from . import (Busy, Client, InvalidArgument, NoSpace, NotFound, Timeout, Unavailable, WrongNode,
+               _forked_from_ucx, _ids_array)
 
 __all__ = ["EmbeddingCache", "CachedDataset"]
 
-# Failures of the cache that a training step survives: the loader or the dataset answers.
-_CACHE_DOWN = (Unavailable, Timeout)
+# The cache cannot answer (a node down, hung, overloaded, or its ring moving past the call's
+# deadline): with fail_open the step goes on from the loader or the dataset. Anything else (a
+# wrong shape, a bad argument, a corrupt value, an internal error) is the caller's to see.
+_CACHE_DOWN = (Unavailable, Timeout, Busy, WrongNode)
+# With fail_open, a write back that did not fit (a full cache) costs a later miss, not the step.
+_WRITE_SKIPPED = _CACHE_DOWN + (NoSpace,)
+
+_warned_pids: set[int] = set()
+
+
+def _cache_unusable_here() -> bool:
+    """True in a process forked after UCX started (one warning per process)."""
+    if not _forked_from_ucx():
+        return False
+    if os.getpid() not in _warned_pids:
+        _warned_pids.add(os.getpid())
+        warnings.warn(
+            "gkv: this process was forked from one that had a gkv.Client open and UCX does not "
+            "survive fork, so gkv.torch reads the dataset/loader directly here; start DataLoader "
+            "workers with multiprocessing_context='forkserver' (or 'spawn') to use the cache",
+            RuntimeWarning, stacklevel=3)
+    return True
 
 
 class EmbeddingCache:
@@ -34,7 +60,8 @@ class EmbeddingCache:
     (``write_back``) and filled in. ``prefetch(ids)`` starts that in the background; the
     ``lookup`` of the same ids then returns the prefetched result.
 
-    With the cache unreachable (``fail_open``, default) every row comes from the loader.
+    When the cache cannot answer (``fail_open``, default: a node down or hung, busy, or its ring
+    moving past the call's deadline) every row comes from the loader; other gkv errors raise.
     Thread-safe; ``loader`` is called from the calling thread or the prefetch thread.
     Counters: ``hits``, ``misses``, ``loaded`` (rows the loader produced).
     """
@@ -67,7 +94,7 @@ class EmbeddingCache:
     def lookup(self, ids: Any) -> torch.Tensor:
         """The rows of ``ids`` (a 1-D integer tensor, array or sequence), ``[len(ids), dim]``
         on this cache's device. Raises what the loader raises; raises gkv errors other than
-        an unreachable cache (e.g. a stored row of the wrong size: InvalidArgument)."""
+        a cache that cannot answer (e.g. a stored row of the wrong size: InvalidArgument)."""
         ids_np = _ids_array(ids)
         fut = self._take_prefetched(ids_np)
         if fut is not None:
@@ -140,13 +167,17 @@ class EmbeddingCache:
     def _lookup(self, ids_np: np.ndarray) -> torch.Tensor:
         n = len(ids_np)
         out = torch.empty((n, self.dim), dtype=self.dtype, device=self.device)
-        try:
-            hit = self.client.multi_get_into(ids_np, out, prefix=self.prefix,
-                                             fail_open=self.fail_open).numpy()
-        except _CACHE_DOWN:
-            if not self.fail_open:
-                raise
+        forked = _cache_unusable_here()
+        if forked:
             hit = np.zeros(n, dtype=np.bool_)
+        else:
+            try:
+                hit = self.client.multi_get_into(ids_np, out, prefix=self.prefix,
+                                                 fail_open=self.fail_open).numpy()
+            except _CACHE_DOWN:
+                if not self.fail_open:
+                    raise
+                hit = np.zeros(n, dtype=np.bool_)
         nhit = int(hit.sum())
         with self._lock:
             self.hits += nhit
@@ -163,10 +194,10 @@ class EmbeddingCache:
             self.loaded += len(uniq)
         out[torch.from_numpy(miss).to(self.device)] = \
             rows.to(self.device)[torch.from_numpy(inverse).to(self.device)]
-        if self.write_back:
+        if self.write_back and not forked:
             try:
                 self.client.multi_put_rows(uniq, rows.cpu(), prefix=self.prefix)
-            except _CACHE_DOWN:
+            except _WRITE_SKIPPED:
                 if not self.fail_open:
                     raise
         return out
@@ -185,7 +216,8 @@ class CachedDataset(torch.utils.data.Dataset):
     A sample found in the cache is returned from it; a missing one is computed by
     ``dataset[index]`` and stored. Samples may be tensors, numpy arrays, bytes, Python numbers,
     or tuples/lists of those (a tuple is stored as one key per element plus a small header).
-    With the cache unreachable (``fail_open``, default) samples come from ``dataset``.
+    When the cache cannot answer (``fail_open``, default: a node down or hung, busy, or its ring
+    moving past the call's deadline) samples come from ``dataset``; other gkv errors raise.
     Counters (per process): ``hits``, ``misses``.
     """
 
@@ -204,6 +236,8 @@ class CachedDataset(torch.utils.data.Dataset):
         return len(self.dataset)
 
     def __getitem__(self, index: int) -> Any:
+        if _cache_unusable_here():
+            return self.dataset[index]
         key = f"{self.prefix}{int(index)}"
         try:
             sample = self._read(key)
@@ -221,7 +255,7 @@ class CachedDataset(torch.utils.data.Dataset):
             self.misses += 1
         try:
             self._write(key, sample)
-        except _CACHE_DOWN:
+        except _WRITE_SKIPPED:
             if not self.fail_open:
                 raise
         return sample

@@ -221,3 +221,55 @@ def test_embedding_cache_on_cuda(client):
     assert out.is_cuda and torch.equal(out.cpu(), ref.weight[ids])
     out = cache.lookup(ids)
     assert out.is_cuda and torch.equal(out.cpu(), ref.weight[ids]) and cache.hits == 3
+
+
+def _forked_worker_reads(client, q):
+    # Runs in a child forked from a parent that had a client open (DataLoader's default).
+    try:
+        import warnings
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ref = ReferenceTable()
+            cache = EmbeddingCache(client, "emb-fork", DIM, torch.float32, ref)
+            rows = cache.lookup(torch.tensor([1, 2, 3]))
+            rows2 = cache.lookup(torch.tensor([4]))
+        q.put(("ok", torch.equal(rows, ref.weight[[1, 2, 3]]) and torch.equal(rows2, ref.weight[[4]]),
+               [str(w.message) for w in caught]))
+    except BaseException as e:  # noqa: BLE001 (reported to the parent)
+        q.put(("error", repr(e), []))
+
+
+def test_dataloader_default_fork_workers_read_the_dataset_with_one_warning(cluster):
+    # Linux DataLoader workers fork by default; UCX does not survive fork, so the workers read
+    # the dataset directly (correct samples, no exception) and warn once per process.
+    import multiprocessing
+    import warnings
+    with gkv.Client(cluster.cluster_file, timeout=5) as cl:
+        cached = CachedDataset(SquaresDataset(32), cl, "ds-fork/")
+        assert cached[5] is not None  # the parent uses the cache: UCX started here
+        assert cached.misses == 1
+        loader = torch.utils.data.DataLoader(cached, batch_size=8, num_workers=2)
+        assert multiprocessing.get_start_method() == "fork"
+        seen = []
+        for x, y in loader:
+            idx = torch.sqrt(x[:, 0]).round().long()
+            assert torch.equal(y, idx % 3)
+            seen += idx.tolist()
+        assert sorted(seen) == list(range(32))
+        # Nothing the workers read went through the cache (only the parent's one sample).
+        assert cl.get("ds-fork/5/1").item() == 5 % 3
+        with pytest.raises(gkv.NotFound):
+            cl.get("ds-fork/6")
+        # EmbeddingCache in a forked child: rows from the loader, one warning naming the fix.
+        ctx = multiprocessing.get_context("fork")
+        q = ctx.Queue()
+        p = ctx.Process(target=_forked_worker_reads, args=(cl, q))  # forked: not pickled
+        p.start()
+        status, ok, caught = q.get(timeout=60)
+        p.join(30)
+        assert status == "ok" and ok is True, (status, ok)
+        assert len(caught) == 1 and "forkserver" in caught[0], caught
+        assert p.exitcode == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert gkv._forked_from_ucx() is False  # the parent itself is not a forked child

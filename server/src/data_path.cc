@@ -90,6 +90,12 @@ void Server::Impl::FinishFastPut(PutOp* op, const Status& rs) {
     FreePutOp(op);
     return ReplyStatus(req, rs);
   }
+  if (FencedSince(op->req)) {
+    op->handle = WriteHandle();
+    const Req req = op->req;
+    FreePutOp(op);
+    return ReplyStatus(req, FencedAtCommit());
+  }
   uint64_t version = 0;
   if ((op->req.h.flags & w::kFlagDurable) == 0 &&
       cache->TryCommitInMemory(&op->handle, &version) == TieredCache::FastPath::kServed) {
@@ -180,6 +186,7 @@ void Server::Impl::CommitAndReply(const std::shared_ptr<PutOp>& op) {
   // The caller has given up: nothing is published (a durable write is not made durable for a
   // call that reported Timeout).
   if (op->req.Expired()) s = DeadlinePassed();
+  if (s.ok() && FencedSince(op->req)) s = FencedAtCommit();
   if (s.ok() && !op->staging.empty()) {
     s = cache->CopyBytes(op->handle.data(), op->handle.memory_kind(), op->staging.data(),
                          MemoryKind::kHost, op->put.size);
@@ -308,9 +315,11 @@ bool Server::Impl::ServeHere(std::unique_ptr<Incoming>& msg) {
     auto auth = ws.authenticated.find(r.conn);
     if (auth == ws.authenticated.end() || !auth->second) return false;
   }
-  // Catching up: keys may be held back (worker 0 keeps that set). Fenced: worker 0 refuses.
-  if (stopping.load(std::memory_order_acquire) || catching_up.load(std::memory_order_relaxed) ||
-      Fenced(r.start)) {
+  // Fenced: worker 0 refuses. Catching up: keys may be held back (worker 0 keeps that set).
+  // The generation first (see OnMessage).
+  r.generation = serving_generation.load(std::memory_order_acquire);
+  if (Fenced(r.start) || stopping.load(std::memory_order_acquire) ||
+      catching_up.load(std::memory_order_acquire)) {
     return false;
   }
   // The ring changed and its copy is on its way here: worker 0 routes meanwhile.
@@ -455,6 +464,9 @@ void Server::Impl::HandleKeyOp(const Req& r, std::string_view body) {
   if (!s.ok()) return ReplyStatus(r, s);
   SubmitRequestWork(r, [this, r, key = std::move(key), client_version] {
     if (r.Expired()) return PostReplyStatus(r, DeadlinePassed());
+    if (r.h.opcode == w::Opcode::kDelete && FencedSince(r)) {
+      return PostReplyStatus(r, FencedAtCommit());
+    }
     if (r.h.opcode == w::Opcode::kDelete) {
       // Before the delete: a handoff or repair landing meanwhile is refused too.
       RememberDelete(key, client_version);
@@ -691,6 +703,11 @@ void Server::Impl::HandleMultiPut(const Req& r, std::unique_ptr<Incoming> msg) {
           if (versioned) h->RequestVersion(items[i].version);
           handles.push_back(std::move(*h));
           slot.push_back(i);
+        }
+        if (FencedSince(r)) {
+          handles.clear();  // the reservations go: nothing written
+          for (size_t i : slot) results[i].code = StatusCode::kWrongNode;
+          slot.clear();
         }
         auto committed = cache->CommitBatch(std::move(handles), (r.h.flags & w::kFlagDurable) != 0);
         for (size_t j = 0; j < committed.size(); ++j) {

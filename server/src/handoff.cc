@@ -47,7 +47,7 @@ void Server::Impl::StartHandoffThread() {
     for (;;) {
       RingPtr now, before;
       uint64_t gen;
-      bool full;  // false: only the keys in `only`
+      bool full;                                  // false: only the keys in `only`
       std::unordered_map<std::string, int> only;  // key -> the node that handed it here
       {
         std::unique_lock<std::mutex> lock(H.mu);
@@ -78,10 +78,11 @@ void Server::Impl::StartHandoffThread() {
             before ? before->Owners(k.key, replicas) : std::vector<int>{};
         const bool mine = Has(p_new, self_index);
         std::vector<int> targets;
-        // A key another owner just handed here is not sent back to it: it holds that version
-        // (two owners whose previous rings differ would each see the other as new to the key
-        // and pass every newer write back and forth for as long as writes come).
-        const int handed_by = again == only.end() ? -1 : again->second;
+        // A pass over recently written keys does not send a key back to the owner that just
+        // handed it here keeping its own copy (w::kFlagSenderKeeps): two owners whose previous
+        // rings differ would each see the other as new to the key and pass every newer write
+        // back and forth for as long as writes come. A full pass sends to every new owner.
+        const int handed_by = full || again == only.end() ? -1 : again->second;
         for (int n : p_new) {
           if (n != self_index && !Has(p_old, n) && !(mine && n == handed_by)) targets.push_back(n);
         }
@@ -104,7 +105,7 @@ void Server::Impl::StartHandoffThread() {
         if (!info.ok()) continue;  // deleted or dropped meanwhile
         bool all_ok = true;
         for (int target : targets) {
-          Status s = SendHandoff(target, k.key, *info, k.durable, bytes);
+          Status s = SendHandoff(target, k.key, *info, k.durable, bytes, mine);
           if (!s.ok()) {
             GKV_LOG_DEBUG("handoff of a key to node {} failed: {}", target, s.ToString());
             all_ok = false;
@@ -183,8 +184,17 @@ void Server::Impl::ScheduleHandoff(RingPtr now, RingPtr before) {
     std::lock_guard<std::mutex> lock(handoff->mu);
     // Changes in quick succession: the scan compares with the ring it last started from, so
     // nothing between is missed (a key's owners before the first change are its holders).
+    const RingPtr compared = handoff->before;
     if (!handoff->pending && !handoff->scanning) handoff->before = before;
     if (!handoff->before) handoff->before = before;
+    if (handoff->before != compared || handoff->before_ids.empty()) {
+      // For the scan's mark (clients that saw no change ask these nodes too). The node table
+      // is the I/O thread's: the ids are taken here.
+      handoff->before_ids.clear();
+      for (size_t p = 0; handoff->before && p < handoff->before->size(); ++p) {
+        handoff->before_ids.push_back(options.cluster.nodes[handoff->before->slot(p)].id);
+      }
+    }
     handoff->now = now;
     handoff->generation++;
     handoff->pending = true;
@@ -233,7 +243,7 @@ void Server::Impl::NoteCommitted(const std::vector<std::string>& keys, uint64_t 
 }
 
 Status Server::Impl::SendHandoff(int target, const std::string& key, const ObjectInfo& info,
-                                 bool durable, const std::string& bytes) {
+                                 bool durable, const std::string& bytes, bool keeps) {
   w::PutRequest put;
   put.key = key;
   put.tensor = info.tensor;
@@ -244,12 +254,13 @@ Status Server::Impl::SendHandoff(int target, const std::string& key, const Objec
       std::max<uint64_t>(2000, bytes.size() / (50ull * 1000 * 1000 / 1000)));
   auto done = std::make_shared<std::promise<Status>>();
   std::future<Status> result = done->get_future();
+  const uint16_t flags =
+      (durable ? w::kFlagDurable : uint16_t{0}) | (keeps ? w::kFlagSenderKeeps : uint16_t{0});
   transport->Post([this, target, body = w::EncodeHandoffPut(put, info.version), payload, done,
-                   durable, budget]() mutable {
+                   flags, budget]() mutable {
     CallPeer(
         target, w::Opcode::kHandoffPut, std::move(body), payload,
-        [done](Status s, std::string_view) { done->set_value(s); },
-        durable ? w::kFlagDurable : uint16_t{0}, budget);
+        [done](Status s, std::string_view) { done->set_value(s); }, flags, budget);
   });
   // The I/O thread may be stopping (a posted task then never runs): bounded wait.
   if (result.wait_for(budget + std::chrono::seconds(1)) != std::future_status::ready) {
@@ -291,57 +302,60 @@ void Server::Impl::HandleHandoffPut(const Req& r, std::string_view body,
   }
   if (!s.ok()) return ReplyStatus(r, s);
   const bool durable = (r.h.flags & w::kFlagDurable) != 0;
-  const int sender = peer_node_of_conn[r.conn];
-  ReadPayloadThen(r, std::move(msg),
-                  [this, r, put, version, durable, expect, expected, sender](
-                      Status rs, std::shared_ptr<PayloadBuffer> buf) {
-                    Status st = rs;
-                    bool changed = false;
-                    if (st.ok() && !DeletedSince(put.key, version)) {
-                      auto h = cache->Reserve(put.key, put.size, put.tensor);
-                      if (h.ok()) {
-                        st = cache->CopyBytes(h->data(), h->memory_kind(), buf->data(),
-                                              MemoryKind::kHost, put.size);
-                        if (st.ok()) {
-                          auto c = expect ? cache->CommitHandedOffIf(std::move(*h), durable,
-                                                                     version, expected)
-                                          : cache->CommitHandedOff(std::move(*h), durable, version);
-                          if (c.ok()) {
-                            changed = *c;
-                            // A delete that came in while this was being installed wins.
-                            if (changed && DeletedSince(put.key, version)) {
-                              (void)cache->DeleteVersion(put.key, version);
-                              changed = false;
-                            }
-                          } else {
-                            st = c.status();
-                          }
-                        }
-                      } else {
-                        st = h.status();
-                      }
-                    }
-                    if (st.ok()) {
-                      counters.handoff_keys_in.fetch_add(1, std::memory_order_relaxed);
-                      counters.handoff_bytes_in.fetch_add(put.size, std::memory_order_relaxed);
-                    }
-                    PostReply([this, r, st, changed, expect, sender, key = put.key] {
-                      // Versions compared: whichever this node now holds is the newest.
-                      if (st.ok()) Confirm(key);
-                      // A repair's push that did not land (the key moved on meanwhile) says so,
-                      // so the sender does not count it as a repair.
-                      if (!changed && expect && st.ok()) {
-                        return ReplyStatus(r, Status::Aborted("the key changed since it was "
-                                                              "compared; nothing installed"));
-                      }
-                      if (!changed) return ReplyStatus(r, st);
-                      // Sent by the sender's ring, never checked against this node's: a key it does
-                      // not own here (the sender's ring is behind, or this one moved on) goes on.
-                      NoteCommitted({key}, kNotRouted, sender);
-                      // A new version of the key here: copies of an older one go first.
-                      AfterWrite({key}, [this, r, st] { ReplyStatus(r, st); });
-                    });
-                  });
+  // The sender keeps its copy: this version is not sent back to it (NoteCommitted).
+  const int sender = (r.h.flags & w::kFlagSenderKeeps) ? peer_node_of_conn[r.conn] : -1;
+  ReadPayloadThen(
+      r, std::move(msg),
+      [this, r, put, version, durable, expect, expected, sender](
+          Status rs, std::shared_ptr<PayloadBuffer> buf) {
+        Status st = rs;
+        bool changed = false;
+        if (st.ok() && FencedSince(r)) st = FencedAtCommit();
+        if (st.ok() && !DeletedSince(put.key, version)) {
+          auto h = cache->Reserve(put.key, put.size, put.tensor);
+          if (h.ok()) {
+            st = cache->CopyBytes(h->data(), h->memory_kind(), buf->data(), MemoryKind::kHost,
+                                  put.size);
+            if (st.ok()) {
+              auto c = expect ? cache->CommitHandedOffIf(std::move(*h), durable, version, expected)
+                              : cache->CommitHandedOff(std::move(*h), durable, version);
+              if (c.ok()) {
+                changed = *c;
+                // A delete that came in while this was being installed wins.
+                if (changed && DeletedSince(put.key, version)) {
+                  (void)cache->DeleteVersion(put.key, version);
+                  changed = false;
+                }
+              } else {
+                st = c.status();
+              }
+            }
+          } else {
+            st = h.status();
+          }
+        }
+        if (st.ok()) {
+          counters.handoff_keys_in.fetch_add(1, std::memory_order_relaxed);
+          counters.handoff_bytes_in.fetch_add(put.size, std::memory_order_relaxed);
+        }
+        PostReply([this, r, st, changed, expect, sender, key = put.key] {
+          // Versions compared: whichever this node now holds is the newest.
+          if (st.ok()) Confirm(key);
+          // A repair's push that did not land (the key moved on meanwhile) says so,
+          // so the sender does not count it as a repair.
+          if (!changed && expect && st.ok()) {
+            return ReplyStatus(r, Status::Aborted("the key changed since it was "
+                                                  "compared; nothing installed"));
+          }
+          if (!changed) return ReplyStatus(r, st);
+          // Sent by the sender's ring, never checked against this node's: a key it does
+          // not own here (the sender's ring is behind, or this one moved on) goes on.
+          NoteCommitted({key}, kNotRouted, sender);
+          // A new version of the key here: copies of an older one go first.
+          AfterWrite({key}, [this, r, st] { ReplyStatus(r, st); });
+        });
+      },
+      /*on_executor=*/true, /*limit=*/options.max_value_size);
 }
 
 void Server::Impl::HandleRepair(const Req& r, std::string_view body) {
@@ -385,7 +399,8 @@ void Server::Impl::HandleRepair(const Req& r, std::string_view body) {
     w::AppendVersion(&push, seen);
     // 2 s, plus the time the bytes take at 50 MB/s (a slow link still completes large values).
     const auto budget = std::chrono::seconds(2) + std::chrono::milliseconds(put.size / 50'000);
-    const uint16_t flags = w::kFlagExpectVersion | (info->durable ? w::kFlagDurable : 0);
+    const uint16_t flags = w::kFlagExpectVersion | w::kFlagSenderKeeps |
+                           (info->durable ? w::kFlagDurable : uint16_t{0});
     PostReply([this, r, target, bytes, flags, budget, push = std::move(push)]() mutable {
       CallPeer(
           target, w::Opcode::kHandoffPut, std::move(push), bytes,

@@ -174,6 +174,9 @@ void Server::Impl::ApplyMembership(MembershipView v) {
     // looked at again (NoteCommittedKey); until the new ring reaches it, that worker leaves its
     // requests to this one (ServeHere).
     ring_epoch_now.store(next->epoch(), std::memory_order_release);
+    // Before the new epoch is published: no worker serves under the new ring a key this node
+    // regains before it is held back.
+    if (before && next->contains(self_index)) RegainCheck(before, next);
     // Scheduled before the ring is published: Leave() must never see the ring without this node
     // while the handoff for it looks idle.
     ScheduleHandoff(next, before);
@@ -245,7 +248,32 @@ void Server::Impl::BeginCatchUp() {
   std::lock_guard<std::mutex> lock(unconfirmed_mu);
   for (const KeyListing& k : keys) unconfirmed.insert(k.key);
   recovered_keys = unconfirmed.size();
-  catching_up.store(recovered_keys > 0, std::memory_order_release);
+  restart_catch_up = recovered_keys > 0;
+  catching_up.store(restart_catch_up || regain_now != nullptr, std::memory_order_release);
+}
+
+void Server::Impl::RegainCheck(RingPtr before, RingPtr now) {
+  // Keys move to this node from others only when a member left (a join takes keys away).
+  std::vector<std::string> departed;
+  for (size_t p = 0; p < before->size(); ++p) {
+    if (!now->contains(before->slot(p)))
+      departed.push_back(options.cluster.nodes[before->slot(p)].id);
+  }
+  std::lock_guard<std::mutex> lock(unconfirmed_mu);
+  if (departed.empty()) {
+    if (regain_now) regain_now = now;  // a hold under way follows the ring
+    return;
+  }
+  if (!regain_now) {
+    regain_before = before;  // the earliest ring of an unsettled run of changes
+    regain_confirmed.clear();
+  }
+  regain_now = now;
+  regain_departed.insert(departed.begin(), departed.end());
+  regain_started = Clock::now();
+  if (!catching_up.load(std::memory_order_relaxed)) mark_on.store(false, std::memory_order_release);
+  catching_up.store(true, std::memory_order_release);
+  executors->Submit([this] { SyncHandoffMark(); });  // catch-up mark: clients look further
 }
 
 Status Server::Impl::FencedStatus(Clock::time_point now) const {
@@ -297,17 +325,18 @@ void Server::Impl::FenceTick(Clock::time_point now) {
   size_t copies = 0;
   for (const auto& [held_key, copy] : held_copies.Snapshot()) {
     HeldCopy erased;
-    if (held_copies.EraseIf(held_key, [](const HeldCopy&) { return true; }, &erased)) {
+    if (held_copies.EraseIf(
+            held_key, [](const HeldCopy&) { return true; }, &erased)) {
       DropReplicaCopy(held_key, erased);
       ++copies;
     }
   }
   seen_marks.clear();
   joined_at.store(now);
-  {
-    std::lock_guard<std::mutex> lock(mark_mu);
-    if (mark == Mark::kOff) mark = Mark::kCatchUp;  // as the registration wrote it
-  }
+  // The registration wrote its own mark with the record; a sync queued before may have
+  // changed it since: the next sync writes the catch-up mark whatever it believes.
+  mark_unknown.store(true);
+  mark_on.store(false, std::memory_order_release);
   executors->Submit([this] { SyncHandoffMark(); });
   serving_generation.store(h.generation, std::memory_order_release);
   GKV_LOG_WARN(
@@ -324,7 +353,32 @@ void Server::Impl::CatchUpTick(Clock::time_point now) {
     executors->Submit([this] { SyncHandoffMark(); });
   }
   const Clock::time_point joined = joined_at.load(std::memory_order_relaxed);
-  if (!catching_up.load(std::memory_order_relaxed) || joined == Clock::time_point{}) return;
+  if (!catching_up.load(std::memory_order_relaxed)) return;
+  if (!regain_departed.empty() && now - regain_started >= kRegainMin) {
+    // Keys that came back (RegainCheck): settled once the members that left are out of etcd
+    // (a drained node deregisters when its handoff is done; or kCatchUpQuiet passed) and no
+    // other node's scan runs.
+    bool settled = true;
+    for (const std::string& id : regain_departed) {
+      settled &= view.Find(id) == nullptr || now - regain_started >= kCatchUpQuiet;
+    }
+    for (const std::string& id : view.handoffs_running) {
+      settled &= id == self.id || view.catching_up.count(id) > 0;
+    }
+    if (settled) {
+      std::lock_guard<std::mutex> lock(unconfirmed_mu);
+      std::string left;
+      for (const std::string& id : regain_departed) left += (left.empty() ? "" : ",") + id;
+      GKV_LOG_INFO("node {}: the keys that came back to it as {} left are settled", self.id, left);
+      regain_before = regain_now = nullptr;
+      regain_confirmed.clear();
+      regain_departed.clear();
+      if (!restart_catch_up) catching_up.store(false, std::memory_order_release);
+      executors->Submit([this] { SyncHandoffMark(); });
+    }
+  }
+  if (!restart_catch_up) return;
+  if (joined == Clock::time_point{}) return;
   const auto since = now - joined;
   if (since < kCatchUpMin) return;
   // Other nodes' scans: one running keeps this node catching up; one not seen yet (a member
@@ -355,19 +409,31 @@ void Server::Impl::CatchUpTick(Clock::time_point now) {
       recovered_keys - unconfirmed.size(), unconfirmed.size());
   unconfirmed.clear();
   seen_marks.clear();
-  catching_up.store(false, std::memory_order_release);
+  restart_catch_up = false;
+  if (!regain_now) catching_up.store(false, std::memory_order_release);
   executors->Submit([this] { SyncHandoffMark(); });
 }
 
 void Server::Impl::SyncHandoffMark() {
   std::lock_guard<std::mutex> lock(mark_mu);
   if (!registration) return;
+  if (mark_unknown.exchange(false)) mark = Mark::kUnknown;
   const bool scanning = !HandoffIdle();
   const Mark want = scanning ? Mark::kScan : (catching_up.load() ? Mark::kCatchUp : Mark::kOff);
-  if (want == mark) return;
-  Status s = registration->SetHandoffRunning(want != Mark::kOff, want == Mark::kCatchUp);
+  std::vector<std::string> previous;
+  if (want == Mark::kScan && handoff) {
+    std::lock_guard<std::mutex> h(handoff->mu);
+    previous = handoff->before_ids;
+  }
+  if (want == mark && previous == mark_previous) {
+    mark_on.store(want != Mark::kOff, std::memory_order_release);
+    return;
+  }
+  Status s = registration->SetHandoffRunning(want != Mark::kOff, want == Mark::kCatchUp, previous);
   if (s.ok() || s.code() == StatusCode::kAborted) {  // Aborted: deregistered, no mark left
     mark = want;
+    mark_previous = std::move(previous);
+    mark_on.store(s.ok() && want != Mark::kOff, std::memory_order_release);
     return;
   }
   GKV_LOG_WARN("setting handoff/{} in etcd: {} (trying again)", self.id, s.ToString());

@@ -437,6 +437,10 @@ void Server::Impl::HandleReplicaPut(const Req& r, std::string_view body,
           Status ps = p.status();
           PostReply([this, r, put, copy, ps] {
             if (!ps.ok()) return ReplyStatus(r, ps);
+            if (FencedSince(r)) {  // registered again since: FenceTick dropped the copies
+              DropReplicaCopy(put.key, copy);
+              return ReplyStatus(r, FencedAtCommit());
+            }
             if (!InstallReplica(put.key, copy)) {
               counters.replica_refused.fetch_add(1, std::memory_order_relaxed);
               return ReplyStatus(r, Status::Aborted("copy refused: superseded"));

@@ -340,11 +340,12 @@ void Server::Impl::ReplyStatus(const Req& r, const Status& s) {
 
 void Server::Impl::ReadPayloadThen(const Req& r, std::unique_ptr<Incoming> msg,
                                    std::function<void(Status, std::shared_ptr<PayloadBuffer>)> next,
-                                   bool on_executor) {
-  if (msg->payload_size() > options.max_batch_bytes) {
-    return ReplyStatus(r, Status::NoSpace("batch of " + FormatSize(msg->payload_size()) +
-                                          " exceeds the node's limit of " +
-                                          FormatSize(options.max_batch_bytes) + "; split it"));
+                                   bool on_executor, uint64_t limit) {
+  if (limit == 0) limit = options.max_batch_bytes;
+  if (msg->payload_size() > limit) {
+    return ReplyStatus(
+        r, Status::NoSpace("batch of " + FormatSize(msg->payload_size()) +
+                           " exceeds the node's limit of " + FormatSize(limit) + "; split it"));
   }
   if (executors->queued() >= options.max_queued_tasks) {
     return ReplyStatus(r, Status::Busy("the node's work queue is full"));
@@ -401,6 +402,9 @@ void Server::Impl::OnMessage(std::unique_ptr<Incoming> msg) {
   if (stopping.load(std::memory_order_acquire)) {
     return ReplyStatus(r, Status::Unavailable("node is shutting down"));
   }
+  // The generation first: a registration that changes between the two loads then fails the
+  // write's commit (FencedSince) rather than letting it commit under the new one.
+  r.generation = serving_generation.load(std::memory_order_acquire);
   if (FencedOp(r.h.opcode) && Fenced(r.start)) {
     counters.fenced_refusals.fetch_add(1, std::memory_order_relaxed);
     return ReplyStatus(r, FencedStatus(r.start));

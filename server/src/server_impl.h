@@ -108,6 +108,9 @@ struct Req {
   bool admitted = false;  // counted in its connection's load until its reply is sent
   int worker = 0;         // the I/O worker whose tables admitted it: its reply is sent there
   bool counted = false;   // counted in in_flight (what a graceful stop waits for)
+  // Under etcd: the registration (MemberRegistration::Hold::generation) it was admitted under;
+  // a write commits only under the same one, unfenced (Server::Impl::FencedSince).
+  uint32_t generation = 0;
   bool Expired() const { return Clock::now() > deadline; }
 };
 
@@ -372,6 +375,16 @@ struct Server::Impl {
     return now >= h.until || h.generation != serving_generation.load(std::memory_order_acquire);
   }
   Status FencedStatus(Clock::time_point now) const;
+  // At a write's commit (a stall may have come between admission and commit): fenced now, or
+  // registered again since `r` was admitted. Any thread.
+  bool FencedSince(const Req& r) const {
+    return elastic() && (Fenced(Clock::now()) ||
+                         r.generation != serving_generation.load(std::memory_order_acquire));
+  }
+  Status FencedAtCommit() const {
+    return Status::WrongNode("node " + self.id +
+                             " lost its etcd lease while the write waited; nothing written");
+  }
   // Whether a request of `opcode` is served or accepted as the key's owner (or copy holder):
   // refused while fenced. Pings, stats, invalidations and load reports are not.
   static bool FencedOp(w::Opcode opcode);
@@ -422,6 +435,26 @@ struct Server::Impl {
   std::unordered_set<std::string> unconfirmed;
   size_t recovered_keys = 0;
   std::atomic<bool> catching_up{false};
+  // A ring change gave this node keys it did not own in the ring just before (a member left:
+  // e.g. a node that joined and drains again). A copy it kept from earlier may be older than
+  // what the leaving owner acknowledged meanwhile, so such keys are held back like recovered
+  // ones: a key is, while `regain_now` is set, when regain_now gives it to this node,
+  // regain_before did not, and no write, delete or handoff of it reached this node since
+  // (`regain_confirmed`). Checked per key (no listing); under unconfirmed_mu. It ends
+  // (CatchUpTick) once every member that left is out of etcd (a drained node deregisters when
+  // its handoff is done) or kCatchUpQuiet passed, no other node's scan runs, and kRegainMin
+  // passed.
+  RingPtr regain_before, regain_now;                 // guarded by unconfirmed_mu
+  std::unordered_set<std::string> regain_confirmed;  // guarded by unconfirmed_mu
+  std::set<std::string> regain_departed;             // I/O thread
+  bool restart_catch_up = false;       // I/O thread (Start: before it): BeginCatchUp's kind
+  Clock::time_point regain_started{};  // I/O thread
+  static constexpr auto kRegainMin = std::chrono::seconds(1);
+  void RegainCheck(RingPtr before, RingPtr now);                // I/O thread (ApplyMembership)
+  bool RegainedUnconfirmedLocked(std::string_view key) const {  // REQUIRES: unconfirmed_mu
+    return regain_now && Owns(*regain_now, key) && !Owns(*regain_before, key) &&
+           regain_confirmed.count(std::string(key)) == 0;
+  }
   // Set (posted by Start) once this run is registered and its mark is on; before that a held
   // back read answers unavailable (a previous run's record may still route clients here,
   // and they have no mark telling them to look further). Atomic: an executor reads it for a
@@ -441,7 +474,7 @@ struct Server::Impl {
   bool Unconfirmed(std::string_view key) const {
     if (!catching_up.load(std::memory_order_acquire)) return false;
     std::lock_guard<std::mutex> lock(unconfirmed_mu);
-    return unconfirmed.count(std::string(key)) > 0;
+    return unconfirmed.count(std::string(key)) > 0 || RegainedUnconfirmedLocked(key);
   }
   bool HeldBack(const Req& r, std::string_view key) const {
     return (r.h.flags & w::kFlagLastResort) == 0 && Unconfirmed(key);
@@ -449,15 +482,22 @@ struct Server::Impl {
   // The answer to a held-back read: not_found (the client looks further), or unavailable
   // before this run registered (its clients may not know to look further).
   Status HeldBackStatus() const {
-    return joined_at.load(std::memory_order_relaxed) == Clock::time_point{}
-               ? Status::Unavailable("node is starting: catching up with the cluster")
-               : Status::NotFound("key not confirmed since this node restarted");
+    if (joined_at.load(std::memory_order_relaxed) == Clock::time_point{}) {
+      return Status::Unavailable("node is starting: catching up with the cluster");
+    }
+    // not_found sends a client on to the previous owners only while it sees a mark: until the
+    // catch-up mark is known to be in etcd (a new registration, a regain), ask again.
+    if (!mark_on.load(std::memory_order_acquire)) {
+      return Status::WrongNode("node " + self.id + " is catching up; its mark is not in etcd yet");
+    }
+    return Status::NotFound("key not confirmed since this node restarted");
   }
   // A write, delete or handoff of `key` here settled its version.
   void Confirm(const std::string& key) {
     if (!catching_up.load(std::memory_order_acquire)) return;
     std::lock_guard<std::mutex> lock(unconfirmed_mu);
     unconfirmed.erase(key);
+    if (regain_now) regain_confirmed.insert(key);
   }
   void CatchUpTick(Clock::time_point now);  // OnTick
   // Not on the I/O thread (it calls etcd): handoff/<id> is present while this node catches up
@@ -465,8 +505,15 @@ struct Server::Impl {
   // A failed etcd write leaves mark_retry set; OnTick tries again once a second.
   void SyncHandoffMark();
   std::mutex mark_mu;
-  enum class Mark { kOff, kCatchUp, kScan };
-  Mark mark = Mark::kOff;  // guarded by mark_mu
+  // kUnknown: the registration rewrote the mark itself (a registration under a new lease):
+  // the next sync writes what is wanted.
+  enum class Mark { kOff, kCatchUp, kScan, kUnknown };
+  Mark mark = Mark::kOff;                  // guarded by mark_mu
+  std::vector<std::string> mark_previous;  // guarded by mark_mu: the scan mark's ring before
+  std::atomic<bool> mark_unknown{false};
+  // Whether handoff/<id> is known to be in etcd (set by SyncHandoffMark after its write; cleared
+  // when a catch-up begins whose mark is not yet confirmed): HeldBackStatus.
+  std::atomic<bool> mark_on{false};  // set by FenceTick (worker 0 never takes mark_mu)
   std::atomic<bool> mark_retry{false};
   Clock::time_point last_mark_retry{};
 
@@ -475,7 +522,8 @@ struct Server::Impl {
     std::thread thread;
     mutable std::mutex mu;
     std::condition_variable cv;
-    RingPtr now, before;      // the latest change
+    RingPtr now, before;                  // the latest change
+    std::vector<std::string> before_ids;  // the ids of `before`'s members (for the mark)
     uint64_t generation = 0;  // bumped by every change: a running scan for an older one stops
     bool pending = false;     // a scan is due
     // Keys to look at again (a pass over just these is due): a write admitted under the ring
@@ -523,9 +571,10 @@ struct Server::Impl {
   // there with HANDOFF_PUT (the replica keeps whichever version is newer).
   void HandleRepair(const Req& r, std::string_view body);
   std::atomic<uint64_t> repair_bytes{0};  // copies held for REPAIR pushes in flight
-  // Handoff thread: one HANDOFF_PUT, waited for.
+  // Handoff thread: one HANDOFF_PUT, waited for. `keeps`: this node stays an owner and keeps
+  // its copy (w::kFlagSenderKeeps).
   Status SendHandoff(int target, const std::string& key, const ObjectInfo& info, bool durable,
-                     const std::string& bytes);
+                     const std::string& bytes, bool keeps);
   // Handoff thread: sleeps as long as keeps the scan at options.handoff_bytes_per_s.
   void PaceHandoff(Clock::time_point started, uint64_t bytes_sent);
   // Deletes under etcd, and deletes a client versioned (replicas > 1), are remembered a while,
@@ -674,10 +723,11 @@ struct Server::Impl {
   }
 
   // Reads a batch payload fully into a buffer, then continues on an executor (or, with
-  // on_executor false, on the I/O thread).
+  // on_executor false, on the I/O thread). `limit`: the largest payload taken (0: the batch
+  // limit, max_batch_bytes; a handoff takes one value, up to max_value_size).
   void ReadPayloadThen(const Req& r, std::unique_ptr<Incoming> msg,
                        std::function<void(Status, std::shared_ptr<PayloadBuffer>)> next,
-                       bool on_executor = true);
+                       bool on_executor = true, uint64_t limit = 0);
 
   // --- dispatch (I/O thread) ---
   void OnMessage(std::unique_ptr<Incoming> msg);

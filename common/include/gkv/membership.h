@@ -10,7 +10,9 @@
 //                  hands its keys off, removes its record and this key, and exits. `gkv undrain
 //                  <id>` deletes it before the node has begun.
 //   handoff/<id>   present (on the node's lease) while node <id> is handing keys off; clients
-//                  ask a key's previous owner after a miss while any is present.
+//                  ask a key's previous owner after a miss while any is present. Its value:
+//                  "catch-up" (a node catching up, no scan), {"previous": [ids]} (a scan, and
+//                  the ring before its change), or empty.
 //
 // The ring is built from the members that are neither draining nor asked to drain, sorted by
 // id. Its epoch is the etcd revision at which this process saw the ring change (RingNodes():
@@ -29,6 +31,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <set>
 #include <string>
@@ -65,6 +68,10 @@ struct MembershipView {
   // Of those, the nodes whose mark says only that they catch up after a start on an old disk
   // (no scan of theirs runs): another node catching up need not wait for them.
   std::set<std::string> catching_up;
+  // For a running scan's mark: the ids of the ring before the change it hands keys off for, so
+  // a client that saw no change (opened mid-handoff) knows whom to ask for keys not yet moved
+  // (and sends its deletes there too). Absent for a catch-up mark or a build that did not say.
+  std::map<std::string, std::vector<std::string>> previous_members;
 
   // The members that own keys: not draining, not asked to drain, and placing keys as this
   // build does (a member of another placement version is left out: rings of two placements
@@ -116,8 +123,10 @@ class MemberRegistration {
   // The id must stay the same. Aborted after Deregister().
   Status Update(const MemberRecord& record);
   // handoff/<id> on this node's lease: present while `running`; `catch_up_only` marks it as
-  // a node catching up with no scan of its own running (MembershipView::catching_up).
-  Status SetHandoffRunning(bool running, bool catch_up_only = false);
+  // a node catching up with no scan of its own running (MembershipView::catching_up);
+  // `previous_members`: a scan's ring before its change (MembershipView::previous_members).
+  Status SetHandoffRunning(bool running, bool catch_up_only = false,
+                           std::vector<std::string> previous_members = {});
   // Deletes members/<id>, drain/<id> and handoff/<id> and revokes the lease; the keepalive stops.
   Status Deregister();
   int64_t lease_id() const;

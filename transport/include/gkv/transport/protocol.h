@@ -91,6 +91,11 @@ inline constexpr uint16_t kFlagStreamed = 1 << 8;
 // most `length` of them, or else the whole value (a node may send all of a value that is not
 // in memory). A client stages a large value for a device buffer piece by piece with it.
 inline constexpr uint16_t kFlagRange = 1 << 9;
+// handoff_put: the sender stays an owner of the key and keeps its copy (a copy for a new
+// co-owner, a repair), so the receiver never sends this version back to it (the pass over
+// recently written keys would otherwise bounce a key between two owners whose previous rings
+// differ). Without it the sender may delete its copy once the put is acknowledged.
+inline constexpr uint16_t kFlagSenderKeeps = 1 << 10;
 
 struct Header {
   Opcode opcode = Opcode::kPing;
