@@ -115,6 +115,7 @@ class Cluster:
         self.etcd = None
         self.host_mem, self.disk, self.extra = host_mem, disk, extra or []
         self.procs: list[subprocess.Popen | None] = [None] * n
+        self.killed: set[int] = set()  # nodes the test SIGKILLed (any exit is theirs)
         try:
             if etcd:
                 self.etcd = Etcd(self.dir)
@@ -145,6 +146,7 @@ class Cluster:
         if self.disk:
             args += ["--disk", str(self.dir / f"disk{i}"), "--disk-capacity", self.disk]
         args += self.extra
+        self.killed.discard(i)  # a restarted node answers for its own exit again
         log = open(self.dir / f"node{i}.log", "ab")
         self.procs[i] = subprocess.Popen(args, stdout=log, stderr=log,
                                          preexec_fn=_die_with_pytest)
@@ -166,27 +168,44 @@ class Cluster:
     def kill(self, i: int, sig: int = signal.SIGKILL) -> None:
         p = self.procs[i]
         if p is not None and p.poll() is None:
+            if sig == signal.SIGKILL:
+                self.killed.add(i)
             p.send_signal(sig)
             if sig in (signal.SIGKILL, signal.SIGTERM):
                 p.wait(timeout=20)
 
     def stop(self) -> None:
-        for p in self.procs:
-            if p is None or p.poll() is not None:
+        # Every node the test did not SIGKILL must have exited 0 (on its own SIGTERM or on this
+        # one): a crash while writing a tier back, or a hang, fails the test's teardown.
+        bad: list[str] = []
+        sent: list[int] = []
+        for i, p in enumerate(self.procs):
+            if p is None:
+                continue
+            if p.poll() is not None:
+                if i not in self.killed and p.returncode != 0:
+                    bad.append(f"node n{i} exited {p.returncode} before the stop")
                 continue
             p.send_signal(signal.SIGCONT)  # a stopped node must see its SIGTERM
             p.terminate()
-        for p in self.procs:
-            if p is None:
-                continue
+            sent.append(i)
+        for i in sent:
+            p = self.procs[i]
             try:
                 p.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+                bad.append(f"node n{i} did not exit within 20 s of SIGTERM")
+                continue
+            if p.returncode != 0:
+                bad.append(f"node n{i} exited {p.returncode} on SIGTERM")
+        logs = "".join(f"\n--- {b}:\n{self.log(int(b.split()[1][1:]))[-3000:]}" for b in bad)
         if self.etcd:
             self.etcd.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
+        if bad:
+            raise AssertionError("; ".join(bad) + logs)
 
 
 @pytest.fixture(scope="module")

@@ -315,13 +315,10 @@ bool Server::Impl::ServeHere(std::unique_ptr<Incoming>& msg) {
     auto auth = ws.authenticated.find(r.conn);
     if (auth == ws.authenticated.end() || !auth->second) return false;
   }
-  // Fenced: worker 0 refuses. Catching up: keys may be held back (worker 0 keeps that set).
-  // The generation first (see OnMessage).
+  // Fenced: worker 0 refuses. (Held-back keys are checked here too: Unconfirmed is
+  // thread-safe.) The generation first (see OnMessage).
   r.generation = serving_generation.load(std::memory_order_acquire);
-  if (Fenced(r.start) || stopping.load(std::memory_order_acquire) ||
-      catching_up.load(std::memory_order_acquire)) {
-    return false;
-  }
+  if (Fenced(r.start) || stopping.load(std::memory_order_acquire)) return false;
   // The ring changed and its copy is on its way here: worker 0 routes meanwhile.
   if (elastic() && ws.ring->epoch() != ring_epoch_now.load(std::memory_order_acquire)) {
     return false;
@@ -483,16 +480,13 @@ void Server::Impl::HandleKeyOp(const Req& r, std::string_view body) {
 }
 
 void Server::Impl::FinishDelete(const Req& r, const Status& ds, const std::string& key) {
+  if (ds.ok() || ds.code() == StatusCode::kNotFound) Confirm(key);  // any worker
   auto on_control = [this, r, ds, key] {
-    if (ds.ok() || ds.code() == StatusCode::kNotFound) Confirm(key);
     AfterWrite({key}, [this, r, ds] { ReplyStatus(r, ds); });
   };
   if (OnControlThread()) return on_control();
-  // Another worker (as FinishWrite): worker 0 only when the key has copies to withdraw or
-  // the node catches up (Confirm).
-  if (catching_up.load(std::memory_order_relaxed) || WriteWaitsForCopies(key)) {
-    return transport->Post(std::move(on_control));
-  }
+  // Another worker (as FinishWrite): worker 0 only when the key has copies to withdraw.
+  if (WriteWaitsForCopies(key)) return transport->Post(std::move(on_control));
   ReplyStatus(r, ds);
 }
 
@@ -517,11 +511,10 @@ void Server::Impl::HandleMultiGet(const Req& r, std::unique_ptr<Incoming> msg) {
 
 void Server::Impl::MultiGetRows(const Req& r, std::shared_ptr<std::vector<BatchRow>> rows) {
   const bool control = OnControlThread();
-  // What only worker 0 can tell (held-back keys, misrouted ones under a ring this worker has
-  // not been given yet): it runs the whole pass.
-  if (!control &&
-      (catching_up.load(std::memory_order_relaxed) ||
-       (elastic() && W().ring->epoch() != ring_epoch_now.load(std::memory_order_acquire)))) {
+  // What only worker 0 can tell (misrouted keys under a ring this worker has not been given
+  // yet): it runs the whole pass.
+  if (!control && elastic() &&
+      W().ring->epoch() != ring_epoch_now.load(std::memory_order_acquire)) {
     return transport->Post([this, r, rows] { MultiGetRows(r, rows); });
   }
   for (BatchRow& row : *rows) {
@@ -733,7 +726,8 @@ void Server::Impl::FinishWrite(std::vector<std::string> keys, uint64_t epoch,
     return AfterWrite(keys, std::move(reply));
   }
   // Another worker: as its fast puts (FinishFastPut), worker 0 only when it has something to do.
-  bool control_needed = catching_up.load(std::memory_order_relaxed) || RingMovedSince(epoch);
+  for (const std::string& key : keys) Confirm(key);  // cheap unless catching up
+  bool control_needed = RingMovedSince(epoch);
   for (size_t i = 0; i < keys.size() && !control_needed; ++i) {
     control_needed = WriteWaitsForCopies(keys[i]);
   }

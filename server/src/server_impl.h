@@ -428,9 +428,9 @@ struct Server::Impl {
   // a read of a recovered key that was neither written nor handed off here since answers
   // not_found, except a client's last-resort ask (kFlagLastResort). This node's handoff/<id>
   // mark stays on meanwhile, so clients keep asking the other owners and previous owners.
-  // `unconfirmed` under unconfirmed_mu (taken only while catching_up: a catch-up begun by a
-  // new registration finds the other I/O workers mid-request); the rest I/O thread only,
-  // except `catching_up` (read by the handoff thread for the mark).
+  // `unconfirmed` under unconfirmed_mu (taken only while catching_up), so every I/O worker
+  // holds keys back and confirms them itself; the rest I/O thread only, except `catching_up`
+  // (read by the handoff thread for the mark).
   mutable std::mutex unconfirmed_mu;
   std::unordered_set<std::string> unconfirmed;
   size_t recovered_keys = 0;
@@ -557,7 +557,8 @@ struct Server::Impl {
   // One key, without building a list when NoteCommitted would do nothing (the common case).
   // Any I/O worker (NoteCommitted itself runs on worker 0).
   void NoteCommittedKey(const std::string& key, uint64_t admitted_epoch) {
-    if (!catching_up.load(std::memory_order_relaxed) && !RingMovedSince(admitted_epoch)) return;
+    Confirm(key);  // any worker (unconfirmed_mu): a read right after the write is not held back
+    if (!RingMovedSince(admitted_epoch)) return;
     if (!OnControlThread()) {
       return transport->Post([this, key, admitted_epoch] {
         NoteCommitted(std::vector<std::string>{key}, admitted_epoch);

@@ -21,11 +21,12 @@
 // watched the same change agree on its epoch; one that started later may show a higher epoch for
 // the same members.
 //
-// etcd being unreachable never stops the data path: a watcher keeps its last view (and logs the
-// outage once), a registration keeps trying to keep its lease and registers again under a new
-// lease when its old one expired meanwhile. An etcd whose revision went back (rebuilt from a
-// snapshot or from nothing) is noticed when a watch is established: the watcher reads the
-// prefix again and watches on from there (epochs still only grow).
+// etcd being unreachable changes no view: a watcher keeps its last view (and logs the outage
+// once), a registration keeps trying to keep its lease and registers again under a new lease
+// when its old one expired meanwhile (its Hold tells the node when to stop serving). An etcd whose
+// revision went back (rebuilt from a snapshot or from nothing) is noticed when a watch is
+// established: the watcher reads the prefix again and watches on from there (epochs still only
+// grow).
 #pragma once
 
 #include <chrono>
