@@ -63,6 +63,23 @@ TEST(FailureTest, FailOpenTurnsADeadNodeIntoAMiss) {
 // Issue 38 item 9: fail-open against a hung node (SIGSTOPped: its sockets stay open, nothing
 // answers), not only a dead one: a read of its key is a miss within the call's deadline, a
 // batch answers the other nodes' rows, and once the node resumes its keys read back.
+// SIGSTOPs node `i` and waits until the kernel shows it stopped ('T'): SIGSTOP lands
+// asynchronously.
+bool StopAndWait(Cluster& cluster, int i) {
+  cluster.Signal(i, SIGSTOP);
+  for (int tries = 0; tries < 200; ++tries) {
+    std::ifstream stat("/proc/" + std::to_string(cluster.pid(i)) + "/stat");
+    std::string line;
+    std::getline(stat, line);
+    const size_t paren = line.rfind(')');
+    if (paren != std::string::npos && paren + 2 < line.size() && line[paren + 2] == 'T') {
+      return true;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return false;
+}
+
 TEST(FailureTest, FailOpenTurnsAHungNodeIntoAMissWithinTheDeadline) {
   Cluster cluster(3);
   auto client = cluster.NewClient(std::chrono::milliseconds(300));
@@ -72,18 +89,7 @@ TEST(FailureTest, FailOpenTurnsAHungNodeIntoAMissWithinTheDeadline) {
   setup.timeout = std::chrono::seconds(5);
   ASSERT_TRUE(client->Put(hung, "12345678", 8, setup).ok());
   ASSERT_TRUE(client->Put(alive, "abcdefgh", 8, setup).ok());
-  cluster.Signal(2, SIGSTOP);
-  // SIGSTOP lands asynchronously: wait until the kernel shows the node stopped ('T').
-  bool stopped = false;
-  for (int i = 0; i < 200 && !stopped; ++i) {
-    std::ifstream stat("/proc/" + std::to_string(cluster.pid(2)) + "/stat");
-    std::string line;
-    std::getline(stat, line);
-    const size_t paren = line.rfind(')');
-    stopped = paren != std::string::npos && paren + 2 < line.size() && line[paren + 2] == 'T';
-    if (!stopped) std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  ASSERT_TRUE(stopped) << "node 2 never showed as stopped";
+  ASSERT_TRUE(StopAndWait(cluster, 2)) << "node 2 never showed as stopped";
   GetOptions open;
   open.fail_open = true;
   auto t0 = Clock::now();
@@ -104,8 +110,7 @@ TEST(FailureTest, FailOpenTurnsAHungNodeIntoAMissWithinTheDeadline) {
   EXPECT_EQ(std::string(rows + 8, 8), "abcdefgh");
   std::printf("hung node: fail-open get %.3f s, batch %.3f s (call timeout 0.3 s)\n", get_s,
               batch_s);
-  // Bounded by the deadline (twice it at most: a batch's re-ask has a deadline of its own),
-  // with slack for a loaded sanitizer build.
+  // Bounded by the deadline, with slack for a loaded sanitizer build.
   EXPECT_LT(get_s, 1.5);
   EXPECT_LT(batch_s, 2.5);
   cluster.Signal(2, SIGCONT);
@@ -118,6 +123,66 @@ TEST(FailureTest, FailOpenTurnsAHungNodeIntoAMissWithinTheDeadline) {
   }
   ASSERT_TRUE(back.ok()) << back.status().ToString();
   EXPECT_EQ(back->view(), "12345678");
+}
+
+// Issue 38 item 9: with R = 2 and a key's primary hung (SIGSTOP), a batch reads those rows
+// from their replicas within the batch's deadline, one MGET per node and round. Before, the
+// rows left over went one by one through Get, each with a deadline of its own: 100-odd single
+// gets here, and a batch could take twice its timeout.
+TEST(FailureTest, ABatchWhosePrimaryHangsReadsTheReplicasInBatchesWithinItsDeadline) {
+  Cluster cluster(3);
+  ClientOptions o;
+  o.replicas = 2;
+  o.read_repair_chance = 0;
+  o.default_timeout = std::chrono::milliseconds(1000);
+  auto client = cluster.NewClient(o);
+  ASSERT_TRUE(client);
+  Client& c = *client;
+  std::vector<std::string> keys;
+  size_t on_hung = 0;
+  PutOptions setup;
+  setup.timeout = std::chrono::seconds(5);
+  for (int i = 0; i < 300; ++i) {
+    keys.push_back("batch-" + std::to_string(i));
+    ASSERT_TRUE(c.Put(keys.back(), keys.back().data(), keys.back().size(), setup).ok());
+    on_hung += c.NodeFor(keys.back()) == 0;
+  }
+  ASSERT_GT(on_hung, 50u);
+  auto count = [&](int node, const char* op) { return StatsCounter(c, node, op, "\"ops\""); };
+  const uint64_t gets_before = count(1, "get") + count(2, "get");
+  const uint64_t mgets_before = count(1, "mget") + count(2, "mget");
+  ASSERT_TRUE(StopAndWait(cluster, 0)) << "node 0 never showed as stopped";
+  auto t0 = Clock::now();
+  auto got = c.MultiGet(keys);
+  const double batch_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  std::vector<char> rows(keys.size() * 16, 0);
+  t0 = Clock::now();
+  auto into = c.MultiGetInto(keys, rows.data(), 16, 9, GetOptions{});
+  const double into_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  size_t served = 0;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    ASSERT_TRUE(got[i].ok()) << keys[i] << ": " << got[i].status().ToString();
+    EXPECT_EQ(got[i]->view(), keys[i]);
+    if (keys[i].size() == 9) {  // MultiGetInto's rows are 9 bytes: the others do not fit
+      ASSERT_TRUE(into[i].ok()) << keys[i] << ": " << into[i].ToString();
+      EXPECT_EQ(std::string(rows.data() + i * 16, 9), keys[i]);
+      ++served;
+    }
+  }
+  EXPECT_GT(served, 50u);
+  const uint64_t gets = count(1, "get") + count(2, "get") - gets_before;
+  const uint64_t mgets = count(1, "mget") + count(2, "mget") - mgets_before;
+  std::printf(
+      "R=2, primary of %zu of %zu keys hung: MultiGet %.3f s, MultiGetInto %.3f s (timeout "
+      "1 s); the replicas got %llu MGETs and %llu GETs\n",
+      on_hung, keys.size(), batch_s, into_s, static_cast<unsigned long long>(mgets),
+      static_cast<unsigned long long>(gets));
+  // Each call: one MGET per live node in the first round, one per node in the fallback round.
+  EXPECT_LE(mgets, 8u);
+  EXPECT_EQ(gets, 0u);
+  EXPECT_LT(batch_s, 1.5);  // the deadline, with slack for a loaded sanitizer build
+  EXPECT_LT(into_s, 1.5);
+  cluster.Signal(0, SIGCONT);
 }
 
 // A client and a node on one host talk over shared memory (NodeTransports), and a SIGKILL of
@@ -188,7 +253,7 @@ TEST(FailureTest, ReplicatedKeysStayReadableWhenTheirPrimaryDies) {
     if (HashRing(c.cluster().nodes).NodesFor(candidate, 1)[0] == 0) absent = candidate;
   }
   EXPECT_EQ(c.Stat(absent).status().code(), StatusCode::kNotFound);
-  // A write is acknowledged only by the primary (reads go there first): with it down, puts and
+  // A write is acknowledged only when every owner took it: with the primary down, puts and
   // deletes fail, though the live replica may have taken them (a read may then see them).
   auto put = c.Put(k, "newer", 5);
   EXPECT_TRUE(put.status().code() == StatusCode::kUnavailable ||
@@ -200,12 +265,38 @@ TEST(FailureTest, ReplicatedKeysStayReadableWhenTheirPrimaryDies) {
   Status del = c.Delete(k);
   EXPECT_TRUE(del.code() == StatusCode::kUnavailable || del.code() == StatusCode::kTimeout)
       << del.ToString();
-  // A key whose primary is alive is written, read and deleted normally.
-  std::string k1 = KeyOn(c, 1);
+  // A key whose owners are both alive is written, read and deleted normally.
+  auto key_with_owners = [&](int first, int second) {
+    for (int i = 0;; ++i) {
+      const std::string candidate = "owners-" + std::to_string(i);
+      if (HashRing(c.cluster().nodes).NodesFor(candidate, 2) == std::vector<int>{first, second}) {
+        return candidate;
+      }
+    }
+  };
+  const std::string k1 = key_with_owners(1, 2);
   ASSERT_TRUE(c.Put(k1, "live", 4).ok());
   EXPECT_EQ(c.Get(k1)->view(), "live");
   ASSERT_TRUE(c.Delete(k1).ok());
   EXPECT_EQ(c.Get(k1).status().code(), StatusCode::kNotFound);
+  // A write is acknowledged only when every owner has it (issue 38 item 3): with the second
+  // owner down, the put and the delete fail and name it. Acknowledged on the primary alone, the
+  // dead replica would serve the older value after the primary failed in turn.
+  const std::string k2 = key_with_owners(1, 0);
+  auto put2 = c.Put(k2, "one-copy", 8);
+  EXPECT_TRUE(put2.status().code() == StatusCode::kUnavailable ||
+              put2.status().code() == StatusCode::kTimeout)
+      << put2.status().ToString();
+  EXPECT_NE(put2.status().message().find("replica n0"), std::string::npos)
+      << put2.status().ToString();
+  auto batch = c.MultiPut({PutItem{k2, "one-copy", 8, {}}, PutItem{k1, "both", 4, {}}});
+  EXPECT_FALSE(batch[0].ok());
+  EXPECT_NE(batch[0].status().message().find("replica n0"), std::string::npos)
+      << batch[0].status().ToString();
+  EXPECT_TRUE(batch[1].ok()) << batch[1].status().ToString();
+  Status del2 = c.Delete(k2);
+  EXPECT_TRUE(del2.code() == StatusCode::kUnavailable || del2.code() == StatusCode::kTimeout)
+      << del2.ToString();
 }
 
 // A client with replicas = 2 and read repair at GKV_READ_REPAIR_CHANCE.
@@ -244,10 +335,47 @@ uint64_t ReadUntilRepaired(Client& c, const std::string& key, int pusher, const 
   return repairs;
 }
 
-// Read repair: a replica that missed an acknowledged write (it was down, and came back on its
-// disk with the older version) is brought up to date by the key's first node once reads notice
-// it lagging, so it serves that write after the first node dies. (With read_repair_chance = 0
-// the last read returns "old".)
+// Issue 38 item 3: with R = 2 a write is acknowledged only when both owners took it. The key's
+// replica n0 is down for the second put; it comes back on its disk (with the first value) and
+// then the primary n1 dies, so reads go to n0. Acknowledged on n1 alone (as before), that put
+// was then read back older: "v1" after "v2" was acknowledged. Now the put fails, naming n0.
+TEST(FailureTest, AWriteIsAcknowledgedOnlyWhenEveryOwnerHasIt) {
+  Cluster cluster(3);
+  ClientOptions o;
+  o.cluster_file = cluster.cluster_file();
+  o.replicas = 2;
+  o.read_repair_chance = 0;  // nothing repairs n0 behind the test's back
+  o.default_timeout = std::chrono::milliseconds(500);
+  auto client = Client::Open(o);
+  ASSERT_TRUE(client.ok()) << client.status().ToString();
+  Client& c = **client;
+  std::string k;
+  for (int i = 0; k.empty(); ++i) {
+    const std::string candidate = "both-owners-" + std::to_string(i);
+    if (HashRing(c.cluster().nodes).NodesFor(candidate, 2) == std::vector<int>{1, 0}) {
+      k = candidate;
+    }
+  }
+  ASSERT_TRUE(c.Put(k, "v1", 2, Durable()).ok());
+  cluster.StopNode(0, SIGKILL);
+  auto second = c.Put(k, "v2", 2, Durable());
+  const bool acknowledged = second.ok();
+  EXPECT_FALSE(acknowledged) << "acknowledged with its replica n0 down";
+  EXPECT_NE(second.status().message().find("replica n0"), std::string::npos)
+      << second.status().ToString();
+  cluster.StartNode(0);  // on its disk, with "v1"
+  cluster.WaitReady();
+  cluster.StopNode(1, SIGKILL);
+  auto got = c.Get(k);
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  EXPECT_TRUE(!acknowledged || got->view() == "v2")
+      << "read \"" << got->view() << "\" after \"v2\" was acknowledged";
+}
+
+// Read repair: a replica that missed a write the key's first node took (it was down, so the
+// put failed, and came back on its disk with the older version) is brought up to date by the
+// first node once reads notice it lagging, so it serves that write after the first node dies.
+// (With read_repair_chance = 0 the last read returns "old".)
 TEST(FailureTest, ReadRepairBringsALaggingReplicaUpToDate) {
   Cluster cluster(2);
   auto client = RepairingClient(cluster);
@@ -257,8 +385,9 @@ TEST(FailureTest, ReadRepairBringsALaggingReplicaUpToDate) {
   const PutOptions durable = Durable();
   ASSERT_TRUE(c.Put(k, "old", 3, durable).ok());
   cluster.StopNode(1, SIGKILL);
-  auto put = c.Put(k, "new", 3, durable);  // acknowledged by the key's first node, n0
-  ASSERT_TRUE(put.ok()) << put.status().ToString();
+  // Taken by the key's first node, n0, and not acknowledged: n1 did not take it.
+  auto put = c.Put(k, "new", 3, durable);
+  ASSERT_EQ(put.status().code(), StatusCode::kUnavailable) << put.status().ToString();
   cluster.StartNode(1);  // on its disk, with "old"
   cluster.WaitReady();
   EXPECT_GT(ReadUntilRepaired(c, k, /*pusher=*/0, "new"), 0u) << "no read noticed that n1 lags";

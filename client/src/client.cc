@@ -321,13 +321,28 @@ Status Client::DeleteOnce(std::string_view key, std::chrono::milliseconds timeou
     }
   });
   I->Await(call->all);
-  // Sent to every replica; the primary's answer is the outcome (as for Put): a delete the
-  // primary did not confirm is not acknowledged, since reads go to the primary first. A key
-  // not yet handed to its new owner was deleted where it still was.
+  // Sent to every replica; the primary's answer is the outcome (as for Put), unless another
+  // current owner did not confirm it (a miss there confirms it): the delete is acknowledged
+  // only when no current owner may still serve the value. A key not yet handed to its new
+  // owner was deleted where it still was.
   for (size_t i = first_previous; i < call->nodes.size(); ++i) {
     if (call->results[i].ok()) *deleted_before = true;
   }
-  return call->results[0];
+  const Status& primary = call->results[0];
+  if (primary.ok() || primary.code() == StatusCode::kNotFound) {
+    std::vector<Status> others;  // a miss confirms a delete
+    for (size_t i = 1; i < first_previous; ++i) {
+      others.push_back(call->results[i].code() == StatusCode::kNotFound ? Status::OK()
+                                                                        : call->results[i]);
+    }
+    const int k = Impl::DecidingReplica(others, 0, others.size());
+    if (k >= 0) {
+      // Asked again (misrouted), the primary will miss the key this call deleted.
+      if (primary.ok()) *deleted_before = true;
+      return I->ReplicaFailed(call->nodes[k + 1], others[k]);
+    }
+  }
+  return primary;
 }
 
 Result<ValueInfo> Client::Stat(std::string_view key, std::chrono::milliseconds timeout) {
@@ -403,7 +418,7 @@ std::vector<Result<Value>> Client::MultiGet(const std::vector<std::string>& keys
   results.reserve(keys.size());
   for (size_t i = 0; i < keys.size(); ++i) results.emplace_back(Status::Aborted("not sent"));
   if (keys.empty()) return results;
-  // The caller waits in RunBatchRead, so the batch may point at its keys and results.
+  // The caller waits in ReadBatch, so the batch may point at its keys and results.
   auto batch = std::make_shared<Impl::BatchRead>();
   batch->keys = &keys;
   batch->deadline = I->DeadlineFrom(o.timeout);
@@ -418,27 +433,9 @@ std::vector<Result<Value>> Client::MultiGet(const std::vector<std::string>& keys
     std::memcpy(v.bytes_.get(), bytes, v.info_.size);
     results[i] = std::move(v);
   };
-  I->RunBatchRead(batch);
-  // Keys whose node failed go through Get, which tries the other replicas. So do keys a node
-  // refused as misrouted, and misses while keys may be moving (Get also asks the previous
-  // owners). All at once, each with the call's timeout: one after another, a 4,096-row batch
-  // took 4,096 round trips (issue 38 item 9), and a hung node's rows come back only when the
-  // batch's deadline has passed, so the batch's own deadline would leave them no time to try
-  // the replicas. The call can so take up to twice its timeout (not yet one batch per node).
-  const bool moving = I->Route()->Moving();
-  std::vector<std::pair<size_t, std::future<Result<Value>>>> again_rows;
-  for (size_t i = 0; i < keys.size(); ++i) {
-    if (results[i].ok()) continue;
-    const StatusCode code = results[i].status().code();
-    const bool again = code == StatusCode::kWrongNode || (moving && code == StatusCode::kNotFound);
-    if (!again && !Impl::NodeFailure(results[i].status())) continue;
-    if (again || I->options.replicas > 1) {
-      again_rows.emplace_back(i, GetAsync(keys[i], o));
-    } else if (o.fail_open) {
-      results[i] = Status::NotFound("node unavailable (fail-open)");
-    }
-  }
-  for (auto& [i, row] : again_rows) results[i] = row.get();
+  // Rows whose node failed, or that a node refused as misrouted, or that missed while keys may
+  // be moving, go on to their other places in batches (ReadBatch).
+  I->ReadBatch(batch, o.fail_open);
   return results;
 }
 
@@ -450,6 +447,7 @@ std::vector<Result<uint64_t>> Client::MultiPut(const std::vector<PutItem>& items
     std::vector<Result<uint64_t>> results;
     std::vector<bool> failed_here;             // refused before sending (staging failed)
     std::vector<int> primary;                  // the node whose answer is the item's outcome
+    std::vector<Status> replica_failure;       // the first other owner that did not take it
     std::vector<std::vector<size_t>> by_node;  // indices into items, grouped by node
     std::vector<std::shared_ptr<std::string>> payloads;
     int remaining = 0;
@@ -460,6 +458,7 @@ std::vector<Result<uint64_t>> Client::MultiPut(const std::vector<PutItem>& items
   batch->failed_here.assign(items.size(), false);
   if (items.empty()) return std::move(batch->results);
   batch->primary.resize(items.size());
+  batch->replica_failure.resize(items.size());
   const RingPtr ring = I->Route()->ring;
   for (size_t i = 0; i < items.size(); ++i) {
     batch->primary[i] = ring->Owner(items[i].key);
@@ -559,9 +558,24 @@ std::vector<Result<uint64_t>> Client::MultiPut(const std::vector<PutItem>& items
             if (s.ok() && res.size() != idx.size()) {
               s = Status::ProtocolError("batch reply has the wrong number of results");
             }
+            // The node's failure as the outcome of the items it is a replica of.
+            const Status as_replica =
+                s.ok() ? Status::OK() : I->ReplicaFailed(static_cast<int>(n), s);
             for (size_t j = 0; j < idx.size(); ++j) {
-              // As for Put: the primary's answer is the item's outcome.
-              if (batch->primary[idx[j]] != static_cast<int>(n)) continue;
+              // As for Put: the primary's answer is the item's outcome, unless another owner
+              // did not take the item (then that failure is, once every node answered).
+              if (batch->primary[idx[j]] != static_cast<int>(n)) {
+                Status& failed = batch->replica_failure[idx[j]];
+                const StatusCode code = s.ok() ? res[j].code : s.code();
+                // A refusal as misrouted decides (the item goes again), else the first failure.
+                if (code != StatusCode::kOk && (failed.ok() || code == StatusCode::kWrongNode) &&
+                    !Impl::Misrouted(failed)) {
+                  failed = s.ok() ? I->ReplicaFailed(static_cast<int>(n),
+                                                     Status(code, "batch put failed"))
+                                  : as_replica;
+                }
+                continue;
+              }
               Result<uint64_t>& out = batch->results[idx[j]];
               if (!s.ok())
                 out = s;
@@ -571,7 +585,13 @@ std::vector<Result<uint64_t>> Client::MultiPut(const std::vector<PutItem>& items
                 out = res[j].version;
               if (out.ok()) I->write_clock.Observe(*out);
             }
-            if (--batch->remaining == 0) batch->all_done.set_value();
+            if (--batch->remaining > 0) return;
+            for (size_t i = 0; i < batch->results.size(); ++i) {
+              if (batch->results[i].ok() && !batch->replica_failure[i].ok()) {
+                batch->results[i] = batch->replica_failure[i];
+              }
+            }
+            batch->all_done.set_value();
           });
     }
   });
@@ -620,7 +640,7 @@ std::vector<Status> Client::MultiGetInto(const std::vector<std::string>& keys, v
     }
     return o.accept ? o.accept(info) : Status::OK();
   };
-  // The caller waits in RunBatchRead, so the batch may point at its keys, rows and results.
+  // The caller waits in ReadBatch, so the batch may point at its keys, rows and results.
   auto batch = std::make_shared<Impl::BatchRead>();
   batch->keys = &keys;
   batch->deadline = I->DeadlineFrom(o.timeout);
@@ -632,7 +652,7 @@ std::vector<Status> Client::MultiGetInto(const std::vector<std::string>& keys, v
     results[i] = check(ToInfo(*meta));
     if (results[i].ok()) std::memcpy(rows + i * row_stride, bytes, meta->size);
   };
-  I->RunBatchRead(batch);
+  I->ReadBatch(batch, o.fail_open);  // with its fallback rounds (see MultiGet)
   if (staging) {
     // Runs of consecutive hits, one copy each (all rows at once when everything hit).
     for (size_t i = 0; i < keys.size();) {
@@ -648,73 +668,6 @@ std::vector<Status> Client::MultiGetInto(const std::vector<std::string>& keys, v
                                staging.get() + i * row_stride, bytes, dst);
       for (size_t k = i; !s.ok() && k < end; ++k) results[k] = s;
       i = end;
-    }
-  }
-  // Keys whose node failed go through the get path, which tries the other replicas (and keys
-  // refused as misrouted, and misses while keys may be moving: see MultiGet). All at once, each
-  // with the call's timeout, straight into their rows (as MultiGet: one after another, a
-  // 4,096-row batch took 4,096 round trips, issue 38 item 9).
-  const bool moving = I->Route()->Moving();
-  std::vector<size_t> again_rows;
-  for (size_t i = 0; i < keys.size(); ++i) {
-    if (results[i].ok()) continue;
-    const StatusCode code = results[i].code();
-    const bool again = code == StatusCode::kWrongNode || (moving && code == StatusCode::kNotFound);
-    if (!again && !Impl::NodeFailure(results[i])) continue;
-    if (again || I->options.replicas > 1) {
-      again_rows.push_back(i);
-    } else if (o.fail_open) {
-      results[i] = Status::NotFound("node unavailable (fail-open)");
-    }
-  }
-  if (again_rows.empty()) return results;
-  // Shared with the I/O thread: a get can finish inside DoGet (a down node, a closing client),
-  // and the last one wakes this caller while the loop that issues them is still running.
-  struct Again {
-    std::vector<size_t> rows;
-    std::vector<std::string> keys;
-    std::vector<Result<Value>> got;  // move-only: filled one by one
-    size_t pending = 0;              // the I/O thread's
-    SyncSlot<bool> all;
-  };
-  auto again = std::make_shared<Again>();
-  again->rows = std::move(again_rows);
-  for (size_t i : again->rows) {
-    again->keys.push_back(keys[i]);
-    again->got.emplace_back(Status::Aborted("not sent"));
-  }
-  again->pending = again->rows.size();
-  const auto again_deadline = I->DeadlineFrom(o.timeout);
-  std::byte* const base = static_cast<std::byte*>(dst);
-  Impl::Accept row_check = [row_bytes, accept = o.accept](const ValueInfo& info) -> Status {
-    if (info.size != row_bytes) {
-      return Status::InvalidArgument("value of " + std::to_string(info.size) +
-                                     " bytes does not fit a row of " + std::to_string(row_bytes) +
-                                     " bytes");
-    }
-    return accept ? accept(info) : Status::OK();
-  };
-  I->Submit([I, again, base, row_stride, row_bytes, kind, again_deadline, fail_open = o.fail_open,
-             check = std::move(row_check)] {
-    for (size_t j = 0; j < again->rows.size(); ++j) {
-      I->DoGet(
-          again->keys[j], base + again->rows[j] * row_stride, row_bytes, kind, again_deadline,
-          fail_open,
-          [again, j](Result<Value> r) {
-            again->got[j] = std::move(r);
-            if (--again->pending == 0) again->all.Set(true);
-          },
-          check);
-    }
-  });
-  I->Await(again->all);
-  for (size_t j = 0; j < again->rows.size(); ++j) {
-    const size_t i = again->rows[j];
-    results[i] = again->got[j].status();
-    // Staged through host memory (a device row this UCX cannot receive into): copied here.
-    if (again->got[j].ok() && again->got[j]->data() != nullptr && again->got[j]->size() > 0) {
-      results[i] =
-          I->DeviceCopy(base + i * row_stride, again->got[j]->data(), again->got[j]->size(), dst);
     }
   }
   return results;

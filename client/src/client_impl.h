@@ -760,6 +760,37 @@ struct Client::Impl {
     return s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kTimeout;
   }
 
+  // The outcome of a replicated write whose primary took it and whose replica `node` did not
+  // (`s`): a refusal as misrouted stays one (the caller sends the write again), any other
+  // failure keeps its code and says the write is not acknowledged. Any thread.
+  Status ReplicaFailed(int node, const Status& s) const {
+    if (Misrouted(s)) return s;
+    std::string id;
+    {
+      std::lock_guard<std::mutex> lock(nodes_mu);
+      id = nodes[node].id;
+    }
+    return s.WithContext("replica " + id + " did not take it (not acknowledged)");
+  }
+  // The failure that decides a replicated write the primary took, of the other owners'
+  // outcomes: a refusal as misrouted first (the whole write goes again), else the first failure;
+  // -1 if every one took it.
+  template <typename Outcomes>
+  static int DecidingReplica(const Outcomes& outcomes, size_t from, size_t to) {
+    int failed = -1;
+    for (size_t k = from; k < to; ++k) {
+      const Status s = StatusOf(outcomes[k]);
+      if (Misrouted(s)) return static_cast<int>(k);
+      if (!s.ok() && failed < 0) failed = static_cast<int>(k);
+    }
+    return failed;
+  }
+  static Status StatusOf(const Status& s) { return s; }
+  template <typename T>
+  static Status StatusOf(const Result<T>& r) {
+    return r.status();  // (a copy: Result::status() returns one)
+  }
+
   // Reads from the key's first live replica, moving on to the next one when a node fails.
   // One get, from the caller's request to its answer: what every step needs, shared by the
   // steps (each callback captures this one pointer, not copies of the caller's callbacks).
@@ -1260,6 +1291,9 @@ struct Client::Impl {
   struct BatchRead {
     const std::vector<std::string>* keys = nullptr;
     Clock::time_point deadline;
+    // The first round's (ReadBatch): earlier than `deadline` with replicas, so that rows of a
+    // node that hangs can still be read from their other owners.
+    Clock::time_point first_deadline;
     // One row's outcome; `bytes` (the value) is valid during the call only.
     std::function<void(size_t i, const Status& s, const w::ObjectMeta* meta, const char* bytes)>
         row;
@@ -1320,12 +1354,12 @@ struct Client::Impl {
       // replica read's budget, its copy rows are asked of their primaries meanwhile (a hedge),
       // so a stalled node holding copies never turns healthy primaries' rows into timeouts.
       const Clock::time_point deadline =
-          primary_rows[n] ? b->deadline : ReplicaDeadline(b->deadline);
+          primary_rows[n] ? b->first_deadline : ReplicaDeadline(b->first_deadline);
       auto part = std::make_shared<BatchPart>();
       part->idx = std::move(by_node[n]);
       part->vers = std::move(versions[n]);
       if (primary_rows[n] && any_copy) {
-        AddTimer(ReplicaDeadline(b->deadline), [this, b, part, n] {
+        AddTimer(ReplicaDeadline(b->first_deadline), [this, b, part, n] {
           if (part->answered) return;
           part->hedged = true;
           AvoidCopiesOn(static_cast<int>(n));
@@ -1339,7 +1373,7 @@ struct Client::Impl {
       b->remaining++;
       IssueWithPayloadReply(
           static_cast<int>(n), w::Opcode::kMultiGet, any_copy ? w::kFlagVersionedKeys : 0, "",
-          payload, deadline, primary_rows[n] ? Clock::time_point{} : b->deadline,
+          payload, deadline, b->deadline,
           [this, b, part, n, primary = static_cast<bool>(primary_rows[n]),
            sent](Result<std::shared_ptr<std::string>> r) {
             part->answered = true;
@@ -1395,18 +1429,26 @@ struct Client::Impl {
     FinishBatchPart(b);
   }
 
-  // Caller's thread: reads every key of `b` and returns when every row has its outcome.
-  void RunBatchRead(const std::shared_ptr<BatchRead>& b) {
+  // Caller's thread: the first round of a batch read of `rows` of `b`; returns when each of
+  // them has its outcome from that round.
+  void RunBatchRead(const std::shared_ptr<BatchRead>& b, std::vector<size_t> rows) {
     std::promise<void> all_done;
     auto finished = all_done.get_future();
     b->done = [&all_done] { all_done.set_value(); };
-    Submit([this, b] {
-      std::vector<size_t> all(b->keys->size());
-      for (size_t i = 0; i < all.size(); ++i) all[i] = i;
-      IssueBatchRead(b, all, /*use_copies=*/true);
-    });
+    Submit([this, b, rows = std::move(rows)] { IssueBatchRead(b, rows, /*use_copies=*/true); });
     Await(finished);
   }
+
+  // --- batch reads after the first round (batch_fallback.cc) ---
+  struct BatchFallback;
+  // Caller's thread: reads every key of `b` and returns when every row has its outcome,
+  // within b->deadline: the first round (RunBatchRead), then rows it left open (their owner
+  // failed or refused them as misrouted, or missed them while keys may be moving) in fallback
+  // rounds of one MGET per node (their other owners, their previous owners, the owner as last
+  // resort), then rows every place refused as misrouted again under the ring then.
+  void ReadBatch(const std::shared_ptr<BatchRead>& b, bool fail_open);
+  void IssueFallbackRound(const std::shared_ptr<BatchFallback>& f, const std::vector<size_t>& rows);
+  void FinishFallbackPart(const std::shared_ptr<BatchFallback>& f);
 
   void FinishBatchPart(const std::shared_ptr<BatchRead>& b) {
     if (--b->remaining > 0) return;
@@ -1415,18 +1457,23 @@ struct Client::Impl {
     done();
   }
 
-  // Writes to every replica of the key and answers with the primary's outcome once every
-  // replica has answered (or failed): acknowledged means the primary stored it, so the next read
-  // (which goes to the primary first) sees it. A primary that fails (down, NoSpace, late) fails
-  // the put even where other replicas stored it; replicas that miss a write the primary took keep
-  // an older value until it is written again (see docs/ARCHITECTURE.md, "Failures").
+  // Writes to every replica of the key and answers once every replica has answered (or
+  // failed): acknowledged means every current owner stored it, so the next read sees it whichever
+  // owner serves it. A primary or replica that fails (down, NoSpace, late) fails the put even
+  // where others stored it (see docs/ARCHITECTURE.md, "Failures"); a node failure after which
+  // the ring dropped the node sends the put again under the new ring.
   void DoPut(std::string key, const void* data, size_t size, MemoryKind kind,
              std::shared_ptr<std::byte[]> keepalive, const PutOptions& o,
              Clock::time_point deadline, std::function<void(Result<uint64_t>)> done) {
     // Refused as misrouted by the key's primary: the rings differ; again soon, with ours then.
-    auto retry = Pooled(
-        [this, key, data, size, kind, keepalive, o, deadline, done](Result<uint64_t> r) mutable {
-          if (!r.ok() && Misrouted(r.status()) && Clock::now() + kWrongNodeRetry < deadline) {
+    // Failed by a node that the ring has dropped since (its lease lapsed): again under the new
+    // ring, whose owners took its keys.
+    auto retry =
+        Pooled([this, key, data, size, kind, keepalive, o, deadline, done,
+                ring = Route()->ring](Result<uint64_t> r) mutable {
+          const bool moved_on = !r.ok() && NodeFailure(r.status()) && Route()->ring != ring;
+          if (!r.ok() && (Misrouted(r.status()) || moved_on) &&
+              Clock::now() + kWrongNodeRetry < deadline) {
             return AddTimer(Clock::now() + kWrongNodeRetry,
                             [this, key, data, size, kind, keepalive, o, deadline, done] {
                               DoPut(key, data, size, kind, keepalive, o, deadline, done);
@@ -1450,26 +1497,31 @@ struct Client::Impl {
       const int node = owners[0];
       return PutOnNode(node, key, data, size, kind, keepalive, o, deadline, 0, done);
     }
-    const std::vector<int> nodes = owners;
     struct Fan {
+      std::vector<int> owners;
       std::vector<Result<uint64_t>> results;
       size_t remaining;
     };
     auto fan = std::make_shared<Fan>();
-    fan->remaining = nodes.size();
-    for (size_t i = 0; i < nodes.size(); ++i) fan->results.emplace_back(Status::Aborted("pending"));
+    fan->owners = owners;
+    const size_t n = owners.size();
+    fan->remaining = n;
+    for (size_t i = 0; i < n; ++i) fan->results.emplace_back(Status::Aborted("pending"));
     const uint64_t version = write_clock.Take();  // the same on every replica
-    for (size_t i = 0; i < nodes.size(); ++i) {
-      PutOnNode(nodes[i], key, data, size, kind, keepalive, o, deadline, version,
-                [fan, i, done](Result<uint64_t> r) {
+    for (size_t i = 0; i < n; ++i) {
+      PutOnNode(fan->owners[i], key, data, size, kind, keepalive, o, deadline, version,
+                [this, fan, i, done](Result<uint64_t> r) {
                   fan->results[i] = std::move(r);
                   if (--fan->remaining > 0) return;
-                  // The primary's answer, unless another owner refused as misrouted: its ring
-                  // (or fencing) says the write has not reached the key's owners; the whole
-                  // put goes again (DoPut) rather than being acknowledged on one copy.
-                  for (size_t k = 1; fan->results[0].ok() && k < fan->results.size(); ++k) {
-                    if (Misrouted(fan->results[k].status())) return done(fan->results[k].status());
-                  }
+                  // The primary's answer, unless another owner did not take the write: the
+                  // put is acknowledged only when every current owner has it (issue 38 item
+                  // 3), since a read whose primary fails goes to the others. One that refused
+                  // as misrouted (its ring, or fencing, says the key's owners are moving)
+                  // makes the whole put go again (DoPut); one that failed fails the put.
+                  const int k = fan->results[0].ok()
+                                    ? DecidingReplica(fan->results, 1, fan->results.size())
+                                    : -1;
+                  if (k >= 0) return done(ReplicaFailed(fan->owners[k], fan->results[k].status()));
                   done(std::move(fan->results[0]));
                 });
     }
