@@ -103,6 +103,11 @@ void Server::Impl::StartHandoffThread() {
         std::string bytes;
         auto info = cache->Get(k.key, &bytes);
         if (!info.ok()) continue;  // deleted or dropped meanwhile
+        uint64_t sent_at = 0;
+        {
+          std::lock_guard<std::mutex> back(H.back_mu);
+          sent_at = H.sequence;
+        }
         bool all_ok = true;
         for (int target : targets) {
           Status s = SendHandoff(target, k.key, *info, k.durable, bytes, mine);
@@ -123,6 +128,15 @@ void Server::Impl::StartHandoffThread() {
           continue;
         }
         if (!mine) {
+          // Kept when it came back since the send (see Handoff::received), or when a newer
+          // ring gives it to this node again (the next scan hands it on if need be).
+          std::lock_guard<std::mutex> back(H.back_mu);
+          if (Owns(*CurrentRing(), k.key)) continue;
+          const auto in = H.received.find(k.key);
+          if ((in != H.received.end() && in->second > sent_at) || sent_at < H.cleared_at) {
+            ++failed;  // came back (or may have): the next scan hands it on again
+            continue;
+          }
           Status ds = cache->DeleteVersion(k.key, info->version);
           if (ds.ok()) {
             ++deleted;
@@ -310,6 +324,16 @@ void Server::Impl::HandleHandoffPut(const Req& r, std::string_view body,
           Status rs, std::shared_ptr<PayloadBuffer> buf) {
         Status st = rs;
         bool changed = false;
+        if (handoff) {
+          // Before the install, so that a scan here that sent this key away either sees this
+          // (and keeps its copy) or deleted it first (and the install puts it back).
+          std::lock_guard<std::mutex> back(handoff->back_mu);
+          if (handoff->received.size() >= Handoff::kMaxReceived) {
+            handoff->received.clear();
+            handoff->cleared_at = handoff->sequence + 1;
+          }
+          handoff->received[put.key] = ++handoff->sequence;
+        }
         if (st.ok() && FencedSince(r)) st = FencedAtCommit();
         if (st.ok() && !DeletedSince(put.key, version)) {
           auto h = cache->Reserve(put.key, put.size, put.tensor);

@@ -400,6 +400,15 @@ void Server::Impl::OnMessage(std::unique_ptr<Incoming> msg) {
     if (auth == ws.authenticated.end() || !auth->second) return Authenticate(r, body);
   }
   if (stopping.load(std::memory_order_acquire)) {
+    // Drained: every key went to its new owners, and the node left the ring. It holds nothing
+    // a previous owner is asked for (a miss sends the client on), and a client whose ring
+    // still names it as owner asks the ring again. Any other stop may still hold keys.
+    if (holds_nothing.load(std::memory_order_acquire) && FencedOp(r.h.opcode)) {
+      if (r.h.flags & w::kFlagPreviousOwner) {
+        return ReplyStatus(r, Status::NotFound("node " + self.id + " left; it holds no keys"));
+      }
+      return ReplyStatus(r, Status::WrongNode("node " + self.id + " left the cluster"));
+    }
     return ReplyStatus(r, Status::Unavailable("node is shutting down"));
   }
   // The generation first: a registration that changes between the two loads then fails the
@@ -924,6 +933,12 @@ void Server::Stop() {
     auto deadline = Clock::now() + std::chrono::seconds(10);
     while (I->in_flight.load(std::memory_order_acquire) > 0 && Clock::now() < deadline) {
       std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    // Nothing can be installed now (stopping refuses every request): a node whose leave handed
+    // every key off and that holds none (a peer whose ring lagged may have handed some in
+    // since) answers as one that holds nothing until it exits.
+    if (I->handed_off_all.load(std::memory_order_acquire) && I->cache->ListKeys().empty()) {
+      I->holds_nothing.store(true, std::memory_order_release);
     }
     if (I->metrics_http) {
       I->metrics_http->stop();

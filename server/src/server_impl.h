@@ -393,6 +393,11 @@ struct Server::Impl {
   MemberRecord self_record;
   MembershipView view;               // I/O thread: the last one applied
   std::atomic<bool> leaving{false};  // the ring this node applies leaves it out
+  // Leave handed every key off and the node left the ring (not a leave that gave up or kept
+  // the keys on disk); and, once stopping, none is here: it answers as a node that holds
+  // nothing (Server::Stop).
+  std::atomic<bool> handed_off_all{false};
+  std::atomic<bool> holds_nothing{false};
   // While leaving: a view showed another member leaving too (draining or asked to), so an
   // empty ring means the whole cluster is stopping, not a member between its stop and its
   // return (ApplyMembership sets it; Leave reads it).
@@ -532,6 +537,17 @@ struct Server::Impl {
     std::unordered_map<std::string, int> recheck;
     bool scanning = false;
     bool stop = false;
+    // Handoffs received here, by key: the sequence number (`sequence`) of the last one. The
+    // scan deletes a key it sent away only if none came in since the send (under `back_mu`,
+    // with the delete): a receiver whose ring differs can hand the very version straight
+    // back while the scan paces between the send and the delete, and then delete its own
+    // copy, so deleting here too lost the key on both (issue 38 item 4).
+    std::mutex back_mu;
+    std::unordered_map<std::string, uint64_t> received;  // guarded by back_mu
+    uint64_t sequence = 0;                               // guarded by back_mu
+    // Past this many, `received` starts again; a send before that (cleared_at) keeps its copy.
+    static constexpr size_t kMaxReceived = 1 << 16;
+    uint64_t cleared_at = 0;  // guarded by back_mu
   };
   std::unique_ptr<Handoff> handoff;
   void StartHandoffThread();
