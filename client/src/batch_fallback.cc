@@ -44,14 +44,11 @@ void Client::Impl::ReadBatch(const std::shared_ptr<BatchRead>& b, bool fail_open
   const bool others = options.replicas > 1 && Route()->ring->size() > 1;
   b->first_deadline = others && b->deadline > now ? now + (b->deadline - now) / 2 : b->deadline;
   for (;;) {
-    auto f = std::make_shared<BatchFallback>();
-    f->batch = b;
-    f->fail_open = fail_open;
     const std::shared_ptr<const Routing> route = Route();
-    f->moving = route->Moving();
+    const bool moving = route->Moving();
     std::vector<std::pair<size_t, Status>> open;  // filled by the first round (I/O thread)
-    b->row = [&open, &row, moving = f->moving](size_t i, const Status& s, const w::ObjectMeta* meta,
-                                               const char* bytes) {
+    b->row = [&open, &row, moving](size_t i, const Status& s, const w::ObjectMeta* meta,
+                                   const char* bytes) {
       // A first-round outcome that is not the row's answer yet.
       if (Misrouted(s) || NodeFailure(s) || (moving && s.code() == StatusCode::kNotFound)) {
         open.emplace_back(i, s);
@@ -63,6 +60,10 @@ void Client::Impl::ReadBatch(const std::shared_ptr<BatchRead>& b, bool fail_open
     b->row = row;
     b->first_deadline = b->deadline;
     if (open.empty()) break;
+    auto f = std::make_shared<BatchFallback>();
+    f->batch = b;
+    f->fail_open = fail_open;
+    f->moving = moving;
     // Each open row's places: its other owners, then (keys may be moving) its previous owners,
     // then, after a miss everywhere, its owner once more as the last resort (a handoff installs
     // a key at its new owner before it deletes the old copy, and a node catching up serves a
@@ -78,7 +79,7 @@ void Client::Impl::ReadBatch(const std::shared_ptr<BatchRead>& b, bool fail_open
         r.places.push_back(owners[k]);
         r.flags.push_back(0);
       }
-      if (f->moving) {
+      if (moving) {
         for (int n : route->PreviousOwners(key, options.replicas, owners)) {
           r.places.push_back(n);
           r.flags.push_back(w::kFlagPreviousOwner);

@@ -330,16 +330,16 @@ Status Client::DeleteOnce(std::string_view key, std::chrono::milliseconds timeou
   }
   const Status& primary = call->results[0];
   if (primary.ok() || primary.code() == StatusCode::kNotFound) {
-    std::vector<Status> others;  // a miss confirms a delete
+    Status decided;
     for (size_t i = 1; i < first_previous; ++i) {
-      others.push_back(call->results[i].code() == StatusCode::kNotFound ? Status::OK()
-                                                                        : call->results[i]);
+      const Status& r = call->results[i];
+      if (r.code() == StatusCode::kNotFound) continue;  // a miss confirms a delete
+      decided = Impl::Deciding(decided, I->ReplicaFailed(call->nodes[i], r));
     }
-    const int k = Impl::DecidingReplica(others, 0, others.size());
-    if (k >= 0) {
+    if (!decided.ok()) {
       // Asked again (misrouted), the primary will miss the key this call deleted.
       if (primary.ok()) *deleted_before = true;
-      return I->ReplicaFailed(call->nodes[k + 1], others[k]);
+      return decided;
     }
   }
   return primary;
@@ -566,13 +566,12 @@ std::vector<Result<uint64_t>> Client::MultiPut(const std::vector<PutItem>& items
               // did not take the item (then that failure is, once every node answered).
               if (batch->primary[idx[j]] != static_cast<int>(n)) {
                 Status& failed = batch->replica_failure[idx[j]];
-                const StatusCode code = s.ok() ? res[j].code : s.code();
-                // A refusal as misrouted decides (the item goes again), else the first failure.
-                if (code != StatusCode::kOk && (failed.ok() || code == StatusCode::kWrongNode) &&
-                    !Impl::Misrouted(failed)) {
-                  failed = s.ok() ? I->ReplicaFailed(static_cast<int>(n),
-                                                     Status(code, "batch put failed"))
-                                  : as_replica;
+                if (!s.ok()) {
+                  failed = Impl::Deciding(failed, as_replica);
+                } else if (res[j].code != StatusCode::kOk) {
+                  failed = Impl::Deciding(
+                      failed, I->ReplicaFailed(static_cast<int>(n),
+                                               Status(res[j].code, "batch put failed")));
                 }
                 continue;
               }

@@ -760,11 +760,11 @@ struct Client::Impl {
     return s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kTimeout;
   }
 
-  // The outcome of a replicated write whose primary took it and whose replica `node` did not
-  // (`s`): a refusal as misrouted stays one (the caller sends the write again), any other
-  // failure keeps its code and says the write is not acknowledged. Any thread.
+  // Replica `node`'s outcome `s` of a replicated write, as the write's: OK and a refusal as
+  // misrouted stay as they are (the caller sends the write again), any other failure keeps its
+  // code and says the write is not acknowledged. Any thread.
   Status ReplicaFailed(int node, const Status& s) const {
-    if (Misrouted(s)) return s;
+    if (s.ok() || Misrouted(s)) return s;
     std::string id;
     {
       std::lock_guard<std::mutex> lock(nodes_mu);
@@ -772,23 +772,11 @@ struct Client::Impl {
     }
     return s.WithContext("replica " + id + " did not take it (not acknowledged)");
   }
-  // The failure that decides a replicated write the primary took, of the other owners'
-  // outcomes: a refusal as misrouted first (the whole write goes again), else the first failure;
-  // -1 if every one took it.
-  template <typename Outcomes>
-  static int DecidingReplica(const Outcomes& outcomes, size_t from, size_t to) {
-    int failed = -1;
-    for (size_t k = from; k < to; ++k) {
-      const Status s = StatusOf(outcomes[k]);
-      if (Misrouted(s)) return static_cast<int>(k);
-      if (!s.ok() && failed < 0) failed = static_cast<int>(k);
-    }
-    return failed;
-  }
-  static Status StatusOf(const Status& s) { return s; }
-  template <typename T>
-  static Status StatusOf(const Result<T>& r) {
-    return r.status();  // (a copy: Result::status() returns one)
+  // Folds the other owners' outcomes of a replicated write the primary took (start from OK):
+  // a refusal as misrouted decides (the whole write goes again), else the first failure.
+  static Status Deciding(const Status& kept, const Status& next) {
+    if (Misrouted(kept) || next.ok() || (!kept.ok() && !Misrouted(next))) return kept;
+    return next;
   }
 
   // Reads from the key's first live replica, moving on to the next one when a node fails.
@@ -1468,30 +1456,32 @@ struct Client::Impl {
     // Refused as misrouted by the key's primary: the rings differ; again soon, with ours then.
     // Failed by a node that the ring has dropped since (its lease lapsed): again under the new
     // ring, whose owners took its keys.
-    auto retry =
-        Pooled([this, key, data, size, kind, keepalive, o, deadline, done,
-                ring = Route()->ring](Result<uint64_t> r) mutable {
-          const bool moved_on = !r.ok() && NodeFailure(r.status()) && Route()->ring != ring;
-          if (!r.ok() && (Misrouted(r.status()) || moved_on) &&
-              Clock::now() + kWrongNodeRetry < deadline) {
-            return AddTimer(Clock::now() + kWrongNodeRetry,
-                            [this, key, data, size, kind, keepalive, o, deadline, done] {
-                              DoPut(key, data, size, kind, keepalive, o, deadline, done);
-                            });
-          }
-          done(std::move(r));
-        });
-    DoPutOnce(std::move(key), data, size, kind, std::move(keepalive), o, deadline,
+    RingPtr ring = Route()->ring;
+    const RingView& owners_from = *ring;  // `retry` keeps it alive
+    auto retry = Pooled([this, key, data, size, kind, keepalive, o, deadline, done,
+                         ring = std::move(ring)](Result<uint64_t> r) mutable {
+      const bool moved_on = !r.ok() && NodeFailure(r.status()) && Route()->ring != ring;
+      if (!r.ok() && (Misrouted(r.status()) || moved_on) &&
+          Clock::now() + kWrongNodeRetry < deadline) {
+        return AddTimer(Clock::now() + kWrongNodeRetry,
+                        [this, key, data, size, kind, keepalive, o, deadline, done] {
+                          DoPut(key, data, size, kind, keepalive, o, deadline, done);
+                        });
+      }
+      done(std::move(r));
+    });
+    DoPutOnce(owners_from, std::move(key), data, size, kind, std::move(keepalive), o, deadline,
               std::move(retry));
   }
 
-  void DoPutOnce(std::string key, const void* data, size_t size, MemoryKind kind,
-                 std::shared_ptr<std::byte[]> keepalive, const PutOptions& o,
+  // One attempt of a put under `ring`.
+  void DoPutOnce(const RingView& ring, std::string key, const void* data, size_t size,
+                 MemoryKind kind, std::shared_ptr<std::byte[]> keepalive, const PutOptions& o,
                  Clock::time_point deadline, std::function<void(Result<uint64_t>)> done) {
     // Reused, so that a put with one owner lists it without allocating. Copied before anything
     // is issued: PutOnNode may fail at once and a retry come back here.
     static thread_local std::vector<int> owners;
-    Route()->ring->Owners(key, options.replicas, &owners);
+    ring.Owners(key, options.replicas, &owners);
     if (owners.empty()) return done(Status::Unavailable("the ring has no members"));
     if (owners.size() == 1) {
       const int node = owners[0];
@@ -1518,10 +1508,14 @@ struct Client::Impl {
                   // 3), since a read whose primary fails goes to the others. One that refused
                   // as misrouted (its ring, or fencing, says the key's owners are moving)
                   // makes the whole put go again (DoPut); one that failed fails the put.
-                  const int k = fan->results[0].ok()
-                                    ? DecidingReplica(fan->results, 1, fan->results.size())
-                                    : -1;
-                  if (k >= 0) return done(ReplicaFailed(fan->owners[k], fan->results[k].status()));
+                  if (fan->results[0].ok()) {
+                    Status decided;
+                    for (size_t k = 1; k < fan->results.size(); ++k) {
+                      decided = Deciding(decided,
+                                         ReplicaFailed(fan->owners[k], fan->results[k].status()));
+                    }
+                    if (!decided.ok()) return done(decided);
+                  }
                   done(std::move(fan->results[0]));
                 });
     }

@@ -219,7 +219,6 @@ void Server::Impl::Leave(std::chrono::milliseconds timeout) {
   const auto give_up = Clock::now() + timeout;
   // Idle means: the scan for the ring without this node ran to its end with nothing left.
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  bool all_handed_off = true;
   while (!HandoffIdle() || CurrentRing()->contains(self_index)) {
     // Every member is leaving (a whole cluster stopped at once, as for an upgrade): no node is
     // left to take the keys, and sends to the others only fail until the timeout. The keys stay
@@ -229,18 +228,15 @@ void Server::Impl::Leave(std::chrono::milliseconds timeout) {
     if (CurrentRing()->empty() && others_leaving_seen.load(std::memory_order_acquire) &&
         cache->tier_enabled(Tier::kDisk)) {
       GKV_LOG_INFO("node {}: every member is leaving; keeping the keys on disk", self.id);
-      all_handed_off = false;
       break;
     }
     if (Clock::now() > give_up) {
       GKV_LOG_WARN("node {}: handoff did not finish within {} ms; leaving anyway", self.id,
                    timeout.count());
-      all_handed_off = false;
       break;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
-  handed_off_all.store(all_handed_off, std::memory_order_release);
   left_cluster = true;
   Status ds = registration->Deregister();
   if (!ds.ok()) GKV_LOG_WARN("removing node {} from etcd: {}", self.id, ds.ToString());

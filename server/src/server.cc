@@ -934,10 +934,15 @@ void Server::Stop() {
     while (I->in_flight.load(std::memory_order_acquire) > 0 && Clock::now() < deadline) {
       std::this_thread::sleep_for(std::chrono::milliseconds(2));
     }
-    // Nothing can be installed now (stopping refuses every request): a node whose leave handed
-    // every key off and that holds none (a peer whose ring lagged may have handed some in
-    // since) answers as one that holds nothing until it exits.
-    if (I->handed_off_all.load(std::memory_order_acquire) && I->cache->ListKeys().empty()) {
+    // Nothing can be installed now (stopping refuses every request): a node that left the
+    // cluster and holds no key (its leave handed every one off, and no peer whose ring lagged
+    // handed one in since) answers as one that holds nothing until it exits.
+    bool left = false;
+    {
+      std::lock_guard<std::mutex> lock(I->leave_mu);
+      left = I->left_cluster;
+    }
+    if (left && I->cache->ListKeys().empty()) {
       I->holds_nothing.store(true, std::memory_order_release);
     }
     if (I->metrics_http) {

@@ -393,10 +393,8 @@ struct Server::Impl {
   MemberRecord self_record;
   MembershipView view;               // I/O thread: the last one applied
   std::atomic<bool> leaving{false};  // the ring this node applies leaves it out
-  // Leave handed every key off and the node left the ring (not a leave that gave up or kept
-  // the keys on disk); and, once stopping, none is here: it answers as a node that holds
-  // nothing (Server::Stop).
-  std::atomic<bool> handed_off_all{false};
+  // Stopping after it left the cluster, with no key here (Server::Stop): it answers as a node
+  // that holds nothing.
   std::atomic<bool> holds_nothing{false};
   // While leaving: a view showed another member leaving too (draining or asked to), so an
   // empty ring means the whole cluster is stopping, not a member between its stop and its
