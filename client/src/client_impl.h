@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cassert>
 #include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -140,6 +141,7 @@ struct Client::Impl {
     int node = 0;
     ConnId conn = 0;
     Clock::time_point deadline;
+    Clock::time_point sent_at;  // for the timeout's message: how long this node was waited for
     // Set for replica reads: once the reply has arrived, the transfer of its payload runs
     // against this (the caller's) deadline instead of the short one the request had, so a
     // large copy is not given up mid-transfer for a budget meant for a copy's first answer.
@@ -442,8 +444,13 @@ struct Client::Impl {
       if (it == pending.end()) continue;
       PendingPtr p = it->second;
       if (p->deadline > now) continue;  // extended (see transfer_deadline): a later entry is due
-      Status timeout =
-          Status::Timeout("no reply from node " + nodes[p->node].id + " within the deadline");
+      // The wait on this node, not the call's: a call that spent its deadline elsewhere first
+      // (other owners, a ring refresh) says so by a short wait here.
+      char waited[32];
+      std::snprintf(waited, sizeof waited, "%.2f",
+                    std::chrono::duration<double>(now - p->sent_at).count());
+      Status timeout = Status::Timeout("no reply from node " + nodes[p->node].id +
+                                       " within the deadline (waited " + waited + " s for it)");
       if (p->io > 0 && p->io_on_callers_memory == 0 &&
           abandoned_bytes + p->own_buffer_bytes <= kMaxAbandonedBytes) {
         Abandon(p, timeout);
@@ -613,6 +620,7 @@ struct Client::Impl {
     p->node = node;
     p->conn = *conn;
     p->deadline = deadline;
+    p->sent_at = Clock::now();
     p->transfer_deadline = transfer_deadline;
     p->on_reply = std::move(on_reply);
     p->on_error = std::move(on_error);

@@ -312,6 +312,23 @@ void Server::Impl::FenceTick(Clock::time_point now) {
   const MemberRegistration* reg = registered.load(std::memory_order_acquire);
   if (reg == nullptr) return;
   const MemberRegistration::Hold h = reg->hold();
+  // Operators see when the node refused as fenced and for how long (a keepalive etcd answered
+  // late is enough: the node cannot tell that from a lapsed lease).
+  // A node that left stops renewing on purpose.
+  const bool fenced_now = now >= h.until && !leaving.load(std::memory_order_relaxed) &&
+                          !stopping.load(std::memory_order_relaxed);
+  if (fenced_now && fenced_from == Clock::time_point{}) {
+    fenced_from = now;
+    GKV_LOG_WARN(
+        "node {} fenced: no keepalive answered in time to hold its etcd lease; "
+        "refusing keyed requests",
+        self.id);
+  } else if (!fenced_now && fenced_from != Clock::time_point{}) {
+    GKV_LOG_WARN("node {} unfenced after {} ms ({} refusals so far)", self.id,
+                 std::chrono::duration_cast<std::chrono::milliseconds>(now - fenced_from).count(),
+                 counters.fenced_refusals.load(std::memory_order_relaxed));
+    fenced_from = Clock::time_point{};
+  }
   if (h.generation == serving_generation.load(std::memory_order_relaxed) || now >= h.until) {
     return;
   }

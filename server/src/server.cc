@@ -27,6 +27,9 @@ void Server::Impl::Reply(const Req& r, const Status& status, std::string_view bo
     });
     return;
   }
+  if (r.start != Clock::time_point{} && Clock::now() - r.start >= kSlowReply) {
+    NoteSlowReply(r, status);
+  }
   if (!status.ok()) {
     counters.errors[static_cast<int>(status.code())].fetch_add(1, std::memory_order_relaxed);
     // Every request answered protocol_error counts, whether its header or its body was bad.
@@ -38,6 +41,25 @@ void Server::Impl::Reply(const Req& r, const Status& status, std::string_view bo
   out->pinned = std::move(pinned);
   transport->Send(r.conn, w::kAmReply, EncodeReplyHeader(r, body), payload, size, kind,
                   [this, out](Status s) { FinishReply(out, s); });
+}
+
+void Server::Impl::NoteSlowReply(const Req& r, const Status& status) {
+  counters.slow_replies.fetch_add(1, std::memory_order_relaxed);
+  IoWorker& ws = W();
+  const auto now = Clock::now();
+  if (now - ws.last_slow_log < std::chrono::seconds(1)) {
+    ++ws.slow_unlogged;
+    return;
+  }
+  ws.last_slow_log = now;
+  GKV_LOG_WARN("slow reply: {}{} answered {} after {} ms{}", w::OpcodeName(r.h.opcode),
+               (r.h.flags & w::kFlagDurable) ? " (durable)" : "",
+               status.ok() ? "ok" : StatusCodeName(status.code()),
+               std::chrono::duration_cast<std::chrono::milliseconds>(now - r.start).count(),
+               ws.slow_unlogged > 0
+                   ? fmt::format("; {} more slow replies since the last line", ws.slow_unlogged)
+                   : std::string());
+  ws.slow_unlogged = 0;
 }
 
 Server::Impl::OutgoingReply* Server::Impl::StartReply(const Req& r, uint64_t size,

@@ -390,6 +390,7 @@ struct Server::Impl {
   static bool FencedOp(w::Opcode opcode);
   // OnTick: a registration under a new lease begins catch-up, then serving under it.
   void FenceTick(Clock::time_point now);
+  Clock::time_point fenced_from{};  // worker 0 (FenceTick): when the hold ran out ({}: holds)
   MemberRecord self_record;
   MembershipView view;               // I/O thread: the last one applied
   std::atomic<bool> leaving{false};  // the ring this node applies leaves it out
@@ -794,7 +795,15 @@ struct Server::Impl {
     std::unordered_set<ConnId> peer_conns;  // workers > 0: connections that said PEER_HELLO
     RingPtr ring;                           // workers > 0: posted by worker 0 (SetRing)
     Clock::time_point next_copy_handoff{};  // workers > 0: see CountRead
+    // Slow replies (NoteSlowReply): the last one logged, and those not logged since.
+    Clock::time_point last_slow_log{};
+    uint64_t slow_unlogged = 0;
   };
+  // A reply made kSlowReply or more after its request arrived is counted, and logged at most
+  // once a second per worker: an operator sees a node that answers late (a disk whose syncs
+  // stall, starved threads) before clients report timeouts.
+  static constexpr auto kSlowReply = std::chrono::seconds(1);
+  void NoteSlowReply(const Req& r, const Status& status);
   std::vector<std::unique_ptr<IoWorker>> io;  // one per transport worker (made before it)
   // The calling I/O worker's state (worker 0's outside the workers: Start, tests).
   // The I/O worker the calling thread drives (0 outside the workers: executors, Start). An I/O

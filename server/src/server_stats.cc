@@ -63,6 +63,7 @@ std::string RenderStatsJson(const std::string& node_id, const CacheStats& st,
   j += ",\"bytes_in\":" + std::to_string(counters.bytes_in.load());
   j += ",\"bytes_out\":" + std::to_string(counters.bytes_out.load());
   j += ",\"protocol_errors\":" + std::to_string(counters.protocol_errors.load());
+  j += ",\"slow_replies\":" + std::to_string(counters.slow_replies.load());
   j += ",\"auth_failures\":" + std::to_string(counters.auth_failures.load());
   j += ",\"stuck_connections_closed\":" + std::to_string(counters.stuck_connections_closed.load());
   j += ",\"connections_accepted\":" + std::to_string(counters.connections_accepted.load());
@@ -224,6 +225,9 @@ std::string RenderPrometheus(const std::string& node_id, const CacheStats& st,
   sample("gkv_sent_bytes_total", "", counters.bytes_out.load());
   family("gkv_protocol_errors_total", "counter", "Malformed requests.");
   sample("gkv_protocol_errors_total", "", counters.protocol_errors.load());
+  family("gkv_slow_replies_total", "counter",
+         "Replies made a second or more after their request arrived.");
+  sample("gkv_slow_replies_total", "", counters.slow_replies.load());
   family("gkv_auth_failures_total", "counter",
          "Connections refused for a missing or wrong secret.");
   sample("gkv_auth_failures_total", "", counters.auth_failures.load());

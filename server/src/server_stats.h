@@ -23,6 +23,7 @@ struct ServerCounters {
   std::atomic<uint64_t> errors[kOpSlots] = {};  // by StatusCode
   std::atomic<uint64_t> bytes_in{0}, bytes_out{0};
   std::atomic<uint64_t> protocol_errors{0};
+  std::atomic<uint64_t> slow_replies{0};  // replies made a second or more after the request came
   std::atomic<uint64_t> auth_failures{0};
   std::atomic<uint64_t> stuck_connections_closed{0};  // a reply not taken within send_timeout
   std::atomic<uint64_t> connections_accepted{0};
