@@ -486,3 +486,30 @@ TEST(RingViewTest, OwnersIntoAVectorAreDistinctOwnerFirst) {
 
 }  // namespace
 }  // namespace gkv
+
+#include <dlfcn.h>
+
+#include "gkv/cuda.h"
+
+namespace gkv {
+namespace {
+
+// Without a usable GPU the probe says why in words a user acts on: no driver at all, or one
+// too old for the CUDA runtime gkv was built with (the runtime calls both "insufficient
+// driver"). Skips where a GPU answers, or where gkv was built without CUDA.
+TEST(CudaProbeTest, AMissingDriverIsToldApartFromAnOldOne) {
+  const CudaProbe& probe = ProbeCuda();
+  if (probe.usable || !probe.compiled_in) {
+    GTEST_SKIP() << "needs a build with CUDA on a machine where it is not usable";
+  }
+  void* driver = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_LOCAL);
+  if (driver == nullptr) {
+    EXPECT_NE(probe.reason.find("no NVIDIA driver"), std::string::npos) << probe.reason;
+  } else {
+    dlclose(driver);
+    EXPECT_EQ(probe.reason.find("no NVIDIA driver"), std::string::npos) << probe.reason;
+  }
+}
+
+}  // namespace
+}  // namespace gkv

@@ -461,11 +461,17 @@ TEST(FakeDeviceTest, BatchesFromAndIntoDeviceMemory) {
     keys.push_back("row/" + std::to_string(i));
     items.push_back({keys.back(), static_cast<char*>(src.get()) + i * kRow, kRow, {}});
   }
+  // The rows of one device buffer stage with one copy each way, not one per row (issue 39
+  // item 3).
+  const uint64_t copies_before_put = FakeDeviceCopies();
   auto put = client->MultiPut(items);
   for (size_t i = 0; i < kRows; ++i) ASSERT_TRUE(put[i].ok()) << put[i].status().ToString();
+  EXPECT_EQ(FakeDeviceCopies() - copies_before_put, 1u);
   DeviceBuffer rows(kRows * kRow);
+  const uint64_t copies_before_get = FakeDeviceCopies();
   auto got = client->MultiGetInto(keys, rows.get(), kRow, kRow);
   for (size_t i = 0; i < kRows; ++i) ASSERT_TRUE(got[i].ok()) << got[i].ToString();
+  EXPECT_EQ(FakeDeviceCopies() - copies_before_get, 1u);
   EXPECT_TRUE(rows.Read(kRows * kRow) == all) << "device rows differ";
   auto host = client->MultiGet(keys);
   for (size_t i = 0; i < kRows; ++i) {

@@ -1,6 +1,7 @@
 #include "gkv/cuda.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -92,6 +93,8 @@ void FakeFreeDevice(void* p) {
   std::free(p);
 }
 
+std::atomic<uint64_t> g_fake_copies{0};  // FakeDeviceCopies()
+
 Status FakeCopy(void* dst, const void* src, size_t size) {
   if (OnProgressThread()) {
     GKV_LOG_ERROR("fake device: a synchronous device copy on a UCX progress thread");
@@ -107,6 +110,7 @@ Status FakeCopy(void* dst, const void* src, size_t size) {
     }
   }
   if (size) std::memcpy(dst, src, size);
+  g_fake_copies.fetch_add(1, std::memory_order_relaxed);
   return Status::OK();
 }
 
@@ -117,6 +121,8 @@ bool FakeIsDevice(const void* p) {
 }
 
 }  // namespace
+
+uint64_t FakeDeviceCopies() { return g_fake_copies.load(std::memory_order_relaxed); }
 
 Status CheckMemoryKind(const void* ptr, size_t size, MemoryKind claimed) {
   if (!FakeDeviceMode() || ptr == nullptr || size == 0) return Status::OK();
@@ -172,6 +178,27 @@ const CudaProbe& ProbeCuda() {
     if (err != cudaSuccess) {
       p.reason = std::string("CUDA runtime reports ") + cudaGetErrorName(err) + ": " +
                  cudaGetErrorString(err);
+      // The runtime says "insufficient driver" with no driver at all too: tell the two apart
+      // (a CUDA 12 driver under gkv's CUDA 13 runtime is the case a user can act on).
+      int driver = 0, runtime = 0;
+      if (err == cudaErrorInsufficientDriver && cudaDriverGetVersion(&driver) == cudaSuccess &&
+          cudaRuntimeGetVersion(&runtime) == cudaSuccess) {
+        const auto version = [](int v) {
+          return std::to_string(v / 1000) + "." + std::to_string(v % 1000 / 10);
+        };
+        if (driver == 0) {
+          p.reason =
+              "no NVIDIA driver on this machine (libcuda.so.1 not found): the GPU paths "
+              "are off";
+        } else {
+          p.reason = "the NVIDIA driver supports CUDA " + version(driver) +
+                     ", older than the CUDA " + version(runtime) +
+                     " runtime gkv was built with (it needs a driver for CUDA " +
+                     std::to_string(runtime / 1000) +
+                     ".0 or newer): update the driver, or build gkv against the CUDA toolkit "
+                     "the driver supports (python/README.md)";
+        }
+      }
       return p;
     }
     if (count == 0) {

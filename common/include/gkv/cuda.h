@@ -40,6 +40,9 @@ const CudaProbe& ProbeCuda();
 enum class FakeDevice : uint8_t { kOff, kStaged, kMovedByUcx };
 FakeDevice FakeDeviceKind();
 bool FakeDeviceMode();  // FakeDeviceKind() != kOff
+// Fake-device mode: the copies to, from or within "device" memory made so far in this process
+// (tests count how a call stages).
+uint64_t FakeDeviceCopies();
 // The CUDA device of the calling thread's current context; -1 when the thread has none (it
 // never chose a device), without a usable GPU, or in fake-device mode. Creates no context.
 int CudaCurrentDevice();
