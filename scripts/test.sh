@@ -5,18 +5,22 @@
 #   2. the Python package's pytest suite (python/tests) on the normal build's package
 #      (build/python), with the project's .venv Python (the system Python plus Debian's numpy,
 #      torch and pytest), against real gkv-server processes; CUDA tests skip with a reason
-#   3. the wire-protocol fuzzer for a bounded time over its checked-in corpus
-#   4. every test again under ASan+UBSan (build-asan/)
-#   5. the cache and transport concurrency tests, the tests of a node's I/O workers (real
+#   3. the client wheel (scripts/wheel.sh) installed with pip into a fresh virtual environment
+#      of the system python3 without its site packages, outside the checkout: it imports, and
+#      python/tests/test_client.py passes against real nodes (its torch tests skip: the
+#      environment holds the wheel, its dependencies from the package index and pytest only)
+#   4. the wire-protocol fuzzer for a bounded time over its checked-in corpus
+#   5. every test again under ASan+UBSan (build-asan/)
+#   6. the cache and transport concurrency tests, the tests of a node's I/O workers (real
 #      gkv-server processes built with TSan), of the client's synchronous calls from several
 #      threads, of its timed-out transfers and of its staging threads, under TSan (build-tsan/)
-# Options (environment): GKV_TEST_STEPS="normal python fuzz asan tsan" picks steps;
+# Options (environment): GKV_TEST_STEPS="normal python wheel fuzz asan tsan" picks steps;
 # GKV_FUZZ_SECONDS (default 30). scripts/gpu-check.sh runs the gpu tests on a GPU machine.
 # Under TSan, UCX's memory-event hooks (which patch malloc and mmap) fight TSan's own
 # interceptors and crash; UCX_MEM_EVENTS=no turns them off for that step (gkv does not use them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-STEPS=${GKV_TEST_STEPS:-normal python fuzz asan tsan}
+STEPS=${GKV_TEST_STEPS:-normal python wheel fuzz asan tsan}
 JOBS=$(nproc)
 overall=0
 results=()
@@ -46,9 +50,34 @@ python_tests() {
   fi
   local rc=0
   PYTHONPATH="$PWD/build/python" GKV_SERVER_BIN="$PWD/build/bin/gkv-server" \
-    .venv/bin/python -m pytest -q -rs -p no:cacheprovider python/tests || rc=$?
+    GKV_TEST_REQUIRE_TORCH=1 .venv/bin/python -m pytest -q -rs -p no:cacheprovider python/tests || rc=$?
   # pytest's 5 means it collected no test: that is a failure too.
   if [ "$rc" -eq 5 ]; then echo "pytest collected no tests"; fi
+  return $rc
+}
+wheel_tests() {
+  GKV_BUILD_DIR=build scripts/build.sh || return 1  # the nodes the tests start
+  local wheel venv log rc=0 repo=$PWD
+  log=$(mktemp)
+  scripts/wheel.sh 2>&1 | tee "$log" || { rm -f "$log"; return 1; }
+  wheel=$(tail -1 "$log" | cut -d' ' -f1)
+  rm -f "$log"
+  venv=$(mktemp -d /tmp/gkv-wheel-venv-XXXXXX)
+  /usr/bin/python3 -m venv "$venv" &&
+    "$venv/bin/python" -m pip install -q --disable-pip-version-check "$repo/$wheel" pytest==9.2.0 ||
+    rc=1
+  if [ $rc -eq 0 ]; then
+    # From the venv's directory, so `import gkv` can only be the installed wheel.
+    (cd "$venv" && "$venv/bin/python" -c \
+      'import gkv, sys; f = gkv._gkv.__file__; print("gkv from", f); sys.exit("site-packages" not in f)') ||
+      rc=1
+  fi
+  if [ $rc -eq 0 ]; then
+    (cd "$venv" && GKV_SERVER_BIN="$repo/build/bin/gkv-server" \
+      "$venv/bin/python" -m pytest -q -rs -p no:cacheprovider "$repo/python/tests/test_client.py") ||
+      rc=$?
+  fi
+  rm -rf "$venv"
   return $rc
 }
 fuzz() { scripts/fuzz.sh "${GKV_FUZZ_SECONDS:-30}"; }
@@ -76,6 +105,7 @@ for s in $STEPS; do
   case "$s" in
     normal) step "tests (build/)" normal ;;
     python) step "Python tests (build/python)" python_tests ;;
+    wheel) step "client wheel in a clean venv (dist/)" wheel_tests ;;
     fuzz) step "protocol fuzzer" fuzz ;;
     asan) step "tests under ASan+UBSan (build-asan/)" asan ;;
     tsan) step "concurrency and I/O-worker tests under TSan (build-tsan/)" tsan ;;

@@ -23,6 +23,11 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 SERVER = os.environ.get("GKV_SERVER_BIN", str(REPO / "build" / "bin" / "gkv-server"))
 
+# scripts/test.sh's Python step has torch (Debian's): there a test may not skip for want of it.
+# Its wheel step installs the client wheel where torch is absent, and the torch tests skip.
+if os.environ.get("GKV_TEST_REQUIRE_TORCH") == "1":
+    import torch  # noqa: F401 (an ImportError here fails the run)
+
 
 def _free_port(taken: set[int]) -> int:
     # Below the ephemeral range (32768+), so no client connection can take it meanwhile.
