@@ -22,7 +22,7 @@ PACKAGES=(
   build-essential cmake ninja-build ccache pkg-config
   librocksdb-dev libxxhash-dev libfmt-dev libspdlog-dev
   libgtest-dev libgmock-dev libbenchmark-dev libcli11-dev libyaml-cpp-dev libcpp-httplib-dev
-  nlohmann-json3-dev etcd-server etcd-client
+  nlohmann-json3-dev libssl-dev etcd-server etcd-client
   clang-14 libclang-rt-14-dev
   python3 python3-dev python3-venv python3-numpy python3-torch python3-pytest
 )

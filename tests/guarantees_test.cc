@@ -17,6 +17,7 @@
 #include "cluster_harness.h"
 #include "gkv/hybrid_clock.h"
 #include "gkv/random.h"
+#include "gkv/transport/hello_proof.h"
 #include "gkv/transport/protocol.h"
 #include "gkv/transport/ucx_transport.h"
 
@@ -352,7 +353,10 @@ TEST(GuaranteesTest, ReplicationMessagesAreRefusedFromClients) {
   // A node of another placement version is refused however well it proves itself: it would
   // hand off, replicate and repair by another ring (issue 37).
   RawConnection raw4(client->cluster().nodes[1].port);
-  raw4.Send(wire::Opcode::kPeerHello, wire::EncodePeerHello("n2", "nodes-only", 1), 5);
+  raw4.Send(wire::Opcode::kPeerHello,
+            wire::EncodePeerHello(
+                "n2", wire::MakeHelloProof("nodes-only", wire::kPeerHelloLabel, "n1", "n2"), 1),
+            5);
   EXPECT_EQ(raw4.WaitReply(5), StatusCode::kNotSupported);
   EXPECT_GE(StatsCounter(*client, 1, "auth_failures"), 3u);
   // Reply-shaped messages on a client connection are dropped and the node keeps serving (a
@@ -368,6 +372,43 @@ TEST(GuaranteesTest, ReplicationMessagesAreRefusedFromClients) {
   auto got = client->Get(key);
   ASSERT_TRUE(got.ok());
   EXPECT_EQ(got->view(), "v1");
+}
+
+// Issue 38 item 11: a client's HELLO proves the cluster secret for the node it goes to, once: a
+// captured hello replayed on a new connection, one made for another node, and the secret
+// itself (as builds before proofs sent it) are refused; real clients get in.
+TEST(GuaranteesTest, AHelloIsAProofForOneNodeThatCannotBeReplayed) {
+  NodeSpec spec;
+  spec.secret = "s3cr3t-proof";
+  Cluster cluster(2, spec);
+  auto client = cluster.NewClient();
+  ASSERT_TRUE(client);
+  ASSERT_TRUE(client->Put("k", "v", 1).ok());
+  const uint16_t port0 = client->cluster().nodes[0].port;
+  const std::string proof = wire::MakeHelloProof(spec.secret, wire::kClientHelloLabel, "n0", "");
+  RawConnection first(port0);
+  first.Send(wire::Opcode::kHello, wire::EncodeHello(proof), 1);
+  EXPECT_EQ(first.WaitReply(1), StatusCode::kOk);
+  RawConnection replay(port0);
+  replay.Send(wire::Opcode::kHello, wire::EncodeHello(proof), 2);
+  EXPECT_EQ(replay.WaitReply(2), StatusCode::kPermissionDenied);
+  RawConnection elsewhere(port0);
+  elsewhere.Send(
+      wire::Opcode::kHello,
+      wire::EncodeHello(wire::MakeHelloProof(spec.secret, wire::kClientHelloLabel, "n1", "")), 3);
+  EXPECT_EQ(elsewhere.WaitReply(3), StatusCode::kPermissionDenied);
+  RawConnection old_build(port0);
+  old_build.Send(wire::Opcode::kHello, wire::EncodeHello(spec.secret), 4);
+  EXPECT_EQ(old_build.WaitReply(4), StatusCode::kPermissionDenied);
+  EXPECT_GE(StatsCounter(*client, 0, "auth_failures"), 3u);
+  const std::string log = cluster.ReadLog(0);
+  EXPECT_NE(log.find("a hello replayed"), std::string::npos) << log;
+  EXPECT_EQ(log.find(spec.secret), std::string::npos) << "the secret reached the log";
+  auto fresh = cluster.NewClient();
+  ASSERT_TRUE(fresh);
+  auto got = fresh->Get("k");
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  EXPECT_EQ(got->view(), "v");
 }
 
 // Issue 38 item 11: a HANDOFF_PUT's version is capped (a day ahead of the receiver's clock), so

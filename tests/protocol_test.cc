@@ -2,6 +2,7 @@
 
 #include "gkv/bytes.h"
 #include "gkv/random.h"
+#include "gkv/transport/hello_proof.h"
 #include "gkv/transport/protocol.h"
 #include "test_util.h"
 
@@ -297,6 +298,43 @@ TEST(ProtocolTest, RandomInputNeverCrashesDecoders) {
     ObjectMeta om;
     (void)DecodeObjectReply(m, &rs, &om);
   }
+}
+
+// Issue 38 item 11: a hello proves the secret without carrying it, for one node, from one
+// caller, within the window, once.
+TEST(HelloProofTest, ProvesTheSecretForOneNodeFromOneCallerOnceWithinTheWindow) {
+  const std::string secret = "correct horse battery staple";
+  const uint64_t now = UnixMillisNow();
+  const std::string p = MakeHelloProof(secret, kClientHelloLabel, "n0", "");
+  ASSERT_EQ(p.size(), kHelloProofSize);
+  EXPECT_EQ(p.find("horse"), std::string::npos);
+  EXPECT_TRUE(CheckHelloProof(p, secret, kClientHelloLabel, "n0", "", now).ok());
+  const auto refused = [&](const Status& s, const std::string& says) {
+    EXPECT_EQ(s.code(), StatusCode::kPermissionDenied) << s.ToString();
+    EXPECT_NE(s.ToString().find(says), std::string::npos) << s.ToString();
+  };
+  refused(CheckHelloProof(p, "wrong", kClientHelloLabel, "n0", "", now), "wrong secret");
+  refused(CheckHelloProof(p, secret, kClientHelloLabel, "n1", "", now), "wrong secret");
+  refused(CheckHelloProof(p, secret, kPeerHelloLabel, "n0", "", now), "wrong secret");
+  refused(CheckHelloProof(p, secret, kClientHelloLabel, "n0", "n2", now), "wrong secret");
+  const uint64_t six_minutes = 6 * 60 * 1000;
+  refused(CheckHelloProof(p, secret, kClientHelloLabel, "n0", "", now + six_minutes), "off");
+  refused(CheckHelloProof(p, secret, kClientHelloLabel, "n0", "", now - six_minutes), "off");
+  // A build from before proofs sends the secret itself: told to upgrade.
+  refused(CheckHelloProof(secret, secret, kClientHelloLabel, "n0", "", now), "upgrade");
+  std::string flipped = p;
+  flipped.back() ^= 1;
+  refused(CheckHelloProof(flipped, secret, kClientHelloLabel, "n0", "", now), "wrong secret");
+  EXPECT_TRUE(MakeHelloProof("", kClientHelloLabel, "n0", "").empty());  // nothing to prove
+
+  HelloReplayGuard guard;
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_TRUE(guard.Admit(p, t0).ok());
+  refused(guard.Admit(p, t0 + std::chrono::seconds(1)), "replayed");
+  EXPECT_TRUE(guard.Admit(MakeHelloProof(secret, kClientHelloLabel, "n0", ""), t0).ok());
+  // Remembered for twice the window from its arrival, by when its clock is out of the window.
+  EXPECT_TRUE(guard.Admit(p, t0 + 2 * kHelloWindow + std::chrono::seconds(1)).ok());
+  EXPECT_EQ(guard.size(), 1u);
 }
 
 }  // namespace

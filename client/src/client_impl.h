@@ -33,6 +33,7 @@
 #include "gkv/membership.h"
 #include "gkv/pinned_pool.h"
 #include "gkv/ring_view.h"
+#include "gkv/transport/hello_proof.h"
 #include "gkv/transport/protocol.h"
 #include "gkv/transport/ucx_transport.h"
 
@@ -585,8 +586,11 @@ struct Client::Impl {
       Complete(p, [] {});
       if (!s.ok()) FailNode(node, s, false);
     };
-    Issue(node, w::Opcode::kHello, 0, w::EncodeHello(cluster.secret), nullptr, 0, MemoryKind::kHost,
-          DeadlineFrom({}), on_reply, [](Status) {});
+    // A proof of the secret for this node (gkv/transport/hello_proof.h), never the secret.
+    Issue(
+        node, w::Opcode::kHello, 0,
+        w::EncodeHello(w::MakeHelloProof(cluster.secret, w::kClientHelloLabel, nodes[node].id, "")),
+        nullptr, 0, MemoryKind::kHost, DeadlineFrom({}), on_reply, [](Status) {});
   }
 
   // A buffer to encode a request's body into for Issue, one per thread: Issue reads the body

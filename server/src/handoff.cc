@@ -171,6 +171,14 @@ void Server::Impl::StartHandoffThread() {
         }
       }
       H.scanning = false;
+      // Passes over rechecked keys come in bursts after a ring change (writes admitted under
+      // the ring before keep committing): the mark stays on kMarkLinger for the next pass, so
+      // etcd sees the mark set and cleared once per burst, not once per pass (issue 38 item
+      // 4). Clients see moving keys that much longer: a miss is asked of the previous owners.
+      if (!H.pending && H.recheck.empty() && !H.stop) {
+        H.cv.wait_for(lock, Handoff::kMarkLinger,
+                      [&] { return H.stop || H.pending || !H.recheck.empty(); });
+      }
       if (!H.pending && H.recheck.empty() && !H.stop) {
         counters.handoffs_running.store(0, std::memory_order_relaxed);
         lock.unlock();

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "gkv/log.h"
+#include "gkv/transport/hello_proof.h"
 #include "server_impl.h"
 
 namespace gkv {
@@ -18,7 +19,9 @@ Result<ConnId> Server::Impl::PeerConn(int node) {
   transport->Send(
       conn, w::kAmRequest,
       w::EncodeMessage({w::Opcode::kPeerHello, 0, 0},
-                       w::EncodePeerHello(self.id, options.cluster.effective_peer_secret(),
+                       w::EncodePeerHello(self.id,
+                                          w::MakeHelloProof(options.cluster.effective_peer_secret(),
+                                                            w::kPeerHelloLabel, n.id, self.id),
                                           HashRing::kPlacementVersion)),
       nullptr, 0, MemoryKind::kHost, [](Status) {});
   return conn;

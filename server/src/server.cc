@@ -10,6 +10,7 @@
 #include "gkv/hash.h"
 #include "gkv/log.h"
 #include "gkv/size.h"
+#include "gkv/transport/hello_proof.h"
 #include "server_impl.h"
 
 namespace gkv {
@@ -524,8 +525,15 @@ void Server::Impl::AuthenticatePeer(const Req& r, std::string_view body) {
   Status s = w::DecodePeerHello(body, &node_id, &proof, &placement);
   const int node = s.ok() ? options.cluster.FindNode(node_id) : -1;
   const std::string& want = options.cluster.effective_peer_secret();
-  const bool proven =
-      s.ok() && node >= 0 && node != self_index && (want.empty() || SecretEquals(proof, want));
+  // The proof binds the caller's id and this node's: it cannot be replayed elsewhere, and once
+  // here (hello_guard).
+  Status proof_status = Status::OK();
+  if (s.ok() && node >= 0 && node != self_index && !want.empty()) {
+    proof_status =
+        w::CheckHelloProof(proof, want, w::kPeerHelloLabel, self.id, node_id, w::UnixMillisNow());
+    if (proof_status.ok()) proof_status = hello_guard.Admit(proof, Clock::now());
+  }
+  const bool proven = s.ok() && node >= 0 && node != self_index && proof_status.ok();
   if (proven && placement != HashRing::kPlacementVersion) {
     // A node that places keys differently would hand off, replicate and repair by another
     // ring: refused, loudly, on both sides (its calls fail as the connection closes).
@@ -550,10 +558,10 @@ void Server::Impl::AuthenticatePeer(const Req& r, std::string_view body) {
   }
   counters.auth_failures.fetch_add(1, std::memory_order_relaxed);
   GKV_LOG_WARN("refused peer connection {}: {}", r.conn,
-               !s.ok()              ? "malformed peer hello"
-               : node < 0           ? "unknown node id"
-               : node == self_index ? "claims this node's own id"
-                                    : "wrong peer secret");
+               !s.ok()              ? std::string("malformed peer hello")
+               : node < 0           ? std::string("unknown node id")
+               : node == self_index ? std::string("claims this node's own id")
+                                    : "peer secret: " + std::string(proof_status.message()));
   const ConnId conn = r.conn;
   Status denied = Status::PermissionDenied("not a node of this cluster");
   Reply(r, denied, w::EncodeStatusReply(denied), nullptr, 0, MemoryKind::kHost,
@@ -561,20 +569,30 @@ void Server::Impl::AuthenticatePeer(const Req& r, std::string_view body) {
 }
 
 void Server::Impl::Authenticate(const Req& r, std::string_view body) {
-  std::string secret;
-  if (r.h.opcode == w::Opcode::kHello && w::DecodeHello(body, &secret).ok() &&
-      SecretEquals(secret, options.cluster.secret)) {
+  std::string proof;
+  Status s = Status::PermissionDenied("this cluster requires a proof of its secret (HELLO) first");
+  if (r.h.opcode == w::Opcode::kHello) {
+    s = w::DecodeHello(body, &proof);
+    if (s.ok()) {
+      s = w::CheckHelloProof(proof, options.cluster.secret, w::kClientHelloLabel, self.id, "",
+                             w::UnixMillisNow());
+    }
+    if (s.ok()) s = hello_guard.Admit(proof, Clock::now());
+  }
+  if (s.ok()) {
     W().authenticated[r.conn] = true;
     TellConnWorker(r.conn, /*peer=*/false);
     return ReplyStatus(r, Status::OK());
   }
   counters.auth_failures.fetch_add(1, std::memory_order_relaxed);
-  GKV_LOG_WARN("refused connection {}: {}", r.conn,
-               r.h.opcode == w::Opcode::kHello ? "wrong secret" : "no secret presented");
+  GKV_LOG_WARN("refused connection {}: {}", r.conn, s.message());
   const ConnId conn = r.conn;
-  Reply(r, Status::PermissionDenied("this cluster requires its secret (HELLO) first"),
-        w::EncodeStatusReply(Status::PermissionDenied("this cluster requires its secret")), nullptr,
-        0, MemoryKind::kHost, [this, conn] { CloseConnection(conn, /*force=*/false); });
+  // Busy stays Busy (the client may come back); everything else is a refusal.
+  const Status refused = s.code() == StatusCode::kBusy
+                             ? s
+                             : Status::PermissionDenied("refused: " + std::string(s.message()));
+  Reply(r, refused, w::EncodeStatusReply(refused), nullptr, 0, MemoryKind::kHost,
+        [this, conn] { CloseConnection(conn, /*force=*/false); });
 }
 
 void Server::Impl::ReplyPayload(const Req& r, std::shared_ptr<std::string> payload) {

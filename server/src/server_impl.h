@@ -38,6 +38,7 @@
 #include "gkv/membership.h"
 #include "gkv/pinned_pool.h"
 #include "gkv/ring_view.h"
+#include "gkv/transport/hello_proof.h"
 #include "gkv/transport/protocol.h"
 #include "gkv/transport/ucx_transport.h"
 #include "hot_keys.h"
@@ -55,13 +56,6 @@ using Clock = std::chrono::steady_clock;
 inline w::ObjectMeta ToWire(const ObjectInfo& info) {
   return w::ObjectMeta{info.size, info.version, info.tensor, static_cast<uint8_t>(info.tier),
                        info.on_disk};
-}
-
-// Compares without an early exit, so timing does not reveal how much of the secret matched.
-inline bool SecretEquals(std::string_view a, std::string_view b) {
-  unsigned char diff = a.size() == b.size() ? 0 : 1;
-  for (size_t i = 0; i < a.size(); ++i) diff |= a[i] ^ b[i % (b.empty() ? 1 : b.size())];
-  return diff == 0 && !b.empty();
 }
 
 // The payload transfers of one connection in flight, oldest first, each with its deadline and a
@@ -536,6 +530,7 @@ struct Server::Impl {
     std::unordered_map<std::string, int> recheck;
     bool scanning = false;
     bool stop = false;
+    static constexpr auto kMarkLinger = std::chrono::seconds(1);  // see StartHandoffThread
     // Handoffs received here, by key: the sequence number (`sequence`) of the last one. The
     // scan deletes a key it sent away only if none came in since the send (under `back_mu`,
     // with the delete): a receiver whose ring differs can hand the very version straight
@@ -769,6 +764,8 @@ struct Server::Impl {
   void AuthenticatePeer(const Req& r, std::string_view body);
 
   void Authenticate(const Req& r, std::string_view body);
+  // The hello proofs taken (client and peer): each is taken once. Any I/O worker.
+  w::HelloReplayGuard hello_guard;
 
   struct PutOp {
     Req req;

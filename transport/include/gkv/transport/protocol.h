@@ -140,15 +140,15 @@ std::string EncodeKeyRequest(std::string_view key);
 void EncodeKeyRequestTo(std::string* out, std::string_view key);
 Status DecodeKeyRequest(std::string_view body, std::string* key);
 
-// Hello: the cluster secret.
-std::string EncodeHello(std::string_view secret);
-Status DecodeHello(std::string_view body, std::string* secret);
-// Peer hello: the calling node's id, the peer secret (empty when the cluster has none) and the
-// caller's placement version (HashRing::kPlacementVersion; a hello without it, from a build
+// Hello: a proof of the cluster secret (gkv/transport/hello_proof.h), never the secret.
+std::string EncodeHello(std::string_view proof);
+Status DecodeHello(std::string_view body, std::string* proof);
+// Peer hello: the calling node's id, a proof of the peer secret (empty when the cluster has
+// none; gkv/transport/hello_proof.h) and the caller's placement version (HashRing::kPlacementVersion; a hello without it, from a build
 // before placement versions, decodes as version 1; bytes after it are left for later fields).
-std::string EncodePeerHello(std::string_view node_id, std::string_view peer_secret,
+std::string EncodePeerHello(std::string_view node_id, std::string_view proof,
                             uint32_t placement);
-Status DecodePeerHello(std::string_view body, std::string* node_id, std::string* peer_secret,
+Status DecodePeerHello(std::string_view body, std::string* node_id, std::string* proof,
                        uint32_t* placement);
 
 // MultiGet: the body is empty; the payload is this block. With `versions` (same length as
