@@ -236,6 +236,12 @@ secret: s3
   EXPECT_EQ(defaults->etcd.cluster, "gkv");
   EXPECT_EQ(defaults->etcd.lease_ttl_s, 5);
 
+  auto auth = ParseClusterYaml(
+      "membership: etcd\netcd: {endpoints: [http://h:1], username: gkv, password: pw}\n");
+  ASSERT_TRUE(auth.ok()) << auth.status().ToString();
+  EXPECT_EQ(auth->etcd.username, "gkv");
+  EXPECT_EQ(auth->etcd.password, "pw");
+
   // A nodes: list is ignored (not even checked) in etcd mode.
   auto with_nodes = ParseClusterYaml(
       "membership: etcd\netcd: {endpoints: [http://h:1]}\nnodes: [{id: a, address: bad}]\n");
@@ -272,6 +278,10 @@ TEST(ClusterFileTest, RefusesBadEtcdSections) {
            "membership: etcd\netcd: {endpoints: [http://h:1], lease_ttl_s: 3601}",
            "membership: etcd\netcd: {endpoints: [http://h:1], lease_ttl_s: x}",
            "membership: etcd\netcd: {endpoints: [http://h:1], lease_ttl: 5}",  // unknown field
+           "membership: etcd\netcd: {endpoints: [http://h:1], username: u}",   // no password
+           "membership: etcd\netcd: {endpoints: [http://h:1], password: p}",   // no user
+           "membership: etcd\netcd: {endpoints: [http://h:1], username: u, password_env: "
+           "GKV_TEST_UNSET_VARIABLE}",
            "membership: gossip\nnodes: [{id: a, address: 'h:1'}]",
            "etcd: {endpoints: [http://h:1]}\nnodes: [{id: a, address: 'h:1'}]",  // no membership
        }) {
@@ -518,6 +528,51 @@ TEST_F(MembershipTest, AScanMarkNamesTheRingBeforeItsChange) {
     EXPECT_EQ(v.handoffs_running.count("n9"), 1u) << bad;
     EXPECT_EQ(v.previous_members.count("n9"), 0u) << bad;
   }
+}
+
+// Issue 38 item 5: etcd started with its own user/password authentication. A node and a
+// watcher with the cluster file's credentials work; without them, or with a wrong password,
+// every call is refused at once with what to set, and nothing is registered.
+TEST_F(MembershipTest, AnEtcdWithAuthenticationTakesTheClusterFilesCredentials) {
+  httplib::Client http(etcd_.endpoint());
+  for (const auto& [path, body] : std::vector<std::pair<std::string, std::string>>{
+           {"/v3/auth/user/add", R"({"name":"root","password":"root-pw"})"},
+           {"/v3/auth/user/grant", R"({"user":"root","role":"root"})"},
+           {"/v3/auth/enable", "{}"}}) {
+    auto res = http.Post(path, body, "application/json");
+    ASSERT_TRUE(res && res->status == 200) << path << ": " << (res ? res->body : "no reply");
+  }
+  EtcdConfig none = config_;
+  auto refused = MemberRegistration::Register(none, Record("n1", 7001));
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kPermissionDenied) << refused.status().ToString();
+  EXPECT_NE(refused.status().ToString().find("etcd.username"), std::string::npos)
+      << refused.status().ToString();
+  EtcdConfig wrong = config_;
+  wrong.username = "root";
+  wrong.password = "guess";
+  auto denied = ReadMembership(wrong);
+  ASSERT_FALSE(denied.ok());
+  EXPECT_EQ(denied.status().code(), StatusCode::kPermissionDenied) << denied.status().ToString();
+  EXPECT_EQ(denied.status().ToString().find("guess"), std::string::npos) << "the password shown";
+
+  config_.username = "root";
+  config_.password = "root-pw";
+  ViewLog log;
+  auto watcher = MustWatch(log);
+  ASSERT_NE(watcher, nullptr);
+  auto reg = MustRegister(Record("n1", 7001));
+  ASSERT_NE(reg, nullptr);
+  EXPECT_TRUE(log.WaitFor([](const MembershipView& v) { return Has(v, "n1"); }))
+      << "the watcher never saw n1";
+  EXPECT_TRUE(Has(MustRead(), "n1"));
+  ASSERT_TRUE(reg->SetHandoffRunning(true).ok());
+  EXPECT_EQ(MustRead().handoffs_running.count("n1"), 1u);
+  // The keepalive runs with the token too: the record outlives a few TTLs.
+  std::this_thread::sleep_for(3s);
+  EXPECT_TRUE(Has(MustRead(), "n1"));
+  ASSERT_TRUE(reg->Deregister().ok());
+  EXPECT_FALSE(Has(MustRead(), "n1"));
 }
 
 TEST_F(MembershipTest, RegistersAgainWhenTheLeaseIsGone) {

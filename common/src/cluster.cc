@@ -42,7 +42,8 @@ Status ParseAddress(std::string_view address, std::string* host, uint16_t* port)
 
 namespace {
 
-// `etcd: {endpoints: [http://host:port, ...], cluster: NAME, lease_ttl_s: N}`.
+// `etcd: {endpoints: [http://host:port, ...], cluster: NAME, lease_ttl_s: N,
+//         username: U, password: P | password_env: VAR}`.
 Status ParseEtcd(const YAML::Node& node, EtcdConfig* etcd) {
   if (!node || !node.IsMap()) {
     return Status::InvalidArgument("'membership: etcd' needs an 'etcd:' map with 'endpoints'");
@@ -81,9 +82,24 @@ Status ParseEtcd(const YAML::Node& node, EtcdConfig* etcd) {
       return Status::InvalidArgument("etcd: lease_ttl_s must be 1..3600");
     }
   }
+  // etcd's own user/password authentication (etcd started with auth enabled).
+  if (node["username"]) etcd->username = node["username"].as<std::string>();
+  if (node["password"]) etcd->password = node["password"].as<std::string>();
+  if (node["password_env"]) {
+    const std::string name = node["password_env"].as<std::string>();
+    const char* value = std::getenv(name.c_str());
+    if (value == nullptr) {
+      return Status::InvalidArgument("etcd: password_env names '" + name + "', which is not set");
+    }
+    etcd->password = value;
+  }
+  if (etcd->username.empty() != etcd->password.empty()) {
+    return Status::InvalidArgument("etcd: 'username' and 'password' go together");
+  }
   for (const auto& entry : node) {
     const std::string key = entry.first.as<std::string>();
-    if (key != "endpoints" && key != "cluster" && key != "lease_ttl_s") {
+    if (key != "endpoints" && key != "cluster" && key != "lease_ttl_s" && key != "username" &&
+        key != "password" && key != "password_env") {
       return Status::InvalidArgument("etcd: unknown field '" + key + "'");
     }
   }

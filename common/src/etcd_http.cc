@@ -213,17 +213,123 @@ TxnOp KeyOnLease(std::string_view key, int64_t lease) {
                                       {"lease", std::to_string(lease)}})};
 }
 
-EtcdClient::EtcdClient(std::vector<std::string> endpoints, Timeouts timeouts)
-    : endpoints_(std::move(endpoints)), timeouts_(timeouts) {}
+namespace {
+
+// etcd answers a missing, expired or refused authentication with several codes (user name is
+// empty and authentication failed are INVALID_ARGUMENT): all are PermissionDenied here, saying
+// what to set.
+Status AuthError(Status s, bool have_credentials) {
+  const std::string_view m = s.message();
+  const bool auth = m.find("user name is empty") != std::string_view::npos ||
+                    m.find("authentication failed") != std::string_view::npos ||
+                    m.find("invalid auth token") != std::string_view::npos ||
+                    m.find("auth token") != std::string_view::npos ||
+                    m.find("permission denied") != std::string_view::npos;
+  if (!auth && s.code() != StatusCode::kPermissionDenied) return s;
+  return Status::PermissionDenied(
+      std::string(m) + (have_credentials ? " (check etcd.username and etcd.password)"
+                                         : " (this etcd requires a user: set etcd.username and "
+                                           "etcd.password, or password_env, in the cluster file)"));
+}
+
+bool TokenRejected(const Status& s) {
+  return s.message().find("auth token") != std::string_view::npos;
+}
+
+// One POST of JSON. etcd's gateway sends error replies chunked with a gRPC trailer that
+// cpp-httplib 0.11 cannot parse: it reports a read error after the whole reply arrived. So the
+// status and body are collected as they come, and an error reply whose body arrived whole
+// counts, trailer or not (without this an auth refusal read as "no reply").
+struct HttpReply {
+  int status = 0;  // 0: no reply (see error)
+  std::string body;
+  httplib::Error error = httplib::Error::Success;
+};
+
+HttpReply PostJson(httplib::Client& http, const std::string& path, const httplib::Headers& headers,
+                   const std::string& payload) {
+  HttpReply out;
+  httplib::Request req;
+  req.method = "POST";
+  req.path = path;
+  req.headers = headers;
+  req.body = payload;
+  req.set_header("Content-Type", "application/json");
+  req.response_handler = [&](const httplib::Response& r) {
+    out.status = r.status;
+    return true;
+  };
+  req.content_receiver = [&](const char* data, size_t size, uint64_t, uint64_t) {
+    out.body.append(data, size);
+    return true;
+  };
+  httplib::Response res;
+  if (http.send(req, res, out.error)) {
+    out.status = res.status;
+    return out;
+  }
+  if (!(out.status >= 400 && json::accept(out.body))) out.status = 0;
+  return out;
+}
+
+}  // namespace
+
+Result<std::string> Authenticate(const std::string& endpoint, const Credentials& credentials,
+                                 Timeouts timeouts) {
+  httplib::Client http(endpoint);
+  http.set_connection_timeout(timeouts.connect);
+  http.set_read_timeout(timeouts.read);
+  http.set_write_timeout(timeouts.read);
+  http.set_keep_alive(false);
+  const std::string payload =
+      json{{"name", credentials.username}, {"password", credentials.password}}.dump();
+  const HttpReply res = PostJson(http, "/v3/auth/authenticate", {}, payload);
+  if (res.status == 0) return Status::Unavailable(TransportError(endpoint, res.error));
+  if (res.status != 200) {
+    Status s = StatusFromErrorBody(res.body, res.status);
+    if (s.code() == StatusCode::kUnavailable) return s.WithContext(endpoint);
+    return AuthError(s, true);
+  }
+  json reply = json::parse(res.body, nullptr, /*allow_exceptions=*/false);
+  if (!reply.is_object() || Str(reply, "token").empty()) {
+    return Status::ProtocolError("etcd at " + endpoint + ": authenticate gave no token");
+  }
+  return Str(reply, "token");
+}
+
+EtcdClient::EtcdClient(std::vector<std::string> endpoints, Timeouts timeouts,
+                       Credentials credentials)
+    : endpoints_(std::move(endpoints)), timeouts_(timeouts), credentials_(std::move(credentials)) {}
 
 Result<json> EtcdClient::Call(const std::string& path, const json& body) {
   if (endpoints_.empty()) return Status::InvalidArgument("etcd: no endpoints");
   const std::string payload = body.dump();
   Status last = Status::Unavailable("etcd: no endpoint answered");
   const size_t first = preferred_.load(std::memory_order_relaxed);
+  bool authenticated_again = false;  // a token etcd no longer takes is renewed once per call
   for (size_t attempt = 0; attempt < endpoints_.size(); ++attempt) {
     const size_t index = (first + attempt) % endpoints_.size();
     const std::string& endpoint = endpoints_[index];
+    httplib::Headers headers;
+    if (!credentials_.empty()) {
+      std::string token;
+      {
+        std::lock_guard<std::mutex> lock(token_mu_);
+        token = token_;
+      }
+      if (token.empty()) {
+        auto fresh = Authenticate(endpoint, credentials_, timeouts_);
+        if (!fresh.ok()) {
+          if (fresh.status().code() == StatusCode::kPermissionDenied) return fresh.status();
+          last = fresh.status();
+          continue;
+        }
+        token = *fresh;
+        std::lock_guard<std::mutex> lock(token_mu_);
+        token_ = token;
+      }
+      headers.emplace("Authorization", token);
+    }
     // A connection per call: calls are rare (a keepalive every few seconds), and a fresh
     // connection never inherits a half-dead socket from an etcd that restarted.
     httplib::Client http(endpoint);
@@ -231,13 +337,25 @@ Result<json> EtcdClient::Call(const std::string& path, const json& body) {
     http.set_read_timeout(timeouts_.read);
     http.set_write_timeout(timeouts_.read);
     http.set_keep_alive(false);
-    auto res = http.Post(path.c_str(), payload, "application/json");
-    if (!res) {
-      last = Status::Unavailable(TransportError(endpoint, res.error()));
+    const HttpReply res = PostJson(http, path, headers, payload);
+    if (res.status == 0) {
+      last = Status::Unavailable(TransportError(endpoint, res.error));
       continue;
     }
-    if (res->status != 200) {
-      Status s = StatusFromErrorBody(res->body, res->status);
+    if (res.status != 200) {
+      Status s = StatusFromErrorBody(res.body, res.status);
+      if (!credentials_.empty() && TokenRejected(s) && !authenticated_again) {
+        // Expired (etcd's simple tokens lapse after --auth-token-ttl idle) or from a restarted
+        // etcd: authenticate again and retry this endpoint.
+        authenticated_again = true;
+        {
+          std::lock_guard<std::mutex> lock(token_mu_);
+          token_.clear();
+        }
+        --attempt;
+        continue;
+      }
+      s = AuthError(std::move(s), !credentials_.empty());
       // Another member may have a leader when this one has none.
       if (s.code() == StatusCode::kUnavailable) {
         last = s.WithContext(endpoint);
@@ -246,7 +364,7 @@ Result<json> EtcdClient::Call(const std::string& path, const json& body) {
       preferred_.store(index, std::memory_order_relaxed);
       return s;
     }
-    json reply = json::parse(res->body, nullptr, /*allow_exceptions=*/false);
+    json reply = json::parse(res.body, nullptr, /*allow_exceptions=*/false);
     if (!reply.is_object()) {
       last = Status::ProtocolError("etcd at " + endpoint + ": a reply that is not JSON");
       continue;
@@ -329,8 +447,11 @@ Status EtcdClient::LeaseRevoke(int64_t id) {
 }
 
 WatchStream::WatchStream(std::vector<std::string> endpoints, Timeouts connect_timeouts,
-                         std::chrono::milliseconds idle_timeout)
-    : endpoints_(std::move(endpoints)), timeouts_(connect_timeouts), idle_timeout_(idle_timeout) {}
+                         std::chrono::milliseconds idle_timeout, Credentials credentials)
+    : endpoints_(std::move(endpoints)),
+      timeouts_(connect_timeouts),
+      idle_timeout_(idle_timeout),
+      credentials_(std::move(credentials)) {}
 
 WatchStream::~WatchStream() = default;
 
@@ -375,6 +496,12 @@ Status WatchStream::Run(std::string_view key, std::string_view range_end, int64_
   req.path = "/v3/watch";
   req.body = json{{"create_request", std::move(create)}}.dump();
   req.set_header("Content-Type", "application/json");
+  if (!credentials_.empty()) {
+    // A token per stream (a stream lasts until it idles out; tokens lapse when idle).
+    auto token = Authenticate(endpoint, credentials_, timeouts_);
+    if (!token.ok()) return token.status();
+    req.set_header("Authorization", *token);
+  }
 
   std::string buffer;  // bytes of a message not yet terminated by '\n'
   bool got_message = false;

@@ -70,10 +70,23 @@ struct Timeouts {
   std::chrono::milliseconds read{2000};
 };
 
+// etcd's user/password authentication: /v3/auth/authenticate trades them for a token that
+// goes with every call (the Authorization header). Empty: etcd runs without authentication.
+struct Credentials {
+  std::string username, password;
+  bool empty() const { return username.empty(); }
+};
+
+// A token for `credentials` from the etcd at `endpoint`. PermissionDenied for a wrong user or
+// password (or an etcd without authentication enabled that refuses it).
+Result<std::string> Authenticate(const std::string& endpoint, const Credentials& credentials,
+                                 Timeouts timeouts);
+
 class EtcdClient {
  public:
   // `endpoints`: "http://host:port", already validated (ParseClusterYaml).
-  explicit EtcdClient(std::vector<std::string> endpoints, Timeouts timeouts = {});
+  explicit EtcdClient(std::vector<std::string> endpoints, Timeouts timeouts = {},
+                      Credentials credentials = {});
 
   Result<RangeResult> Range(std::string_view key, std::string_view range_end = "");
   // Returns the revision of the write.
@@ -99,7 +112,10 @@ class EtcdClient {
 
   const std::vector<std::string> endpoints_;
   const Timeouts timeouts_;
+  const Credentials credentials_;
   std::atomic<size_t> preferred_{0};  // the endpoint that answered last
+  std::mutex token_mu_;
+  std::string token_;  // guarded by token_mu_: the last token etcd gave (empty: none yet)
 };
 
 // One event of a watch: a put (value set) or a delete of `kv.key`.
@@ -123,7 +139,7 @@ class WatchStream {
   // Returns whether the stream goes on (false ends it: Run returns Aborted).
   using Handler = std::function<bool(const WatchMessage&)>;
   WatchStream(std::vector<std::string> endpoints, Timeouts connect_timeouts,
-              std::chrono::milliseconds idle_timeout);
+              std::chrono::milliseconds idle_timeout, Credentials credentials = {});
   ~WatchStream();
 
   // Blocks until the stream ends: Cancel(), a broken connection, an error from etcd, a
@@ -140,6 +156,7 @@ class WatchStream {
   const std::vector<std::string> endpoints_;
   const Timeouts timeouts_;
   const std::chrono::milliseconds idle_timeout_;
+  const Credentials credentials_;
   std::atomic<bool> cancelled_{false};
   std::mutex client_mu_;                     // guards client_ (the pointer, not its use)
   std::shared_ptr<httplib::Client> client_;  // the HTTP client of the Run() in progress

@@ -38,6 +38,8 @@ constexpr auto kMinKeepAlivePeriod = 100ms;
 // The keepalive's next try after a failed one (unless the period is shorter).
 constexpr auto kKeepAliveRetry = 200ms;
 
+etcd::Credentials Credentials(const EtcdConfig& etcd) { return {etcd.username, etcd.password}; }
+
 Status CheckEtcdConfig(const EtcdConfig& etcd) {
   if (etcd.endpoints.empty()) return Status::InvalidArgument("etcd: no endpoints configured");
   if (etcd.cluster.empty()) return Status::InvalidArgument("etcd: empty cluster name");
@@ -274,8 +276,8 @@ struct MembershipWatcher::Impl {
       : etcd(config),
         prefix(config.prefix()),
         on_change(std::move(callback)),
-        client(config.endpoints),
-        stream(config.endpoints, etcd::Timeouts{}, kWatchIdleTimeout) {}
+        client(config.endpoints, {}, Credentials(config)),
+        stream(config.endpoints, etcd::Timeouts{}, kWatchIdleTimeout, Credentials(config)) {}
 
   void Run();
   // Applies one message's events (in revision order), publishing the view of each revision.
@@ -546,7 +548,7 @@ bool MembershipWatcher::connected() const { return impl_->connected.load(); }
 struct MemberRegistration::Impl {
   Impl(const EtcdConfig& config, const MemberRecord& initial)
       : etcd(config),
-        client(config.endpoints),
+        client(config.endpoints, {}, Credentials(config)),
         member_key(config.prefix() + std::string(kMembersDir) + initial.node.id),
         drain_key(config.prefix() + std::string(kDrainDir) + initial.node.id),
         handoff_key(config.prefix() + std::string(kHandoffDir) + initial.node.id),
@@ -792,7 +794,7 @@ std::chrono::milliseconds MemberRegistration::LeaseMargin(int64_t ttl_s) {
 Status RequestDrain(const EtcdConfig& etcd, std::string_view node_id) {
   GKV_RETURN_IF_ERROR(CheckEtcdConfig(etcd));
   GKV_RETURN_IF_ERROR(CheckNodeId(node_id));
-  etcd::EtcdClient client(etcd.endpoints);
+  etcd::EtcdClient client(etcd.endpoints, {}, Credentials(etcd));
   const std::string prefix = etcd.prefix();
   const std::string id(node_id);
   const std::string member_key = prefix + std::string(kMembersDir) + id;
@@ -826,7 +828,7 @@ Result<bool> MemberDraining(etcd::EtcdClient& client, const std::string& member_
 Status CancelDrain(const EtcdConfig& etcd, std::string_view node_id) {
   GKV_RETURN_IF_ERROR(CheckEtcdConfig(etcd));
   GKV_RETURN_IF_ERROR(CheckNodeId(node_id));
-  etcd::EtcdClient client(etcd.endpoints);
+  etcd::EtcdClient client(etcd.endpoints, {}, Credentials(etcd));
   const std::string prefix = etcd.prefix();
   const std::string id(node_id);
   const std::string drain_key = prefix + std::string(kDrainDir) + id;
@@ -851,7 +853,7 @@ Status CancelDrain(const EtcdConfig& etcd, std::string_view node_id) {
 
 Result<MembershipView> ReadMembership(const EtcdConfig& etcd) {
   GKV_RETURN_IF_ERROR(CheckEtcdConfig(etcd));
-  etcd::EtcdClient client(etcd.endpoints);
+  etcd::EtcdClient client(etcd.endpoints, {}, Credentials(etcd));
   int64_t revision = 0;
   GKV_ASSIGN_OR_RETURN(KeyMap keys, ReadPrefix(client, etcd.prefix(), &revision));
   return BuildView(keys, static_cast<uint64_t>(revision), static_cast<uint64_t>(revision));

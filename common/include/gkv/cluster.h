@@ -41,6 +41,9 @@ struct EtcdConfig {
   std::vector<std::string> endpoints;  // http://host:port, tried in order
   std::string cluster = "gkv";         // the key prefix is /gkv/<cluster>/
   int lease_ttl_s = 5;                 // a dead node leaves every ring within about this
+  // etcd's user/password authentication (both empty: none). The password may come from the
+  // environment (`password_env:`); it is never logged.
+  std::string username, password;
   std::string prefix() const { return "/gkv/" + cluster + "/"; }
 };
 
