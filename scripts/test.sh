@@ -62,9 +62,10 @@ wheel_tests() {
   scripts/wheel.sh 2>&1 | tee "$log" || { rm -f "$log"; return 1; }
   wheel=$(tail -1 "$log" | cut -d' ' -f1)
   rm -f "$log"
+  case "$wheel" in /*) ;; *) wheel="$repo/$wheel" ;; esac  # GKV_WHEEL_DIR may be absolute
   venv=$(mktemp -d /tmp/gkv-wheel-venv-XXXXXX)
   /usr/bin/python3 -m venv "$venv" &&
-    "$venv/bin/python" -m pip install -q --disable-pip-version-check "$repo/$wheel" pytest==9.2.0 ||
+    "$venv/bin/python" -m pip install -q --disable-pip-version-check "$wheel" pytest==9.2.0 ||
     rc=1
   if [ $rc -eq 0 ]; then
     # From the venv's directory, so `import gkv` can only be the installed wheel.

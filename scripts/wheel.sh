@@ -25,7 +25,7 @@ raw=$(ls "$RAW"/gkv-*.whl)
 .venv/bin/auditwheel repair --exclude 'libucp.so.*' --exclude 'libucs.so.*' \
   --exclude 'libuct.so.*' --exclude 'libucm.so.*' -w "$OUT" "$raw"
 name=$(basename "$raw" | sed -E 's/-linux_x86_64\.whl$//')
-wheel=$(ls -t "$OUT"/"$name"-*manylinux*.whl 2>/dev/null | head -1)
+wheel=$(ls -t "$OUT"/"$name"-*manylinux*.whl 2>/dev/null | head -1 || true)
 if [ -z "$wheel" ]; then
   echo "scripts/wheel.sh: auditwheel made no manylinux wheel of $raw" >&2
   exit 1

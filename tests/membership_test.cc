@@ -568,9 +568,25 @@ TEST_F(MembershipTest, AnEtcdWithAuthenticationTakesTheClusterFilesCredentials) 
   EXPECT_TRUE(Has(MustRead(), "n1"));
   ASSERT_TRUE(reg->SetHandoffRunning(true).ok());
   EXPECT_EQ(MustRead().handoffs_running.count("n1"), 1u);
-  // The keepalive runs with the token too: the record outlives a few TTLs.
+  // The keepalive runs with the token too: the record outlives a few TTLs, and a change of
+  // etcd's auth store (a user added), after which etcd refuses every older token ("revision of
+  // auth store is old"), has the registration authenticate again, on the same lease.
+  const int64_t lease = reg->lease_id();
+  auto token = http.Post("/v3/auth/authenticate", R"({"name":"root","password":"root-pw"})",
+                         "application/json");
+  ASSERT_TRUE(token && token->status == 200) << (token ? token->body : "no reply");
+  const size_t at = token->body.find("\"token\":\"");
+  ASSERT_NE(at, std::string::npos) << token->body;
+  const std::string value = token->body.substr(at + 9, token->body.find('"', at + 9) - at - 9);
+  auto added = http.Post("/v3/auth/user/add", {{"Authorization", value}},
+                         R"({"name":"reader","password":"reader-pw"})", "application/json");
+  ASSERT_TRUE(added && added->status == 200) << (added ? added->body : "no reply");
+  Status cleared = reg->SetHandoffRunning(false);  // a write with the token from before
+  EXPECT_TRUE(cleared.ok()) << cleared.ToString();
+  EXPECT_EQ(MustRead().handoffs_running.count("n1"), 0u);
   std::this_thread::sleep_for(3s);
   EXPECT_TRUE(Has(MustRead(), "n1"));
+  EXPECT_EQ(reg->lease_id(), lease) << "registered again instead of renewing its token";
   ASSERT_TRUE(reg->Deregister().ok());
   EXPECT_FALSE(Has(MustRead(), "n1"));
 }

@@ -487,7 +487,16 @@ std::vector<Result<uint64_t>> Client::MultiPut(const std::vector<PutItem>& items
   }
   if (device_bytes > 0) {
     auto block = I->staging_pool->Acquire(device_bytes);
-    std::vector<int> synced_devices;  // the producers' work is done before anything reads
+    std::vector<int> synced_devices;    // the producers' work is done before anything reads
+    auto synced = [&](const void* p) {  // once per device
+      const int device = CudaPointerDevice(p);
+      if (std::find(synced_devices.begin(), synced_devices.end(), device) != synced_devices.end()) {
+        return Status::OK();
+      }
+      Status ss = CudaSyncStream(o.cuda_stream, p);
+      if (ss.ok()) synced_devices.push_back(device);
+      return ss;
+    };
     size_t offset = 0;
     for (size_t i = 0; i < items.size();) {
       if (!is_staged[i]) {
@@ -501,22 +510,21 @@ std::vector<Result<uint64_t>> Client::MultiPut(const std::vector<PutItem>& items
         ++end;
       }
       Status s = block.status();
-      const int device = CudaPointerDevice(first);
-      if (s.ok() &&
-          std::find(synced_devices.begin(), synced_devices.end(), device) == synced_devices.end()) {
-        s = CudaSyncStream(o.cuda_stream, first);
-        if (s.ok()) synced_devices.push_back(device);
-      }
+      if (s.ok()) s = synced(first);
       bool one_by_one = false;
       if (s.ok()) {
         s = I->DeviceCopy(block->get() + offset, first, run_bytes, first);
-        // A run over two allocations that merely abut may be refused as one copy: item by item.
+        // A run over two allocations that merely abut (on two devices, even) may be refused as
+        // one copy: item by item, each after its own device's work.
         one_by_one = !s.ok() && end - i > 1;
       }
       for (size_t k = i; k < end; ++k) {
         Status sk = s;
         if (one_by_one) {
-          sk = I->DeviceCopy(block->get() + offset, items[k].data, items[k].size, items[k].data);
+          sk = synced(items[k].data);
+          if (sk.ok()) {
+            sk = I->DeviceCopy(block->get() + offset, items[k].data, items[k].size, items[k].data);
+          }
         }
         if (sk.ok()) {
           staged[k] = std::shared_ptr<std::byte[]>(*block, block->get() + offset);  // aliasing

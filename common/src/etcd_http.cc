@@ -220,10 +220,15 @@ namespace {
 // what to set.
 Status AuthError(Status s, bool have_credentials) {
   const std::string_view m = s.message();
+  if (m.find("authentication is not enabled") != std::string_view::npos) {
+    return Status::PermissionDenied(std::string(m) +
+                                    " (etcd.username is set, but this etcd runs without "
+                                    "authentication: remove username and password)");
+  }
   const bool auth = m.find("user name is empty") != std::string_view::npos ||
                     m.find("authentication failed") != std::string_view::npos ||
-                    m.find("invalid auth token") != std::string_view::npos ||
                     m.find("auth token") != std::string_view::npos ||
+                    m.find("revision of auth store is old") != std::string_view::npos ||
                     m.find("permission denied") != std::string_view::npos;
   if (!auth && s.code() != StatusCode::kPermissionDenied) return s;
   return Status::PermissionDenied(
@@ -232,8 +237,15 @@ Status AuthError(Status s, bool have_credentials) {
                                            "etcd.password, or password_env, in the cluster file)"));
 }
 
+// A token etcd no longer takes: expired (simple tokens lapse after --auth-token-ttl idle),
+// from a restarted etcd, or issued before the auth store changed (a user or role added or
+// changed: etcd then refuses every older token as "revision of auth store is old", as etcd's
+// own client renews on).
 bool TokenRejected(const Status& s) {
-  return s.message().find("auth token") != std::string_view::npos;
+  const std::string_view m = s.message();
+  return m.find("auth token") != std::string_view::npos ||
+         m.find("revision of auth store is old") != std::string_view::npos ||
+         m.find("user name is empty") != std::string_view::npos;
 }
 
 // One POST of JSON. etcd's gateway sends error replies chunked with a gRPC trailer that
@@ -306,13 +318,15 @@ Result<json> EtcdClient::Call(const std::string& path, const json& body) {
   const std::string payload = body.dump();
   Status last = Status::Unavailable("etcd: no endpoint answered");
   const size_t first = preferred_.load(std::memory_order_relaxed);
-  bool authenticated_again = false;  // a token etcd no longer takes is renewed once per call
+  // A token an endpoint no longer takes is renewed there once per call (simple tokens live
+  // per member, so another endpoint may refuse one this one took).
+  size_t renewed_at = SIZE_MAX;
   for (size_t attempt = 0; attempt < endpoints_.size(); ++attempt) {
     const size_t index = (first + attempt) % endpoints_.size();
     const std::string& endpoint = endpoints_[index];
     httplib::Headers headers;
+    std::string token;  // the one sent (empty: none)
     if (!credentials_.empty()) {
-      std::string token;
       {
         std::lock_guard<std::mutex> lock(token_mu_);
         token = token_;
@@ -344,13 +358,12 @@ Result<json> EtcdClient::Call(const std::string& path, const json& body) {
     }
     if (res.status != 200) {
       Status s = StatusFromErrorBody(res.body, res.status);
-      if (!credentials_.empty() && TokenRejected(s) && !authenticated_again) {
-        // Expired (etcd's simple tokens lapse after --auth-token-ttl idle) or from a restarted
-        // etcd: authenticate again and retry this endpoint.
-        authenticated_again = true;
+      if (!token.empty() && TokenRejected(s) && renewed_at != index) {
+        // Authenticate again and retry this endpoint (unless another call renewed it already).
+        renewed_at = index;
         {
           std::lock_guard<std::mutex> lock(token_mu_);
-          token_.clear();
+          if (token_ == token) token_.clear();
         }
         --attempt;
         continue;

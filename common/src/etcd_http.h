@@ -78,7 +78,7 @@ struct Credentials {
 };
 
 // A token for `credentials` from the etcd at `endpoint`. PermissionDenied for a wrong user or
-// password (or an etcd without authentication enabled that refuses it).
+// password, and for an etcd that runs without authentication (it refuses to authenticate).
 Result<std::string> Authenticate(const std::string& endpoint, const Credentials& credentials,
                                  Timeouts timeouts);
 

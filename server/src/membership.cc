@@ -314,7 +314,10 @@ void Server::Impl::FenceTick(Clock::time_point now) {
   const MemberRegistration::Hold h = reg->hold();
   // Operators see when the node refused as fenced and for how long (a keepalive etcd answered
   // late is enough: the node cannot tell that from a lapsed lease).
-  // A node that left stops renewing on purpose.
+  // A node that leaves stops renewing on purpose: nothing to say (and no "unfenced" line).
+  if (leaving.load(std::memory_order_relaxed) || stopping.load(std::memory_order_relaxed)) {
+    fenced_from = Clock::time_point{};
+  }
   const bool fenced_now = now >= h.until && !leaving.load(std::memory_order_relaxed) &&
                           !stopping.load(std::memory_order_relaxed);
   if (fenced_now && fenced_from == Clock::time_point{}) {

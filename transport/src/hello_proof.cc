@@ -81,8 +81,10 @@ Status CheckHelloProof(std::string_view proof, std::string_view secret, std::str
 Status HelloReplayGuard::Admit(std::string_view proof, std::chrono::steady_clock::time_point now) {
   const std::string nonce(proof.substr(0, kNonceSize));
   std::lock_guard<std::mutex> lock(mu_);
-  const auto keep =
-      std::chrono::duration_cast<std::chrono::steady_clock::duration>(2 * kHelloWindow);
+  // Past this from its arrival a proof's clock is out of the window (plus a minute for a
+  // wall clock that steps back meanwhile), so its nonce can go.
+  const auto keep = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+      2 * kHelloWindow + std::chrono::minutes(1));
   while (!by_arrival_.empty() && now - by_arrival_.front().first > keep) {
     seen_.erase(by_arrival_.front().second);
     by_arrival_.pop_front();
@@ -90,7 +92,7 @@ Status HelloReplayGuard::Admit(std::string_view proof, std::chrono::steady_clock
   if (seen_.count(nonce)) return Status::PermissionDenied("a hello replayed");
   if (seen_.size() >= kMaxNonces) {
     return Status::Busy("too many hellos in the last " +
-                        std::to_string(std::chrono::minutes(2 * kHelloWindow).count()) +
+                        std::to_string(std::chrono::minutes(2 * kHelloWindow).count() + 1) +
                         " minutes; try again later");
   }
   seen_.insert(nonce);

@@ -23,8 +23,8 @@ namespace gkv::wire {
 inline constexpr std::string_view kClientHelloLabel = "gkv client hello 1";
 inline constexpr std::string_view kPeerHelloLabel = "gkv peer hello 1";
 inline constexpr size_t kHelloProofSize = 16 + 8 + 32;
-// How far a proof's clock may be from the node's; also how long a used nonce is remembered
-// (twice this, from its arrival).
+// How far a proof's clock may be from the node's; a used nonce is remembered twice this, and a
+// minute more, from its arrival.
 inline constexpr std::chrono::minutes kHelloWindow{5};
 
 // The proof of `secret` for a hello from `from` to the node `to`, made now. Empty when the
@@ -40,9 +40,10 @@ Status CheckHelloProof(std::string_view proof, std::string_view secret, std::str
 
 uint64_t UnixMillisNow();
 
-// The nonces of the proofs a node took in the last 2 x kHelloWindow: a proof whose nonce is
-// here is a replay. Bounded: past kMaxNonces remembered at once, new hellos are refused (Busy)
-// until old ones age out. Thread-safe.
+// The nonces of the proofs a node took in the last 2 x kHelloWindow + 1 min: a proof whose
+// nonce is here is a replay. In memory: a proof captured up to kHelloWindow before a node
+// restarts can be replayed to the restarted node once. Bounded: past kMaxNonces remembered at once,
+// new hellos are refused (Busy) until old ones age out. Thread-safe.
 class HelloReplayGuard {
  public:
   static constexpr size_t kMaxNonces = 1 << 20;
