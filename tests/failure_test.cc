@@ -383,7 +383,10 @@ TEST(FailureTest, ReadRepairBringsALaggingReplicaUpToDate) {
   Client& c = *client;
   const std::string k = KeyOn(c, 0);
   const PutOptions durable = Durable();
-  ASSERT_TRUE(c.Put(k, "old", 3, durable).ok());
+  {
+    auto first = c.Put(k, "old", 3, durable);
+    ASSERT_TRUE(first.ok()) << first.status().ToString();
+  }
   cluster.StopNode(1, SIGKILL);
   // Taken by the key's first node, n0, and not acknowledged: n1 did not take it.
   auto put = c.Put(k, "new", 3, durable);
@@ -407,7 +410,10 @@ TEST(FailureTest, ReadRepairBringsTheFirstNodeUpToAReplicasNewerWrite) {
   Client& c = *client;
   const std::string k = KeyOn(c, 0);
   const PutOptions durable = Durable();
-  ASSERT_TRUE(c.Put(k, "old", 3, durable).ok());
+  {
+    auto first = c.Put(k, "old", 3, durable);
+    ASSERT_TRUE(first.ok()) << first.status().ToString();
+  }
   cluster.StopNode(0, SIGKILL);
   EXPECT_FALSE(c.Put(k, "new", 3, durable).ok());  // the first node is down: not acknowledged
   cluster.StartNode(0);                            // on its disk, with "old"
