@@ -258,8 +258,15 @@ struct HttpReply {
   httplib::Error error = httplib::Error::Success;
 };
 
-HttpReply PostJson(httplib::Client& http, const std::string& path, const httplib::Headers& headers,
-                   const std::string& payload) {
+// A connection per call: calls are rare (a keepalive every few seconds), and a fresh
+// connection never inherits a half-dead socket from an etcd that restarted.
+HttpReply PostJson(const std::string& endpoint, Timeouts timeouts, const std::string& path,
+                   const httplib::Headers& headers, const std::string& payload) {
+  httplib::Client http(endpoint);
+  http.set_connection_timeout(timeouts.connect);
+  http.set_read_timeout(timeouts.read);
+  http.set_write_timeout(timeouts.read);
+  http.set_keep_alive(false);
   HttpReply out;
   httplib::Request req;
   req.method = "POST";
@@ -288,14 +295,9 @@ HttpReply PostJson(httplib::Client& http, const std::string& path, const httplib
 
 Result<std::string> Authenticate(const std::string& endpoint, const Credentials& credentials,
                                  Timeouts timeouts) {
-  httplib::Client http(endpoint);
-  http.set_connection_timeout(timeouts.connect);
-  http.set_read_timeout(timeouts.read);
-  http.set_write_timeout(timeouts.read);
-  http.set_keep_alive(false);
   const std::string payload =
       json{{"name", credentials.username}, {"password", credentials.password}}.dump();
-  const HttpReply res = PostJson(http, "/v3/auth/authenticate", {}, payload);
+  const HttpReply res = PostJson(endpoint, timeouts, "/v3/auth/authenticate", {}, payload);
   if (res.status == 0) return Status::Unavailable(TransportError(endpoint, res.error));
   if (res.status != 200) {
     Status s = StatusFromErrorBody(res.body, res.status);
@@ -344,14 +346,7 @@ Result<json> EtcdClient::Call(const std::string& path, const json& body) {
       }
       headers.emplace("Authorization", token);
     }
-    // A connection per call: calls are rare (a keepalive every few seconds), and a fresh
-    // connection never inherits a half-dead socket from an etcd that restarted.
-    httplib::Client http(endpoint);
-    http.set_connection_timeout(timeouts_.connect);
-    http.set_read_timeout(timeouts_.read);
-    http.set_write_timeout(timeouts_.read);
-    http.set_keep_alive(false);
-    const HttpReply res = PostJson(http, path, headers, payload);
+    const HttpReply res = PostJson(endpoint, timeouts_, path, headers, payload);
     if (res.status == 0) {
       last = Status::Unavailable(TransportError(endpoint, res.error));
       continue;

@@ -144,10 +144,10 @@ Status DecodeKeyRequest(std::string_view body, std::string* key);
 std::string EncodeHello(std::string_view proof);
 Status DecodeHello(std::string_view body, std::string* proof);
 // Peer hello: the calling node's id, a proof of the peer secret (empty when the cluster has
-// none; gkv/transport/hello_proof.h) and the caller's placement version (HashRing::kPlacementVersion; a hello without it, from a build
-// before placement versions, decodes as version 1; bytes after it are left for later fields).
-std::string EncodePeerHello(std::string_view node_id, std::string_view proof,
-                            uint32_t placement);
+// none; gkv/transport/hello_proof.h) and the caller's placement version
+// (HashRing::kPlacementVersion; a hello without it, from a build before placement versions, decodes
+// as version 1; bytes after it are left for later fields).
+std::string EncodePeerHello(std::string_view node_id, std::string_view proof, uint32_t placement);
 Status DecodePeerHello(std::string_view body, std::string* node_id, std::string* proof,
                        uint32_t* placement);
 
